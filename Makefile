@@ -1,0 +1,34 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+# Both create .venv here, install torch==2.13.0 exactly (an unpinned torch pulls
+# gigabytes of CUDA packages), then this package with its test extra.
+
+PY      := .venv/bin/python
+STAMP   := .venv/.nbrpc-installed
+TORCH   := torch==2.13.0
+
+.PHONY: venv demo test lint bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) tools/run_notebook.py notebooks/01_quickstart.ipynb
+
+lint: $(STAMP)
+	$(PY) -m ruff check nbrpc tests tools benchmarks
+	$(PY) -m ruff format --check nbrpc tests tools benchmarks
+
+test: $(STAMP) lint
+	$(PY) -m pytest tests --nbval-lax notebooks -v -rs
+
+bench: $(STAMP)
+	$(PY) benchmarks/run.py
+
+clean:
+	rm -rf .venv build *.egg-info test-artifacts

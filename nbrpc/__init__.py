@@ -1,0 +1,75 @@
+"""nbrpc: interactive distributed PyTorch from a Jupyter notebook.
+
+In a notebook::
+
+    %load_ext nbrpc
+    %rpc_init -n 2          # the kernel joins as worker0; engines join as worker1, worker2
+
+From a script::
+
+    import nbrpc
+    with nbrpc.init(n=2):
+        nbrpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
+
+Layers, top to bottom (a module never imports one above it): ``_magics`` → ``_cluster``
+(ipyparallel control plane) → ``_agent`` (call facade) → ``_group`` (RPC membership) →
+``_pickling`` / ``_remote`` (what travels, and how failures and output come back).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.distributed.rpc import RRef, WorkerInfo
+
+from ._agent import get_worker_info, remote, rpc_async, rpc_sync, workers
+from ._cluster import Cluster, ClusterState, WorkerRecord, current, init, shutdown
+from ._errors import (
+    AlreadyInitializedError,
+    BootError,
+    ClusterClosedError,
+    NbrpcError,
+    NotInitializedError,
+    RemoteError,
+    RpcTimeoutError,
+    SerializationError,
+    UnknownWorkerError,
+)
+from ._pickling import register_by_value
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AlreadyInitializedError",
+    "BootError",
+    "Cluster",
+    "ClusterClosedError",
+    "ClusterState",
+    "NbrpcError",
+    "NotInitializedError",
+    "RRef",
+    "RemoteError",
+    "RpcTimeoutError",
+    "SerializationError",
+    "UnknownWorkerError",
+    "WorkerInfo",
+    "WorkerRecord",
+    "__version__",
+    "current",
+    "get_worker_info",
+    "init",
+    "load_ipython_extension",
+    "register_by_value",
+    "remote",
+    "rpc_async",
+    "rpc_sync",
+    "shutdown",
+    "workers",
+]
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext nbrpc``: register the magics (the only place they are registered)."""
+    from ._magics import RpcMagics
+
+    ipython.register_magics(RpcMagics)

@@ -1,0 +1,134 @@
+"""The notebook-facing facade over ``torch.distributed.rpc`` calls.
+
+Each function is torch's own (same arguments, same return types: a ``torch.futures.Future``,
+a torch ``RRef``) with what a notebook needs in front: a clear error before init, an
+unknown worker named together with the known ones, ``timeout=None`` for "the cluster's
+default", and timeouts raised as :class:`~nbrpc.RpcTimeoutError` naming the call and the
+worker. Notebook-defined code travels because :mod:`nbrpc._pickling` is installed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed.rpc as rpc
+from torch.distributed.rpc import RRef, WorkerInfo
+from torch.distributed.rpc.constants import UNSET_RPC_TIMEOUT
+
+from . import _group, _remote
+from ._errors import NotInitializedError, RpcTimeoutError, UnknownWorkerError
+
+__all__ = ["get_worker_info", "remote", "rpc_async", "rpc_sync", "workers"]
+
+T = TypeVar("T")
+
+_session = {"active": False}  # set by the cluster layer while a cluster is up
+
+
+def set_active(active: bool) -> None:
+    _session["active"] = active
+
+
+def is_active() -> bool:
+    return _session["active"]
+
+
+def _require(what: str) -> None:
+    if not _session["active"]:
+        raise NotInitializedError(what)
+
+
+def workers() -> list[str]:
+    """Names of the live processes in the group, the kernel first."""
+    _require("nbrpc.workers()")
+    return _group.member_names()
+
+
+def _destination(to: str | WorkerInfo | int, what: str) -> str | WorkerInfo:
+    _require(what)
+    if isinstance(to, WorkerInfo):
+        return to
+    names = _group.member_names()
+    if isinstance(to, str) and to in names:
+        return to
+    raise UnknownWorkerError(to, names)
+
+
+def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
+    """torch's ``WorkerInfo`` (name and id) of a worker, or of this process."""
+    if worker_name is None:
+        _require("nbrpc.get_worker_info()")
+        return rpc.get_worker_info()
+    return rpc.get_worker_info(_destination(worker_name, "nbrpc.get_worker_info()"))
+
+
+def _timeout(timeout: float | None) -> float:
+    return UNSET_RPC_TIMEOUT if timeout is None else float(timeout)
+
+
+def _name_of(func: Any) -> str:
+    return getattr(func, "__qualname__", None) or type(func).__name__
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("timeout" in text.lower() or "timed out" in text)
+
+
+def _timeout_error(
+    exc: BaseException, func: Any, to: Any, timeout: float | None
+) -> RpcTimeoutError:
+    limit = f"{timeout:g} s" if timeout is not None else f"{rpc.get_rpc_timeout():g} s (default)"
+    dest = to.name if isinstance(to, WorkerInfo) else to
+    return RpcTimeoutError(
+        f"call of {_name_of(func)} on {dest} timed out after {limit}; it may still be running "
+        f"there. Pass timeout=SECONDS (0 waits forever) or start the cluster with a larger "
+        f"--timeout. torch said: {exc}"
+    )
+
+
+def rpc_sync(
+    to: str | WorkerInfo,
+    func: Callable[..., T],
+    args: tuple = (),
+    kwargs: dict | None = None,
+    timeout: float | None = None,
+) -> T:
+    """Run ``func(*args, **kwargs)`` on worker ``to`` and return its result.
+
+    An exception raised there is raised here with its own type (see ``nbrpc._remote``).
+    """
+    return rpc_async(to, func, args, kwargs, timeout).wait()
+
+
+def rpc_async(
+    to: str | WorkerInfo,
+    func: Callable[..., T],
+    args: tuple = (),
+    kwargs: dict | None = None,
+    timeout: float | None = None,
+) -> torch.futures.Future[T]:
+    """Start ``func(*args, **kwargs)`` on worker ``to``; return a ``torch.futures.Future``."""
+    dest = _destination(to, "rpc_async")
+    raw = rpc.rpc_async(dest, func, args=tuple(args), kwargs=kwargs, timeout=_timeout(timeout))
+    out: torch.futures.Future = torch.futures.Future()
+
+    def translate(exc: BaseException) -> BaseException:
+        return _timeout_error(exc, func, dest, timeout) if _is_timeout(exc) else exc
+
+    raw.add_done_callback(lambda done: _remote.settle(done, out, translate))
+    return out
+
+
+def remote(
+    to: str | WorkerInfo,
+    func: Callable[..., T],
+    args: tuple = (),
+    kwargs: dict | None = None,
+    timeout: float | None = None,
+) -> RRef[T]:
+    """Run ``func`` on ``to`` and keep the result there; return an ``RRef`` to it."""
+    dest = _destination(to, "remote")
+    return rpc.remote(dest, func, args=tuple(args), kwargs=kwargs, timeout=_timeout(timeout))

@@ -1,0 +1,454 @@
+"""Boot, attach to and stop the worker processes, through ipyparallel.
+
+ipyparallel is the control plane: it launches engines (here, or on other hosts with any
+of its launchers), lets the kernel run bootstrap code on them, and stops them.
+``torch.distributed.rpc`` is the data plane: once an engine has run
+:func:`nbrpc._worker.join`, every call goes through TensorPipe, never through ipyparallel.
+
+Lifecycle (``Cluster.state``)::
+
+    BOOTING ──> READY ──> SHUTTING_DOWN ──> CLOSED
+       └──(failure: what started is stopped)──> CLOSED
+
+One cluster is current at a time. After ``shutdown`` a new ``init`` in the same process
+is a supported transition (see :mod:`nbrpc._group` for how). Clusters still running at
+interpreter exit are shut down by an ``atexit`` hook.
+"""
+
+from __future__ import annotations
+
+import atexit
+import enum
+import logging
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _agent, _group, _worker
+from ._errors import AlreadyInitializedError, BootError, ClusterClosedError, NotInitializedError
+from ._progress import BootProgress, in_notebook
+
+__all__ = ["Cluster", "ClusterState", "WorkerRecord", "current", "init", "shutdown"]
+
+log = logging.getLogger("nbrpc")
+
+DEFAULT_RPC_TIMEOUT_S = 60.0
+DEFAULT_THREADS = 16
+ENGINE_START_TIMEOUT_S = 90.0
+JOIN_TIMEOUT_S = 90.0
+LEAVE_TIMEOUT_S = 30.0
+
+
+class ClusterState(enum.Enum):
+    BOOTING = "booting"
+    READY = "ready"
+    SHUTTING_DOWN = "shutting down"
+    CLOSED = "closed"
+
+
+@dataclass
+class WorkerRecord:
+    """One process of the group, as the notebook shows it."""
+
+    name: str
+    rank: int
+    pid: int
+    host: str
+    role: str  # "kernel" or "engine N"
+    devices: list[str] = field(default_factory=list)
+    engine_id: int | None = None
+    state: str = "ready"
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+_live: weakref.WeakSet[Cluster] = weakref.WeakSet()
+_current: list[Cluster] = []
+
+
+def _validate_names(names: list[str], self_name: str) -> None:
+    for name in [self_name, *names]:
+        if not name or len(name) >= 128 or not all(c.isalnum() or c in "_-" for c in name):
+            raise ValueError(
+                f"bad worker name {name!r}: use letters, digits, '_' or '-' "
+                "(at most 127 characters), e.g. --names ps,trainer1"
+            )
+    if len(set(names)) != len(names) or self_name in names:
+        raise ValueError(
+            f"worker names must be unique and differ from the kernel's ({self_name!r}); "
+            f"got {[self_name, *names]}"
+        )
+
+
+class Cluster:
+    """A running group: the kernel plus its workers. Use :func:`nbrpc.init` to make one."""
+
+    def __init__(
+        self,
+        n: int | None = 2,
+        *,
+        names: list[str] | None = None,
+        self_name: str = "worker0",
+        num_worker_threads: int | None = None,
+        rpc_timeout: float | None = None,
+        init_method: str | None = None,
+        profile: str | None = None,
+        cluster_id: str | None = None,
+        progress: str | bool = "auto",
+    ) -> None:
+        if names:
+            names = [s.strip() for s in names]
+            if n is not None and n != len(names):
+                raise ValueError(f"-n {n} does not match {len(names)} names: {names}")
+            n = len(names)
+        self.attached = profile is not None or cluster_id is not None
+        if n is None and not self.attached:
+            n = 2
+        if n is not None and n < 1:
+            raise ValueError(f"-n must be at least 1, got {n}")
+        self.n = n
+        self.names = names
+        self.self_name = self_name
+        self.num_worker_threads = int(num_worker_threads or DEFAULT_THREADS)
+        self.rpc_timeout = float(DEFAULT_RPC_TIMEOUT_S if rpc_timeout is None else rpc_timeout)
+        self.init_method = init_method
+        self.profile = profile
+        self.cluster_id = cluster_id
+        if progress == "auto":
+            progress = "widget" if in_notebook() else "off"
+        self.progress_mode = {True: "text", False: "off"}.get(progress, progress)  # type: ignore[arg-type]
+        _validate_names(names or [], self_name)
+        self.state = ClusterState.CLOSED
+        self.records: list[WorkerRecord] = []
+        self.boot_seconds: float | None = None
+        self._ipp_cluster: Any = None
+        self._client: Any = None
+        self._engine_of: dict[str, int] = {}
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> Cluster:
+        if self.state is not ClusterState.CLOSED or self.records:
+            raise ClusterClosedError("a Cluster handle starts once; call nbrpc.init() again")
+        self.state = ClusterState.BOOTING
+        t0 = time.monotonic()
+        try:
+            self._boot()
+        except BaseException:
+            self._abandon()
+            raise
+        self.boot_seconds = time.monotonic() - t0
+        self.state = ClusterState.READY
+        _agent.set_active(True)
+        _live.add(self)
+        return self
+
+    def _boot(self) -> None:
+        _route_torch_shutdown()
+        member = _group.kernel_membership(
+            self.self_name,
+            init_method=self.init_method,
+            rpc_timeout=self.rpc_timeout,
+            num_worker_threads=self.num_worker_threads,
+        )
+        placeholder = self.names or [f"worker{i}" for i in range(1, (self.n or 0) + 1)]
+        progress = BootProgress(placeholder, self.progress_mode if self.n else "off")
+        client = self._connect()
+        engine_ids = self._wait_for_engines(client, progress, placeholder)
+        names = self.names or [f"worker{i}" for i in range(1, len(engine_ids) + 1)]
+        _validate_names(names, self.self_name)
+        ranks = member.allocate_ranks(len(engine_ids))
+        pending = {}
+        for name, rank, eid in zip(names, ranks, engine_ids, strict=True):
+            progress.update(name, 2)
+            pending[name] = client[eid].apply_async(
+                _worker.join,
+                name,
+                rank,
+                member.spec.to_dict(),
+                member.name,
+                self.rpc_timeout,
+                self.num_worker_threads,
+            )
+            self._engine_of[name] = eid
+        infos = self._wait_for_joins(pending, progress)
+        kernel = _worker.describe_process()
+        self.records = [
+            WorkerRecord(member.name, 0, kernel["pid"], kernel["host"], "kernel", kernel["devices"])
+        ]
+        for name in names:
+            info = infos[name]
+            self.records.append(
+                WorkerRecord(
+                    name,
+                    info["rank"],
+                    info["pid"],
+                    info["host"],
+                    f"engine {self._engine_of[name]}",
+                    info["devices"],
+                    self._engine_of[name],
+                )
+            )
+
+    def _connect(self) -> Any:
+        import ipyparallel as ipp
+
+        if self.attached:
+            try:
+                self._client = ipp.Client(profile=self.profile, cluster_id=self.cluster_id or "")
+            except Exception as exc:
+                raise BootError(
+                    f"could not attach to the ipyparallel cluster (profile={self.profile!r}, "
+                    f"cluster_id={self.cluster_id!r}): {exc}. Is it running? "
+                    "Start it with `ipcluster start -n N --profile NAME`."
+                ) from exc
+            return self._client
+        self._ipp_cluster = ipp.Cluster(
+            n=self.n,
+            controller_ip="127.0.0.1",  # a local cluster listens on loopback only
+            log_level=logging.WARNING,
+            shutdown_atexit=True,
+        )
+        self._ipp_cluster.start_controller_sync()
+        self._ipp_cluster.start_engines_sync(self.n)
+        self._client = self._ipp_cluster.connect_client_sync()
+        return self._client
+
+    def _wait_for_engines(self, client: Any, progress: BootProgress, names: list[str]) -> list[int]:
+        want = self.n
+        deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
+        while True:
+            ids = sorted(client.ids)
+            for name, _eid in zip(names, ids, strict=False):
+                progress.update(name, 1)
+            if want is None and ids:
+                return ids
+            if want is not None and len(ids) >= want:
+                return ids[:want]
+            if time.monotonic() > deadline:
+                raise BootError(
+                    f"only {len(ids)} of {want} ipyparallel engines registered within "
+                    f"{ENGINE_START_TIMEOUT_S:.0f} s. "
+                    + (
+                        "Start more engines in the attached cluster, or ask for fewer with -n."
+                        if self.attached
+                        else "Look at the engine logs under ~/.ipython/profile_default/log/."
+                    )
+                )
+            time.sleep(0.05)
+
+    def _wait_for_joins(self, pending: dict[str, Any], progress: BootProgress) -> dict[str, dict]:
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        infos: dict[str, dict] = {}
+        while len(infos) < len(pending):
+            for name, ar in pending.items():
+                if name in infos or not ar.ready():
+                    continue
+                try:
+                    infos[name] = ar.get()
+                except Exception as exc:
+                    progress.fail(name, type(exc).__name__)
+                    raise BootError(
+                        f"{name} could not join the RPC group: {_remote_message(exc)}"
+                    ) from None
+                progress.update(name, 3, f"pid {infos[name]['pid']}")
+            if time.monotonic() > deadline:
+                missing = [n for n in pending if n not in infos]
+                raise BootError(
+                    f"{', '.join(missing)} did not join the RPC group within {JOIN_TIMEOUT_S:.0f} s"
+                )
+            time.sleep(0.02)
+        return infos
+
+    def _abandon(self) -> None:
+        """After a failed boot: stop what was started, leave the kernel usable."""
+        self.state = ClusterState.SHUTTING_DOWN
+        try:
+            self._leave_workers(graceful=False)
+        finally:
+            self._stop_engines()
+            self.state = ClusterState.CLOSED
+            _agent.set_active(False)
+
+    def _leave_workers(self, graceful: bool, timeout: float = LEAVE_TIMEOUT_S) -> None:
+        if self._client is None or not self._engine_of:
+            return
+        pending = []
+        for eid in self._engine_of.values():
+            try:
+                pending.append(self._client[eid].apply_async(_worker.leave))
+            except Exception as exc:
+                log.warning("could not ask engine %s to leave: %s", eid, exc)
+        deadline = time.monotonic() + timeout
+        for ar in pending:
+            try:
+                ar.get(timeout=max(0.1, deadline - time.monotonic()))
+            except Exception as exc:
+                if graceful:
+                    log.warning("a worker did not leave the RPC group cleanly: %s", exc)
+
+    def _stop_engines(self) -> None:
+        if self._client is not None:
+            try:
+                self._client.close()
+            except Exception as exc:
+                log.warning("closing the ipyparallel client: %s", exc)
+            self._client = None
+        if self._ipp_cluster is not None:
+            try:
+                self._ipp_cluster.stop_cluster_sync()
+            except Exception as exc:
+                log.warning("stopping ipyparallel engines: %s", exc)
+            self._ipp_cluster = None
+
+    def shutdown(self, graceful: bool = True, timeout: float = LEAVE_TIMEOUT_S) -> None:
+        """Workers leave the group; engines this cluster started are stopped.
+
+        Engines of an attached ipyparallel cluster keep running. The kernel stays in the
+        group, alone, so that a later ``init`` can bring new workers (see ``_group``).
+        """
+        if self.state is ClusterState.CLOSED:
+            return
+        self.state = ClusterState.SHUTTING_DOWN
+        try:
+            self._leave_workers(graceful, timeout)
+        finally:
+            self._stop_engines()
+            for record in self.records[1:]:
+                record.state = "stopped"
+            self.state = ClusterState.CLOSED
+            if _current and _current[0] is self:
+                _current.clear()
+            _agent.set_active(False)
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        shutdown()
+
+    # -- views -----------------------------------------------------------------------
+
+    @property
+    def workers(self) -> list[WorkerRecord]:
+        return list(self.records)
+
+    def summary(self) -> str:
+        lines = [
+            f"nbrpc: {len(self.records)} processes in the RPC group, {self.state.value}"
+            + (f" (booted in {self.boot_seconds:.1f} s)" if self.boot_seconds else "")
+        ]
+        lines.append(f"  {'name':<12}{'rank':>5}  {'pid':>8}  {'host':<20}role")
+        for r in self.records:
+            lines.append(f"  {r.name:<12}{r.rank:>5}  {r.pid:>8}  {r.host:<20}{r.role}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.summary()
+
+    def _repr_html_(self) -> str:
+        rows = "".join(
+            f"<tr><td><code>{r.name}</code></td><td>{r.rank}</td><td>{r.pid}</td>"
+            f"<td>{r.host}</td><td>{r.role}</td><td>{r.state}</td></tr>"
+            for r in self.records
+        )
+        return (
+            f"<b>nbrpc</b>: {len(self.records)} processes, {self.state.value}"
+            "<table><tr><th>name</th><th>rank</th><th>pid</th><th>host</th><th>role</th>"
+            f"<th>state</th></tr>{rows}</table>"
+        )
+
+
+def _remote_message(exc: BaseException) -> str:
+    ename = getattr(exc, "ename", None)
+    return f"{ename}: {getattr(exc, 'evalue', '')}" if ename else f"{type(exc).__name__}: {exc}"
+
+
+def init(
+    n: int | None = 2,
+    *,
+    names: list[str] | None = None,
+    self_name: str = "worker0",
+    num_worker_threads: int | None = None,
+    rpc_timeout: float | None = None,
+    init_method: str | None = None,
+    profile: str | None = None,
+    cluster_id: str | None = None,
+    progress: str | bool = "auto",
+) -> Cluster:
+    """Start ``n`` workers (or attach to a running ipyparallel cluster) and join them.
+
+    The calling process joins as ``self_name`` (rank 0); workers are named ``worker1`` ...
+    ``workerN`` unless ``names`` is given. ``profile`` / ``cluster_id`` attach to an
+    ipyparallel cluster that already runs (engines on other hosts included) instead of
+    starting engines here; ``n`` then picks how many of its engines join (default: all).
+    """
+    if _current:
+        running = ", ".join(r.name for r in _current[0].records)
+        raise AlreadyInitializedError(
+            f"an nbrpc cluster is already running ({running}). Run %rpc_shutdown "
+            "(or nbrpc.shutdown()) first, then start a new one."
+        )
+    if (profile is not None or cluster_id is not None) and n == 2 and names is None:
+        n = None  # attach: all engines unless asked otherwise
+    cluster = Cluster(
+        n,
+        names=names,
+        self_name=self_name,
+        num_worker_threads=num_worker_threads,
+        rpc_timeout=rpc_timeout,
+        init_method=init_method,
+        profile=profile,
+        cluster_id=cluster_id,
+        progress=progress,
+    )
+    _current.append(cluster)
+    try:
+        cluster.start()
+    except BaseException:
+        _current.clear()
+        raise
+    return cluster
+
+
+def current() -> Cluster:
+    """The running cluster; raises :class:`NotInitializedError` when there is none."""
+    if not _current:
+        raise NotInitializedError("nbrpc.current()")
+    return _current[0]
+
+
+def shutdown(graceful: bool = True, timeout: float = LEAVE_TIMEOUT_S) -> None:
+    """Shut the current cluster down (no-op when none runs)."""
+    if _current:
+        _current[0].shutdown(graceful=graceful, timeout=timeout)
+
+
+@atexit.register
+def _at_exit() -> None:
+    for cluster in list(_live):
+        try:
+            cluster.shutdown(graceful=False, timeout=5)
+        except Exception as exc:
+            log.warning("at exit: %s", exc)
+    member = _group.current_kernel_membership()
+    if member is not None:
+        member.close()
+
+
+def _torch_shutdown(graceful: bool = True, timeout: float = 0) -> None:
+    """Stands in for ``torch.distributed.rpc.shutdown`` in the kernel while nbrpc runs.
+
+    Published tutorials end with ``rpc.shutdown()``. In a notebook that must stop the
+    workers but keep the kernel's agent, or the next ``%rpc_init`` could not work.
+    """
+    shutdown(graceful=graceful, timeout=timeout or LEAVE_TIMEOUT_S)
+
+
+def _route_torch_shutdown() -> None:
+    import torch.distributed.rpc as rpc
+
+    if rpc.shutdown is not _torch_shutdown:
+        rpc.shutdown = _torch_shutdown

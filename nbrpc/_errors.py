@@ -1,0 +1,100 @@
+"""Every error nbrpc raises on its own account.
+
+One base class, so ``except nbrpc.NbrpcError`` catches them all; each also derives from
+the builtin a caller would naturally catch (``ValueError`` for bad names, ``TimeoutError``
+for deadlines, ``RuntimeError`` for lifecycle mistakes)::
+
+    NbrpcError
+    ├── NotInitializedError      (RuntimeError)   a call before %rpc_init / nbrpc.init
+    ├── AlreadyInitializedError  (RuntimeError)   %rpc_init twice without %rpc_shutdown
+    ├── ClusterClosedError       (RuntimeError)   a handle used after its cluster shut down
+    ├── BootError                (RuntimeError)   workers did not start or join in time
+    ├── UnknownWorkerError       (ValueError)     a worker name that is not in the group
+    ├── RpcTimeoutError          (TimeoutError)   a call outlived its timeout
+    ├── SerializationError       (TypeError)      an argument or result cannot be pickled
+    └── RemoteError                               a worker raised, and the original type
+                                                  could not be rebuilt here
+
+A worker's exception whose type *can* be rebuilt is re-raised as that type (a
+``ZeroDivisionError`` stays a ``ZeroDivisionError``); it carries ``worker`` and
+``remote_traceback`` attributes and a note with the remote traceback. Messages say what
+happened and what to do next.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AlreadyInitializedError",
+    "BootError",
+    "ClusterClosedError",
+    "NbrpcError",
+    "NotInitializedError",
+    "RemoteError",
+    "RpcTimeoutError",
+    "SerializationError",
+    "UnknownWorkerError",
+]
+
+
+class NbrpcError(Exception):
+    """Base class of every error nbrpc raises itself."""
+
+
+class NotInitializedError(NbrpcError, RuntimeError):
+    def __init__(self, what: str = "this call") -> None:
+        super().__init__(
+            f"nbrpc is not initialized, so {what} has no workers to reach. "
+            "Run `%rpc_init -n 2` in the notebook (or `nbrpc.init(n=2)` in a script) first."
+        )
+
+
+class AlreadyInitializedError(NbrpcError, RuntimeError):
+    pass
+
+
+class ClusterClosedError(NbrpcError, RuntimeError):
+    pass
+
+
+class BootError(NbrpcError, RuntimeError):
+    pass
+
+
+class UnknownWorkerError(NbrpcError, ValueError):
+    def __init__(self, name: object, known: list[str]) -> None:
+        self.name = name
+        self.known = list(known)
+        super().__init__(
+            f"No worker named {name!r} in this RPC group. "
+            f"Known workers: {', '.join(known) or '(none)'}. "
+            "Check the spelling, or list them with nbrpc.workers()."
+        )
+
+
+class RpcTimeoutError(NbrpcError, TimeoutError):
+    pass
+
+
+class SerializationError(NbrpcError, TypeError):
+    pass
+
+
+class RemoteError(NbrpcError):
+    """A worker raised an exception whose type could not be rebuilt in this process.
+
+    ``ename`` is the remote type's qualified name, ``evalue`` its message, ``worker`` the
+    worker's name and ``remote_traceback`` the formatted remote traceback.
+    """
+
+    def __init__(self, ename: str, evalue: str, worker: str, remote_traceback: str) -> None:
+        self.ename = ename
+        self.evalue = evalue
+        self.worker = worker
+        self.remote_traceback = remote_traceback
+        super().__init__(f"{ename}: {evalue} (raised on {worker})")
+
+    def __reduce__(self):
+        return (
+            type(self),
+            (self.ename, self.evalue, self.worker, self.remote_traceback),
+        )

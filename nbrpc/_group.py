@@ -1,0 +1,248 @@
+"""Membership of one process in nbrpc's torch RPC group.
+
+Why a *dynamic* group (``init_rpc(world_size=None)``): notebook users shut a cluster down
+and start another in the same kernel, and torch cannot run ``init_rpc`` twice in one
+process. Measured on torch 2.13: after a first ``shutdown`` the C++ ``RRefContext``
+singleton stays marked destroyed and bound to the first agent, so RRef deletions from the
+second agent are silently dropped and the next graceful shutdown waits on owners forever.
+
+So the kernel joins once, as rank 0, and its agent lives as long as the kernel. Each
+``%rpc_init`` brings fresh worker processes that join the group with fresh ranks (names
+such as ``worker1`` are reused; a rank never is, because an agent caches its pipes by
+rank) and each ``%rpc_shutdown`` makes them leave. torch handles joins and leaves,
+RRef reference counting and distributed autograd as usual.
+
+The store that torch uses for membership is created here and handed to ``init_rpc``
+through a rendezvous handler for the ``nbrpc://`` scheme: a ``FileStore`` in a private
+directory for a cluster on this host (no socket at all), or a ``TCPStore`` for groups
+that span hosts, which the user asks for explicitly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import tempfile
+import threading
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from urllib.parse import urlparse
+
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+import torch.distributed.rpc.api as rpc_api
+
+from . import _pickling
+
+__all__ = ["KernelMembership", "StoreSpec", "join", "leave"]
+
+SCHEME = "nbrpc"
+_handed_store: list[dist.Store] = []  # the store torch receives from the next rendezvous
+_handed_lock = threading.Lock()
+
+
+def _rendezvous(url: str, **kwargs) -> Iterator[tuple[dist.Store, int, int]]:
+    yield (_handed_store.pop(), 0, 0)
+
+
+with contextlib.suppress(RuntimeError):  # already registered by an earlier import
+    dist.register_rendezvous_handler(SCHEME, _rendezvous)
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """Where the group's membership store lives; plain data so it ships to workers."""
+
+    kind: str  # "file" or "tcp"
+    path: str = ""
+    host: str = ""
+    port: int = 0
+
+    def open(self, *, is_master: bool, timeout_s: float) -> dist.Store:
+        if self.kind == "file":
+            return dist.FileStore(self.path, -1)
+        return dist.TCPStore(
+            self.host,
+            self.port,
+            is_master=is_master,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+
+    @property
+    def loopback_only(self) -> bool:
+        return self.kind == "file" or self.host in ("127.0.0.1", "localhost", "::1")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@contextlib.contextmanager
+def _tensorpipe_on_loopback(enabled: bool) -> Iterator[None]:
+    """Make TensorPipe's socket transport listen on the loopback interface only.
+
+    TensorPipe reads ``TP_SOCKET_IFNAME`` when the agent is created; the variable is set
+    for that moment only, so the kernel's environment is left as it was.
+    """
+    if not enabled:
+        yield
+        return
+    old = os.environ.get("TP_SOCKET_IFNAME")
+    os.environ["TP_SOCKET_IFNAME"] = _loopback_ifname()
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TP_SOCKET_IFNAME", None)
+        else:
+            os.environ["TP_SOCKET_IFNAME"] = old
+
+
+def _loopback_ifname() -> str:
+    for _, name in socket.if_nameindex():
+        if name == "lo" or name.startswith("lo"):
+            return name
+    return "lo"
+
+
+_joined = {"name": None}  # this process's name in the group; torch allows one join
+
+
+def joined_as() -> str | None:
+    return _joined["name"]
+
+
+def join(
+    name: str,
+    rank: int,
+    spec: StoreSpec,
+    *,
+    rpc_timeout: float,
+    num_worker_threads: int,
+    device_maps: dict | None = None,
+    devices: list | None = None,
+) -> None:
+    """``init_rpc`` this process into the group described by ``spec``."""
+    if _joined["name"] is not None:
+        raise RuntimeError(
+            f"this process already joined an RPC group as {_joined['name']!r}; torch RPC "
+            "cannot join twice from one process. Restart it (for attached ipyparallel "
+            "engines: restart the engines) and attach again."
+        )
+    _pickling.install()
+    options = rpc.TensorPipeRpcBackendOptions(
+        init_method=f"{SCHEME}://group",
+        rpc_timeout=rpc_timeout,
+        num_worker_threads=num_worker_threads,
+        device_maps=device_maps or {},
+        devices=devices or None,
+    )
+    with _handed_lock:
+        _handed_store.append(spec.open(is_master=(rank == 0), timeout_s=rpc_timeout))
+        with _tensorpipe_on_loopback(spec.loopback_only):
+            rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=options)
+    _joined["name"] = name
+
+
+def leave(timeout: float = 0) -> None:
+    """Leave the group gracefully (torch's own dynamic-group shutdown)."""
+    rpc_api.shutdown(graceful=True, timeout=timeout)
+
+
+def member_names() -> list[str]:
+    """Names of every process now in the group, this one included (rank order)."""
+    infos = rpc_api._get_current_rpc_agent().get_worker_infos()
+    return [w.name for w in sorted(infos, key=lambda w: w.id)]
+
+
+class KernelMembership:
+    """The kernel's one membership, kept for the kernel's lifetime (see module doc)."""
+
+    def __init__(self, name: str, spec: StoreSpec, owned_dir: str | None) -> None:
+        self.name = name
+        self.spec = spec
+        self._owned_dir = owned_dir
+        self._next_rank = 1
+        self._lock = threading.Lock()
+
+    def allocate_ranks(self, n: int) -> list[int]:
+        with self._lock:
+            ranks = list(range(self._next_rank, self._next_rank + n))
+            self._next_rank += n
+            return ranks
+
+    def close(self) -> None:
+        """At interpreter exit: leave (alone by then, so at once) and remove the store."""
+        with contextlib.suppress(Exception):
+            if rpc_api._is_current_rpc_agent_set():
+                rpc_api.shutdown(graceful=True)
+        if self._owned_dir:
+            shutil.rmtree(self._owned_dir, ignore_errors=True)
+
+
+_kernel: list[KernelMembership] = []
+
+
+def kernel_membership(
+    name: str,
+    *,
+    init_method: str | None,
+    rpc_timeout: float,
+    num_worker_threads: int,
+) -> KernelMembership:
+    """Join the kernel to the group on first use; later calls return the same membership.
+
+    What cannot change after the first join (torch fixes it for the process) is checked,
+    and a change is refused with a message that says so.
+    """
+    if _kernel:
+        member = _kernel[0]
+        if name != member.name:
+            raise ValueError(
+                f"this kernel joined torch RPC as {member.name!r}; torch cannot rename a "
+                f"process in a group, so --self {name} needs a kernel restart. "
+                f"Leave --self out (or use --self {member.name})."
+            )
+        if init_method and _spec_from_init_method(init_method) != member.spec:
+            raise ValueError(
+                f"this kernel's RPC group already uses {describe(member.spec)}; torch "
+                "fixes the rendezvous for the process's lifetime, so a different "
+                "--init-method needs a kernel restart."
+            )
+        rpc._set_rpc_timeout(rpc_timeout)
+        return member
+    owned_dir = None
+    if init_method:
+        spec = _spec_from_init_method(init_method)
+    else:
+        owned_dir = tempfile.mkdtemp(prefix="nbrpc-")  # mode 0700: this user only
+        spec = StoreSpec(kind="file", path=os.path.join(owned_dir, "store"))
+    join(name, 0, spec, rpc_timeout=rpc_timeout, num_worker_threads=num_worker_threads)
+    member = KernelMembership(name, spec, owned_dir)
+    _kernel.append(member)
+    return member
+
+
+def current_kernel_membership() -> KernelMembership | None:
+    return _kernel[0] if _kernel else None
+
+
+def _spec_from_init_method(init_method: str) -> StoreSpec:
+    url = urlparse(init_method)
+    if url.scheme == "tcp" and url.hostname and url.port is not None:
+        return StoreSpec(kind="tcp", host=url.hostname, port=url.port)
+    if url.scheme == "file" and url.path:
+        return StoreSpec(kind="file", path=url.path)
+    raise ValueError(
+        f"unsupported --init-method {init_method!r}: use tcp://HOST:PORT (workers on other "
+        "hosts connect there) or file:///shared/path (a file every worker can open)."
+    )
+
+
+def describe(spec: StoreSpec) -> str:
+    if spec.kind == "file":
+        return f"a file store ({spec.path})"
+    return f"a TCP store at {spec.host}:{spec.port}"

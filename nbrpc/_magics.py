@@ -1,0 +1,74 @@
+"""``%rpc_init``, ``%rpc_shutdown``, ``%rpc_status``: parse arguments, call the public API.
+
+Registered only by ``%load_ext nbrpc`` (``load_ipython_extension``), never on import.
+Bad input raises ``UsageError`` so the cell fails (and nbval notices).
+"""
+
+from __future__ import annotations
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from . import _cluster
+from ._errors import NbrpcError
+
+__all__ = ["RpcMagics"]
+
+
+@magics_class
+class RpcMagics(Magics):
+    @magic_arguments()
+    @argument("-n", type=int, default=None, help="number of workers to start (default 2)")
+    @argument("--names", default=None, help="comma-separated worker names, e.g. ps,trainer1")
+    @argument("--self", dest="self_name", default="worker0", help="the kernel's name")
+    @argument("--threads", type=int, default=None, help="RPC threads per process (default 16)")
+    @argument("--timeout", type=float, default=None, help="default RPC timeout, seconds (60)")
+    @argument("--init-method", default=None, help="tcp://HOST:PORT for groups across hosts")
+    @argument("--profile", default=None, help="attach to the ipyparallel cluster of this profile")
+    @argument("--cluster-id", default=None, help="attach to the ipyparallel cluster with this id")
+    @argument("--quiet", action="store_true", help="no progress display and no summary")
+    @line_magic
+    def rpc_init(self, line: str) -> None:
+        """Start workers (or attach to an ipyparallel cluster) and join them with the kernel."""
+        args = parse_argstring(self.rpc_init, line)
+        names = [s for s in args.names.split(",") if s.strip()] if args.names else None
+        n = args.n
+        if n is None and names is None and args.profile is None and args.cluster_id is None:
+            n = 2
+        try:
+            cluster = _cluster.init(
+                n,
+                names=names,
+                self_name=args.self_name,
+                num_worker_threads=args.threads,
+                rpc_timeout=args.timeout,
+                init_method=args.init_method,
+                profile=args.profile,
+                cluster_id=args.cluster_id,
+                progress="off" if args.quiet else "auto",
+            )
+        except (NbrpcError, ValueError) as exc:
+            raise UsageError(str(exc)) from None
+        if not args.quiet:
+            print(cluster.summary())
+
+    @line_magic
+    def rpc_shutdown(self, line: str) -> None:
+        """Workers leave gracefully; engines started by %rpc_init stop."""
+        if line.strip():
+            raise UsageError("%rpc_shutdown takes no arguments")
+        if not _cluster._current:
+            print("nbrpc: no cluster is running")
+            return
+        cluster = _cluster.current()
+        cluster.shutdown()
+        print(f"nbrpc: shut down ({', '.join(r.name for r in cluster.records[1:])} left)")
+
+    @line_magic
+    def rpc_status(self, line: str) -> None:
+        """Print the cluster's state: every process, its rank, pid and host."""
+        if not _cluster._current:
+            print("nbrpc: no cluster is running; start one with %rpc_init -n 2")
+            return
+        print(_cluster.current().summary())

@@ -1,0 +1,153 @@
+"""How notebook code travels: cloudpickle inside torch's RPC pickler.
+
+torch's RPC pickler (``torch.distributed.rpc.internal._InternalRPCPickler``) pickles by
+reference, so a function, lambda or class defined in a notebook's ``__main__`` fails on
+the worker. It also moves tensors out-of-band: its dispatch table swaps each tensor for an
+index into a tensor table that TensorPipe sends beside the pickle, not inside it.
+
+nbrpc keeps torch's pickler and only changes the ``Pickler`` class it instantiates, to a
+cloudpickle Pickler that still honours torch's dispatch table. Functions and classes from
+``__main__`` then travel by value while tensors (and RRefs) keep their torch reducers, so
+they stay out-of-band. The same hook makes plain ``torch.distributed.rpc`` calls work with
+notebook code once nbrpc is initialized.
+
+This module is the one place where nbrpc reaches torch through private names. They are
+listed in ``TORCH_PRIVATE_HOOKS`` and pinned by ``tests/test_pickling.py``, which fails
+loudly the day a torch release renames them.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections import ChainMap
+from types import MethodType, ModuleType
+from typing import Any
+
+import cloudpickle
+import torch.distributed.rpc.api as _rpc_api
+import torch.distributed.rpc.internal as _rpc_internal
+
+from . import _remote
+from ._errors import SerializationError
+
+__all__ = ["RpcPickler", "install", "register_by_value", "serialize"]
+
+#: The private attributes of ``torch.distributed.rpc.internal`` nbrpc replaces. torch's C++
+#: side (``PythonRpcHandler``) looks up ``_run_function`` and ``_handle_exception`` when the
+#: first RPC agent starts, so :func:`install` must run before ``init_rpc``.
+TORCH_PRIVATE_HOOKS = ("_pickler", "_run_function", "_handle_exception", "RemoteException")
+
+_C_DISPATCH_TABLE = pickle.Pickler.dispatch_table  # the C field behind ``dispatch_table``
+_CLOUDPICKLE_TABLE = cloudpickle.Pickler.dispatch_table
+
+
+def _reduce_method(method: MethodType) -> Any:
+    """A bound method that its owner returns by name travels as ``getattr(owner, name)``.
+
+    That is plain pickle's way. cloudpickle would ship the function by value instead, and
+    for torch's own reducers (classmethods of ``_InternalRPCPickler``) that drags in the
+    module's thread-local tensor tables, which cannot be pickled.
+    """
+    name = method.__func__.__name__
+    if getattr(method.__self__, name, None) == method:
+        return getattr, (method.__self__, name)
+    return _CLOUDPICKLE_TABLE[MethodType](method)
+
+
+_BASE_TABLE = ChainMap({MethodType: _reduce_method}, _CLOUDPICKLE_TABLE)
+
+
+class RpcPickler(cloudpickle.Pickler):
+    """cloudpickle's Pickler, made to respect a ``dispatch_table`` assigned after creation.
+
+    torch assigns ``p.dispatch_table = {...}`` on each pickler it makes. On a cloudpickle
+    Pickler that assignment would land in the instance ``__dict__`` (cloudpickle defines a
+    class-level table that shadows the C field), torch's tensor reducer would be ignored,
+    and tensors would be copied into the pickle. The property writes the C field instead,
+    with cloudpickle's own reducers (code objects, cells, ...) chained underneath.
+    """
+
+    def __init__(self, file: Any, protocol: int | None = None) -> None:
+        super().__init__(file, protocol=protocol)
+        self.dispatch_table = {}
+
+    def dump(self, obj: Any) -> None:
+        try:
+            super().dump(obj)
+        except SerializationError:
+            raise
+        except Exception as exc:
+            raise SerializationError(
+                f"cannot send {_describe(obj)} over RPC: {type(exc).__name__}: {exc}. "
+                "Objects holding locks, open files, sockets or generators cannot travel; "
+                "create them on the worker instead (inside the function, or keep them "
+                "there with nbrpc.remote)."
+            ) from exc
+
+    @property
+    def dispatch_table(self) -> ChainMap:  # type: ignore[override]
+        try:
+            return _C_DISPATCH_TABLE.__get__(self)
+        except AttributeError:
+            return ChainMap({}, _BASE_TABLE)
+
+    @dispatch_table.setter
+    def dispatch_table(self, table: dict) -> None:
+        if not (isinstance(table, ChainMap) and table.maps[-1] is _BASE_TABLE):
+            table = ChainMap(table, _BASE_TABLE)
+        _C_DISPATCH_TABLE.__set__(self, table)
+
+
+_original: dict[str, Any] = {}
+
+
+def install() -> None:
+    """Route torch RPC's pickling and remote-call wrapper through nbrpc (idempotent).
+
+    Runs in the kernel and in every worker before ``init_rpc``.
+    """
+    if _original:
+        return
+    for name in TORCH_PRIVATE_HOOKS:
+        if not hasattr(_rpc_internal, name):
+            raise ImportError(
+                f"torch.distributed.rpc.internal.{name} is gone in torch {_torch_version()}: "
+                "nbrpc needs a release that supports this torch version."
+            )
+        _original[name] = getattr(_rpc_internal, name)
+    _rpc_internal._pickler = RpcPickler
+    _rpc_internal._run_function = _remote.run_function
+    _rpc_internal._handle_exception = _remote.handle_exception
+
+
+def installed() -> bool:
+    return _rpc_internal._pickler is RpcPickler
+
+
+def serialize(obj: Any) -> tuple[bytes, list]:
+    """Pickle ``obj`` exactly as an RPC would: returns ``(pickle_bytes, tensor_table)``.
+
+    Tensors appear in the table, not in the bytes: the table travels beside the pickle.
+    """
+    return _rpc_api._default_pickler.serialize(obj)
+
+
+def register_by_value(module: ModuleType) -> None:
+    """Ship a local helper module's code by value, for workers that cannot import it.
+
+    Thin wrapper over ``cloudpickle.register_pickle_by_value``; call it in the kernel.
+    """
+    cloudpickle.register_pickle_by_value(module)
+
+
+def _describe(obj: Any) -> str:
+    func = getattr(obj, "func", None)  # torch's PythonUDF: the call being sent
+    if func is not None and hasattr(obj, "args"):
+        return f"a call of {getattr(func, '__qualname__', type(func).__name__)}"
+    return f"a {type(obj).__name__}"
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__

@@ -1,0 +1,75 @@
+"""Per-worker progress while a cluster boots.
+
+In a notebook: one row per worker (name, a progress bar, the current step), drawn with
+ipywidgets and updated in place. Elsewhere (scripts, plain IPython): one line per step on
+stderr when asked for, silent otherwise.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+__all__ = ["BootProgress", "in_notebook"]
+
+STEPS = ("waiting", "engine started", "joining RPC", "ready")
+
+
+def in_notebook() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+class BootProgress:
+    """Shows each worker's boot step; ``mode`` is "widget", "text" or "off"."""
+
+    def __init__(self, names: list[str], mode: str) -> None:
+        self.names = list(names)
+        self.mode = mode
+        self.started = time.monotonic()
+        self.steps = dict.fromkeys(self.names, 0)
+        self.details = dict.fromkeys(self.names, "")
+        self._rows: dict = {}
+        if mode == "widget":
+            self._build_widgets()
+
+    def _build_widgets(self) -> None:
+        import ipywidgets as w
+        from IPython.display import display
+
+        rows = []
+        for name in self.names:
+            bar = w.IntProgress(value=0, min=0, max=len(STEPS) - 1, layout={"width": "12em"})
+            label = w.HTML(value=STEPS[0])
+            rows.append(
+                w.HBox([w.HTML(value=f"<code>{name}</code>", layout={"width": "8em"}), bar, label])
+            )
+            self._rows[name] = (bar, label)
+        self._box = w.VBox(rows)
+        display(self._box)
+
+    def update(self, name: str, step: int, detail: str = "") -> None:
+        if self.steps.get(name) == step and self.details.get(name) == detail:
+            return
+        self.steps[name], self.details[name] = step, detail
+        text = STEPS[step] + (f" ({detail})" if detail else "")
+        if self.mode == "widget":
+            bar, label = self._rows[name]
+            bar.value = step
+            bar.bar_style = "success" if step == len(STEPS) - 1 else ""
+            label.value = text
+        elif self.mode == "text":
+            elapsed = time.monotonic() - self.started
+            print(f"nbrpc [{elapsed:5.1f}s] {name}: {text}", file=sys.stderr, flush=True)
+
+    def fail(self, name: str, reason: str) -> None:
+        if self.mode == "widget" and name in self._rows:
+            bar, label = self._rows[name]
+            bar.bar_style = "danger"
+            label.value = f"failed: {reason}"
+        elif self.mode == "text":
+            print(f"nbrpc {name}: failed: {reason}", file=sys.stderr, flush=True)

@@ -1,0 +1,293 @@
+"""What happens around a call on the callee, and how its failure comes back.
+
+Two things a notebook user expects from a remote call that torch RPC does not give:
+
+* ``print()`` inside the call shows in the calling cell. On workers, ``sys.stdout`` and
+  ``sys.stderr`` are wrapped once (:func:`forward_output_to`); while a thread runs an RPC
+  call its writes are sent, line by line, to the notebook kernel (an ``rpc_async`` to
+  :func:`show_output`), prefixed with the worker's name. Before the call returns, the
+  pending lines are awaited, so output arrives before the result does.
+* An exception keeps its type and its traceback. torch sends only ``repr(e)`` plus a
+  traceback string and rebuilds ``type(e)(that_string)``. nbrpc sends the exception
+  itself (pickled, when it can be), and the traceback as frames. The caller formats those
+  frames with *its own* ``linecache``, which holds the notebook cells, so the remote
+  traceback shows the line of notebook source that raised.
+
+``run_function`` and ``handle_exception`` replace torch's private hooks of the same role;
+:mod:`nbrpc._pickling` installs them.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import linecache
+import pickle
+import re
+import sys
+import threading
+import traceback
+from typing import Any
+
+import cloudpickle
+import torch.distributed.rpc as rpc
+from torch.distributed.rpc.internal import RemoteException
+
+from ._errors import RemoteError
+
+__all__ = [
+    "forward_output_to",
+    "handle_exception",
+    "run_function",
+    "settle",
+    "show_output",
+]
+
+_call = threading.local()  # .output: the _CallOutput of the RPC call running on this thread
+_forward: dict[str, str] = {}  # {"to": kernel name, "me": this worker's name}
+_OUTPUT_WAIT_S = 10.0
+
+
+class _FailureText(str):
+    """The message of a RemoteException, carrying what the caller needs to rebuild it.
+
+    A ``str`` subclass, so torch's own handler (and any process without nbrpc's hooks)
+    still sees a plain message.
+    """
+
+    worker: str
+    ename: str
+    evalue: str
+    frames: list[tuple[str, int, str, str | None]]
+    exc_bytes: bytes | None
+
+    def __new__(cls, text, worker, ename, evalue, frames, exc_bytes):
+        self = super().__new__(cls, text)
+        self.worker, self.ename, self.evalue = worker, ename, evalue
+        self.frames, self.exc_bytes = frames, exc_bytes
+        return self
+
+    def __reduce__(self):
+        return (
+            _FailureText,
+            (str(self), self.worker, self.ename, self.evalue, self.frames, self.exc_bytes),
+        )
+
+
+def _worker_name() -> str:
+    try:
+        return rpc.get_worker_info().name
+    except Exception:
+        return "?"
+
+
+def _failure(exc: BaseException) -> RemoteException:
+    frames = [
+        (f.filename, f.lineno or 0, f.name, f.line) for f in traceback.extract_tb(exc.__traceback__)
+    ][1:]  # the first frame is run_function itself
+    try:
+        exc_bytes: bytes | None = cloudpickle.dumps(exc)
+    except Exception:
+        exc_bytes = None
+    ename = f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins.")
+    evalue = str(exc)
+    worker = _worker_name()
+    text = f"On {worker}:\n{ename}: {evalue}\n" + "".join(traceback.format_list(frames))
+    return RemoteException(_FailureText(text, worker, ename, evalue, frames, exc_bytes), type(exc))
+
+
+def run_function(python_udf: Any) -> Any:
+    """Replaces ``torch.distributed.rpc.internal._run_function`` (called from C++)."""
+    output = _CallOutput() if _forward else None
+    previous = getattr(_call, "output", None)
+    _call.output = output
+    try:
+        if isinstance(python_udf, AttributeError):
+            raise python_udf
+        return python_udf.func(*python_udf.args, **python_udf.kwargs)
+    except Exception as exc:
+        return _failure(exc)
+    finally:
+        _call.output = previous
+        if output is not None:
+            output.close()
+
+
+def format_remote_traceback(failure: _FailureText) -> str:
+    lines = [f"Remote traceback (most recent call last), on {failure.worker}:\n"]
+    for filename, lineno, name, line in failure.frames:
+        lines.append(f'  File "{filename}", line {lineno}, in {name}\n')
+        source = linecache.getline(filename, lineno).strip() or (line or "").strip()
+        if source:
+            lines.append(f"    {source}\n")
+    lines.append(f"{failure.ename}: {failure.evalue}\n")
+    return "".join(lines)
+
+
+def rebuild(result: RemoteException) -> BaseException:
+    """The exception to raise for a RemoteException that came back from a call."""
+    failure = result.msg
+    if not isinstance(failure, _FailureText):  # from a process without nbrpc's hooks
+        try:
+            return result.exception_type(str(failure))
+        except Exception:
+            return RemoteError(
+                getattr(result.exception_type, "__name__", "?"), str(failure), "?", str(failure)
+            )
+    remote_tb = format_remote_traceback(failure)
+    exc: BaseException | None = None
+    if failure.exc_bytes is not None:
+        try:
+            exc = pickle.loads(failure.exc_bytes)
+        except Exception:
+            exc = None
+    if not isinstance(exc, BaseException):
+        try:
+            exc = result.exception_type(failure.evalue)
+        except Exception:
+            exc = None
+    if not isinstance(exc, BaseException):
+        exc = RemoteError(failure.ename, failure.evalue, failure.worker, remote_tb)
+    try:
+        exc.worker = failure.worker  # type: ignore[attr-defined]
+        exc.remote_traceback = remote_tb  # type: ignore[attr-defined]
+    except Exception:
+        pass  # an exception type with __slots__: the note below still carries it
+    exc.add_note("\n" + remote_tb.rstrip("\n"))
+    return exc
+
+
+_rebuilt: collections.OrderedDict[int, BaseException] = collections.OrderedDict()
+_rebuilt_lock = threading.Lock()
+_rebuilt_keys = itertools.count(1)
+_REBUILT_KEEP = 1024  # failures read by plain torch calls are never collected: keep a few
+_KEY = re.compile(r"\(nbrpc #(\d+)\)")
+
+
+class RemoteFailure(Exception):
+    """What the hook raises into torch; torch turns it into a ``RuntimeError`` with this text.
+
+    Only the text crosses torch's C++ layer, so the text names a key under which the
+    rebuilt exception waits for :func:`settle`. Plain ``torch.distributed.rpc`` callers
+    see the text: the remote type, message and traceback.
+    """
+
+
+def handle_exception(result: Any) -> None:
+    """Replaces ``torch.distributed.rpc.internal._handle_exception`` (called from C++)."""
+    if not isinstance(result, RemoteException):
+        return
+    exc = rebuild(result)
+    with _rebuilt_lock:
+        key = next(_rebuilt_keys)
+        _rebuilt[key] = exc
+        while len(_rebuilt) > _REBUILT_KEEP:
+            _rebuilt.popitem(last=False)
+    failure = result.msg
+    if isinstance(failure, _FailureText):
+        remote_tb = format_remote_traceback(failure)
+        text = f"{failure.ename}: {failure.evalue} (nbrpc #{key})\n\n{remote_tb}"
+    else:
+        text = f"{failure} (nbrpc #{key})"
+    raise RemoteFailure(text)
+
+
+def unwrap(exc: BaseException) -> BaseException | None:
+    """The rebuilt remote exception behind torch's RuntimeError, when there is one."""
+    match = _KEY.search(str(exc))
+    if match is None:
+        return None
+    with _rebuilt_lock:
+        return _rebuilt.pop(int(match.group(1)), None)
+
+
+def settle(raw: Any, out: Any, translate: Any) -> None:
+    """Complete future ``out`` from finished torch future ``raw``, keeping error types.
+
+    ``translate(exc)`` may swap torch's own errors (timeouts) for nbrpc's.
+    """
+    try:
+        value = raw.wait()
+    except BaseException as exc:
+        original = unwrap(exc)
+        out.set_exception(original if original is not None else translate(exc))
+        return
+    out.set_result(value)
+
+
+# --- output forwarding -------------------------------------------------------------
+
+
+def show_output(worker: str, stream: str, text: str) -> None:
+    """Runs in the kernel: print a worker's output, each line marked with its name."""
+    out = sys.stderr if stream == "stderr" else sys.stdout
+    marked = "".join(f"[{worker}] {line}" for line in text.splitlines(keepends=True))
+    out.write(marked)
+    out.flush()
+
+
+class _CallOutput:
+    """Output written by one RPC call on a worker, sent to the kernel line by line."""
+
+    def __init__(self) -> None:
+        self.buffers = {"stdout": "", "stderr": ""}
+        self.futures: list = []
+
+    def write(self, stream: str, text: str) -> None:
+        buf = self.buffers[stream] + text
+        cut = buf.rfind("\n") + 1
+        self.buffers[stream] = buf[cut:]
+        if cut:
+            self._send(stream, buf[:cut])
+
+    def _send(self, stream: str, text: str) -> None:
+        try:
+            self.futures.append(
+                rpc.rpc_async(
+                    _forward["to"],
+                    show_output,
+                    args=(_forward["me"], stream, text),
+                    timeout=_OUTPUT_WAIT_S,
+                )
+            )
+        except Exception as exc:  # the kernel is gone: keep the text on the worker
+            sys.__stderr__.write(f"{text}(nbrpc: could not forward output: {exc})\n")
+
+    def close(self) -> None:
+        for stream, rest in self.buffers.items():
+            if rest:
+                self._send(stream, rest + "\n")
+        for fut in self.futures:
+            with contextlib.suppress(Exception):  # best effort: never lose the result
+                fut.wait()
+
+
+class _ForwardingStream:
+    """Wraps a worker's stdout/stderr: writes from inside an RPC call go to the kernel."""
+
+    def __init__(self, wrapped: Any, stream: str) -> None:
+        self._wrapped = wrapped
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        output = getattr(_call, "output", None)
+        if output is None:
+            return self._wrapped.write(text)
+        output.write(self._stream, text)
+        return len(text)
+
+    def flush(self) -> None:
+        self._wrapped.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._wrapped, name)
+
+
+def forward_output_to(kernel: str, me: str) -> None:
+    """On a worker: send output printed during RPC calls to ``kernel``, marked ``me``."""
+    _forward.update(to=kernel, me=me)
+    if not isinstance(sys.stdout, _ForwardingStream):
+        sys.stdout = _ForwardingStream(sys.stdout, "stdout")
+    if not isinstance(sys.stderr, _ForwardingStream):
+        sys.stderr = _ForwardingStream(sys.stderr, "stderr")

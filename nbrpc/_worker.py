@@ -1,0 +1,60 @@
+"""Code that runs inside a worker (an ipyparallel engine), sent there by the cluster.
+
+Every function here is importable by name, so ipyparallel ships a reference, not code.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from typing import Any
+
+__all__ = ["describe_process", "join", "leave"]
+
+
+def describe_process() -> dict[str, Any]:
+    """What the notebook shows about a worker process: pid, host, devices, versions."""
+    import torch
+
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "devices": ["cpu"] + [f"cuda:{i}" for i in range(cuda)],
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cwd": os.getcwd(),
+    }
+
+
+def join(
+    name: str,
+    rank: int,
+    store: dict,
+    kernel: str,
+    rpc_timeout: float,
+    num_worker_threads: int,
+) -> dict[str, Any]:
+    """Join the notebook's RPC group as ``name``; return this process's description."""
+    from . import _group, _remote
+
+    spec = _group.StoreSpec(**store)
+    if spec.kind == "file" and not os.path.exists(os.path.dirname(spec.path)):
+        raise RuntimeError(
+            f"worker {name} on {socket.gethostname()} cannot see the kernel's store "
+            f"{spec.path}: it runs on another host. Start the cluster with "
+            "--init-method tcp://KERNEL_HOST:PORT so workers on other hosts can join."
+        )
+    _remote.forward_output_to(kernel, name)
+    _group.join(name, rank, spec, rpc_timeout=rpc_timeout, num_worker_threads=num_worker_threads)
+    info = describe_process()
+    info.update(name=name, rank=rank)
+    return info
+
+
+def leave(timeout: float = 0) -> None:
+    """Leave the group gracefully; the engine itself keeps running."""
+    from . import _group
+
+    _group.leave(timeout)
