@@ -1,0 +1,89 @@
+"""Shared fixtures: one real cluster for the session, notebook-style code, leak checks.
+
+The test process plays the notebook kernel: it joins the RPC group as ``worker0`` and
+real ipyparallel engines join as workers. Workers are expensive (each imports torch), so
+one cluster serves the whole session; lifecycle tests that shut it down leave a fresh one
+behind through :func:`ensure_cluster`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import linecache
+import os
+import time
+from types import SimpleNamespace
+
+import psutil
+import pytest
+
+import nbrpc
+
+_cells = itertools.count(1)
+
+
+def notebook_code(source: str) -> SimpleNamespace:
+    """Run ``source`` the way an IPython cell runs: in ``__main__``, source in linecache.
+
+    Functions and classes defined this way are not importable on workers, exactly like
+    notebook code, so they must travel by value.
+    """
+    filename = f"<notebook-cell-{next(_cells)}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace: dict = {"__name__": "__main__"}
+    exec(compile(source, filename, "exec"), namespace)
+    return SimpleNamespace(**{k: v for k, v in namespace.items() if not k.startswith("__")})
+
+
+def ensure_cluster() -> nbrpc.Cluster:
+    """The running cluster, started (2 workers) when none is."""
+    try:
+        return nbrpc.current()
+    except nbrpc.NotInitializedError:
+        return nbrpc.init(n=2, progress=False)
+
+
+def _our_children() -> list[psutil.Process]:
+    return psutil.Process().children(recursive=True)
+
+
+def wait_for_exit(pids: list[int], timeout: float = 20.0) -> list[int]:
+    """PIDs from ``pids`` still alive after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if psutil.pid_exists(p) and _running(p)]
+        time.sleep(0.2)
+    return alive
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.fixture(scope="session")
+def _cluster_session():
+    yield
+    nbrpc.shutdown()
+    children = [p.pid for p in _our_children()]
+    alive = wait_for_exit(children)
+    for pid in alive:  # only processes this test session started
+        psutil.Process(pid).kill()
+    assert not alive, f"processes left behind after the test session: {alive}"
+
+
+@pytest.fixture
+def cluster(_cluster_session) -> nbrpc.Cluster:
+    return ensure_cluster()
+
+
+@pytest.fixture
+def nb():
+    return notebook_code
+
+
+def pytest_report_header(config):
+    return f"nbrpc {nbrpc.__version__}, pid {os.getpid()}"

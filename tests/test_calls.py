@@ -1,0 +1,164 @@
+"""Calls from the kernel to real workers, with code defined the notebook way."""
+
+import gc
+import time
+
+import pytest
+import torch
+import torch.distributed.rpc as rpc
+
+import nbrpc
+
+pytestmark = pytest.mark.usefixtures("cluster")
+
+CELL = """
+import torch
+
+SCALE = 3
+
+def remote_add(to_add, value):
+    return to_add + value
+
+def scaled(x):
+    return x * SCALE
+
+def make_adder(k):
+    def add(x):
+        return x + k
+    return add
+
+class Counter:
+    def __init__(self, start=0):
+        self.value = start
+    def add(self, k):
+        self.value += k
+        return self.value
+    def get(self):
+        return self.value
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 2)
+    def forward(self, x):
+        return self.lin(x)
+
+def make_net(seed):
+    torch.manual_seed(seed)
+    return Net()
+
+def call_with(fn, x):
+    return fn(x)
+"""
+
+
+@pytest.fixture(scope="module")
+def cell():
+    from conftest import notebook_code
+
+    return notebook_code(CELL)
+
+
+def test_workers_lists_kernel_first(cluster):
+    assert nbrpc.workers() == ["worker0", "worker1", "worker2"]
+    assert [r.name for r in cluster.workers] == ["worker0", "worker1", "worker2"]
+    assert cluster.workers[0].role == "kernel"
+    assert len({r.pid for r in cluster.workers}) == 3
+
+
+def test_rpc_sync_notebook_function(cell):
+    out = nbrpc.rpc_sync("worker1", cell.remote_add, args=(torch.tensor(1), torch.tensor(2)))
+    assert out.item() == 3
+
+
+def test_function_reads_notebook_global(cell):
+    assert nbrpc.rpc_sync("worker2", cell.scaled, args=(torch.ones(2),)).tolist() == [3.0, 3.0]
+
+
+def test_lambda_and_closure(cell):
+    assert nbrpc.rpc_sync("worker1", lambda a, b: a * b, args=(6, 7)) == 42
+    assert nbrpc.rpc_sync("worker2", cell.make_adder(10), args=(5,)) == 15
+
+
+def test_function_as_argument_and_return_value(cell):
+    assert nbrpc.rpc_sync("worker1", cell.call_with, args=(lambda x: x - 1, 10)) == 9
+    adder = nbrpc.rpc_sync("worker2", cell.make_adder, args=(100,))
+    assert adder(1) == 101
+
+
+def test_rpc_async_futures(cell):
+    futs = [nbrpc.rpc_async(f"worker{1 + i % 2}", cell.remote_add, args=(i, 1)) for i in range(20)]
+    assert [f.wait() for f in futs] == [i + 1 for i in range(20)]
+    assert torch.futures.wait_all(futs[:3]) == [1, 2, 3]
+
+
+def test_remote_rref_to_notebook_class(cell):
+    counter = nbrpc.remote("worker1", cell.Counter, args=(5,))
+    assert isinstance(counter, rpc.PyRRef)  # torch returns the C++ base of rpc.RRef
+    assert counter.owner().name == "worker1"
+    assert not counter.is_owner()
+    assert counter.rpc_sync().add(2) == 7
+    assert counter.rpc_async().add(3).wait() == 10
+    assert counter.remote().get().to_here() == 10
+    copy = counter.to_here()
+    assert isinstance(copy, cell.Counter)  # the class comes back as the notebook's class
+    assert copy.value == 10
+
+
+def test_module_subclass_behind_rref_matches_local(cell):
+    net = nbrpc.remote("worker2", cell.make_net, args=(0,))
+    x = torch.randn(3, 4)
+    remote_out = net.rpc_sync().forward(x)
+    local_out = cell.make_net(0)(x)
+    torch.testing.assert_close(remote_out, local_out)
+
+
+def test_module_instance_as_argument(cell):
+    local = cell.make_net(1)
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(nbrpc.rpc_sync("worker1", cell.call_with, args=(local, x)), local(x))
+
+
+def test_plain_torch_api_works_with_notebook_code(cell):
+    """Seed 000 and 001 run with only their start-up replaced."""
+    result = rpc.rpc_sync("worker1", cell.remote_add, args=(torch.tensor(1), torch.tensor(2)))
+    assert result.item() == 3
+    fut1 = rpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 3))
+    fut2 = rpc.rpc_async("worker1", min, args=(1, 2))
+    assert (fut1.wait() + fut2.wait()).tolist() == [5.0, 5.0]
+    rref1 = rpc.remote("worker1", torch.add, args=(torch.ones(2), 3))
+    rref2 = rpc.remote("worker1", torch.add, args=(torch.ones(2), 1))
+    assert (rref1.to_here() + rref2.to_here()).tolist() == [6.0, 6.0]
+    assert rpc.remote("worker2", lambda: cell.Counter(9)).rpc_sync().get() == 9
+
+
+def test_get_worker_info():
+    info = nbrpc.get_worker_info("worker2")
+    assert info.name == "worker2"
+    assert nbrpc.get_worker_info().name == "worker0"
+    assert nbrpc.rpc_sync(info, min, args=(4, 2)) == 2
+
+
+def test_worker_to_worker_call(cell):
+    """A worker calls another worker with code that came from the notebook."""
+    out = nbrpc.rpc_sync(
+        "worker1", rpc.rpc_sync, args=("worker2", cell.remote_add, (torch.tensor(2), 5))
+    )
+    assert out.item() == 7
+
+
+def test_dropped_rref_is_released_on_owner(cell):
+    def owned():
+        return int(rpc._rref_context_get_debug_info()["num_owner_rrefs"])
+
+    before = nbrpc.rpc_sync("worker2", owned)
+    refs = [nbrpc.remote("worker2", cell.Counter) for _ in range(5)]
+    for r in refs:
+        r.to_here()
+    assert nbrpc.rpc_sync("worker2", owned) == before + 5
+    del refs, r
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while nbrpc.rpc_sync("worker2", owned) != before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert nbrpc.rpc_sync("worker2", owned) == before

@@ -1,0 +1,34 @@
+"""The public API is what ``__all__`` says, and every name in it resolves."""
+
+import subprocess
+import sys
+
+import nbrpc
+
+
+def test_all_names_resolve():
+    for name in nbrpc.__all__:
+        assert getattr(nbrpc, name) is not None, name
+
+
+def test_all_matches_public_names():
+    public = {
+        name
+        for name, value in vars(nbrpc).items()
+        if not name.startswith("_") and not type(value).__name__ == "module"
+    }
+    public.discard("annotations")  # from __future__
+    public.discard("Any")  # typing import
+    assert public | {"__version__"} == set(nbrpc.__all__)
+
+
+def test_magics_are_registered_by_load_ext_only():
+    code = (
+        "from IPython.core.interactiveshell import InteractiveShell\n"
+        "shell = InteractiveShell.instance()\n"
+        "import nbrpc\n"
+        "assert 'rpc_init' not in shell.magics_manager.magics['line']\n"
+        "shell.run_line_magic('load_ext', 'nbrpc')\n"
+        "assert {'rpc_init', 'rpc_shutdown', 'rpc_status'} <= set(shell.magics_manager.magics['line'])\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

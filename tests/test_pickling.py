@@ -1,0 +1,81 @@
+"""How notebook code and tensors are pickled for RPC (no workers needed)."""
+
+import pickle
+
+import pytest
+import torch
+import torch.distributed.rpc.internal as rpc_internal
+from torch.distributed.rpc.internal import PythonUDF
+
+from nbrpc import SerializationError, _pickling
+
+
+@pytest.fixture(autouse=True)
+def _installed():
+    _pickling.install()
+
+
+def test_torch_private_hooks_still_exist():
+    """Fails loudly the day torch renames what nbrpc replaces."""
+    for name in _pickling.TORCH_PRIVATE_HOOKS:
+        assert hasattr(rpc_internal, name), f"torch.distributed.rpc.internal.{name} is gone"
+    assert rpc_internal._pickler is _pickling.RpcPickler
+    assert rpc_internal.RemoteException._fields == ("msg", "exception_type")
+    # torch's serialize() must still instantiate the module-level _pickler and assign a
+    # dispatch_table to it: that is the seam nbrpc uses.
+    import inspect
+
+    source = inspect.getsource(rpc_internal._InternalRPCPickler.serialize)
+    assert "_pickler(f)" in source
+    assert "p.dispatch_table = self._dispatch_table" in source
+
+
+def test_notebook_function_travels_by_value(nb):
+    cell = nb("OFFSET = 5\ndef add(x):\n    return x + OFFSET\n")
+    data, tensors = _pickling.serialize(PythonUDF(cell.add, (1,), {}))
+    udf = pickle.loads(data)
+    assert udf.func(1) == 6
+    assert tensors == []
+
+
+def test_lambda_and_closure_travel(nb):
+    cell = nb("def make(k):\n    return lambda x: x * k\n")
+    data, _ = _pickling.serialize(PythonUDF(cell.make(7), (3,), {}))
+    assert pickle.loads(data).func(3) == 21
+
+
+def test_tensors_stay_out_of_band():
+    big = torch.randn(1_000_000)  # 4 MB
+    view = big[::2]  # non-contiguous
+    data, tensors = _pickling.serialize(PythonUDF(len, (big, view, {"x": big}), {}))
+    assert len(data) < 2_000, "tensor data leaked into the pickle"
+    assert len(tensors) == 2  # the repeated tensor is memoized, sent once
+    assert tensors[0].data_ptr() == big.data_ptr()
+    assert tensors[1].data_ptr() == view.data_ptr()
+
+
+def test_notebook_module_subclass_keeps_parameters_out_of_band(nb):
+    cell = nb(
+        "import torch\n"
+        "class Net(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.lin = torch.nn.Linear(256, 256)\n"
+        "    def forward(self, x):\n"
+        "        return self.lin(x)\n"
+    )
+    net = cell.Net()
+    data, tensors = _pickling.serialize(net)
+    assert len(tensors) == 2  # weight and bias
+    assert len(data) < 20_000
+    assert sum(t.numel() for t in tensors) == 256 * 256 + 256
+
+
+def test_unpicklable_argument_names_the_call_and_the_fix():
+    import threading
+
+    def f(x):
+        return x
+
+    with pytest.raises(SerializationError, match=r"cannot send a call of .*f over RPC.*lock"):
+        _pickling.serialize(PythonUDF(f, (threading.Lock(),), {}))
