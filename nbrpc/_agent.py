@@ -100,7 +100,7 @@ def rpc_sync(
 
     An exception raised there is raised here with its own type (see ``nbrpc._remote``).
     """
-    return rpc_async(to, func, args, kwargs, timeout).wait()
+    return _start("rpc_sync", to, func, args, kwargs, timeout).wait()
 
 
 def rpc_async(
@@ -111,7 +111,13 @@ def rpc_async(
     timeout: float | None = None,
 ) -> torch.futures.Future[T]:
     """Start ``func(*args, **kwargs)`` on worker ``to``; return a ``torch.futures.Future``."""
-    dest = _destination(to, "rpc_async")
+    return _start("rpc_async", to, func, args, kwargs, timeout)
+
+
+def _start(
+    what: str, to: Any, func: Any, args: tuple, kwargs: dict | None, timeout: float | None
+) -> torch.futures.Future:
+    dest = _destination(to, what)
     raw = rpc.rpc_async(dest, func, args=tuple(args), kwargs=kwargs, timeout=_timeout(timeout))
     out: torch.futures.Future = torch.futures.Future()
 

@@ -313,6 +313,11 @@ class Cluster:
             return
         self.state = ClusterState.SHUTTING_DOWN
         try:
+            if graceful:
+                try:
+                    _group.release_user_rrefs(timeout)
+                except Exception as exc:
+                    log.warning("releasing the kernel's RRefs: %s", exc)
             self._leave_workers(graceful, timeout)
         finally:
             self._stop_engines()

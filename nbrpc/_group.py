@@ -147,6 +147,17 @@ def join(
     _joined["name"] = name
 
 
+def release_user_rrefs(timeout_s: float) -> None:
+    """Delete this process's user RRefs (telling their owners) before peers leave.
+
+    torch's static-group shutdown does this; its dynamic leave does not. Without it the
+    kernel's RRefs to departed workers would log C++ errors when garbage-collected.
+    """
+    from torch._C._distributed_rpc import _delete_all_user_and_unforked_owner_rrefs
+
+    _delete_all_user_and_unforked_owner_rrefs(timedelta(seconds=timeout_s))
+
+
 def leave(timeout: float = 0) -> None:
     """Leave the group gracefully (torch's own dynamic-group shutdown)."""
     rpc_api.shutdown(graceful=True, timeout=timeout)

@@ -162,20 +162,18 @@ _rebuilt: collections.OrderedDict[int, BaseException] = collections.OrderedDict(
 _rebuilt_lock = threading.Lock()
 _rebuilt_keys = itertools.count(1)
 _REBUILT_KEEP = 1024  # failures read by plain torch calls are never collected: keep a few
-_KEY = re.compile(r"\(nbrpc #(\d+)\)")
-
-
-class RemoteFailure(Exception):
-    """What the hook raises into torch; torch turns it into a ``RuntimeError`` with this text.
-
-    Only the text crosses torch's C++ layer, so the text names a key under which the
-    rebuilt exception waits for :func:`settle`. Plain ``torch.distributed.rpc`` callers
-    see the text: the remote type, message and traceback.
-    """
+_KEY = re.compile(r"\(nbrpc #(\d+)\)")  # the note that names a rebuilt exception
 
 
 def handle_exception(result: Any) -> None:
-    """Replaces ``torch.distributed.rpc.internal._handle_exception`` (called from C++)."""
+    """Replaces ``torch.distributed.rpc.internal._handle_exception`` (called from C++).
+
+    Raises the rebuilt exception. Where torch converts it on the caller's thread
+    (``RRef.to_here``) it arrives as is. Where it converts it on an RPC thread (every
+    future), torch keeps only its text, in a ``RuntimeError``; the note added here names a
+    key under which the exception waits for :func:`settle`. Plain ``torch.distributed.rpc``
+    callers still see the remote type, message and traceback in that text.
+    """
     if not isinstance(result, RemoteException):
         return
     exc = rebuild(result)
@@ -184,13 +182,8 @@ def handle_exception(result: Any) -> None:
         _rebuilt[key] = exc
         while len(_rebuilt) > _REBUILT_KEEP:
             _rebuilt.popitem(last=False)
-    failure = result.msg
-    if isinstance(failure, _FailureText):
-        remote_tb = format_remote_traceback(failure)
-        text = f"{failure.ename}: {failure.evalue} (nbrpc #{key})\n\n{remote_tb}"
-    else:
-        text = f"{failure} (nbrpc #{key})"
-    raise RemoteFailure(text)
+    exc.add_note(f"(nbrpc #{key})")
+    raise exc
 
 
 def unwrap(exc: BaseException) -> BaseException | None:
@@ -211,7 +204,11 @@ def settle(raw: Any, out: Any, translate: Any) -> None:
         value = raw.wait()
     except BaseException as exc:
         original = unwrap(exc)
-        out.set_exception(original if original is not None else translate(exc))
+        if original is not None:
+            original.__notes__ = [n for n in original.__notes__ if not _KEY.fullmatch(n)]
+            out.set_exception(original)
+        else:
+            out.set_exception(translate(exc))
         return
     out.set_result(value)
 

@@ -1,0 +1,86 @@
+"""Shutdown, re-init in the same process, torch's own shutdown, attaching to ipyparallel."""
+
+import subprocess
+import sys
+
+import ipyparallel as ipp
+import pytest
+import torch
+import torch.distributed.rpc as rpc
+from conftest import ensure_cluster, wait_for_exit
+
+import nbrpc
+
+
+def test_call_before_init_says_what_to_do():
+    code = (
+        "import nbrpc, torch\n"
+        "try:\n"
+        "    nbrpc.rpc_sync('worker1', torch.add, args=(1, 2))\n"
+        "except nbrpc.NotInitializedError as e:\n"
+        "    print(e)\n"
+        "try:\n"
+        "    nbrpc.workers()\n"
+        "except nbrpc.NotInitializedError as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    assert "nbrpc is not initialized, so rpc_sync has no workers" in out
+    assert "%rpc_init -n 2" in out and "nbrpc.init(n=2)" in out
+    assert "so nbrpc.workers() has no workers" in out
+
+
+def test_shutdown_then_init_again_in_the_same_process(cluster):
+    old = [r.pid for r in cluster.workers[1:]]
+    old_ranks = [r.rank for r in cluster.workers[1:]]
+    rref = nbrpc.remote("worker1", torch.add, args=(torch.ones(1), 1))
+    assert rref.to_here().item() == 2
+    nbrpc.shutdown()
+    assert cluster.state is nbrpc.ClusterState.CLOSED
+    with pytest.raises(nbrpc.NotInitializedError):
+        nbrpc.rpc_sync("worker1", torch.add, args=(1, 1))
+    assert wait_for_exit(old) == [], "engines of the shut-down cluster still run"
+    del rref
+
+    again = ensure_cluster()
+    assert nbrpc.workers() == ["worker0", "worker1", "worker2"]
+    new_ranks = [r.rank for r in again.workers[1:]]
+    assert not set(new_ranks) & set(old_ranks), "ranks must never be reused"
+    assert nbrpc.rpc_sync("worker2", lambda: "hello again") == "hello again"
+    counter = nbrpc.remote("worker1", lambda: [1, 2, 3])
+    assert counter.to_here() == [1, 2, 3]
+
+
+def test_torch_shutdown_from_a_tutorial_stops_workers_not_the_kernel():
+    ensure_cluster()
+    rpc.shutdown()  # what seed code ends with
+    with pytest.raises(nbrpc.NotInitializedError):
+        nbrpc.workers()
+    ensure_cluster()
+    assert nbrpc.rpc_sync("worker1", min, args=(3, 4)) == 3
+
+
+def test_attach_to_running_ipyparallel_cluster_leaves_it_running():
+    nbrpc.shutdown()
+    engines = ipp.Cluster(n=2, controller_ip="127.0.0.1", log_level=40)
+    engines.start_cluster_sync()
+    try:
+        attached = nbrpc.init(cluster_id=engines.cluster_id, progress=False)
+        assert attached.attached
+        assert nbrpc.workers() == ["worker0", "worker1", "worker2"]
+        assert nbrpc.rpc_sync("worker2", lambda x: x + 1, args=(41,)) == 42
+        pids = [r.pid for r in attached.workers[1:]]
+        nbrpc.shutdown()
+        client = engines.connect_client_sync()
+        client.wait_for_engines(2, timeout=30)
+        assert sorted(client[:].apply_sync(__import__("os").getpid)) == sorted(pids)
+        # torch cannot join twice from one process: attaching again is refused clearly
+        with pytest.raises(nbrpc.BootError, match="cannot join twice.*restart"):
+            nbrpc.init(cluster_id=engines.cluster_id, progress=False)
+        client.close()
+    finally:
+        nbrpc.shutdown()
+        engines.stop_cluster_sync()
+    ensure_cluster()
