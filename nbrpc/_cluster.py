@@ -114,6 +114,8 @@ class Cluster:
         self.num_worker_threads = int(num_worker_threads or DEFAULT_THREADS)
         self.rpc_timeout = float(DEFAULT_RPC_TIMEOUT_S if rpc_timeout is None else rpc_timeout)
         self.init_method = init_method
+        if init_method:
+            _group.spec_from_init_method(init_method)  # refuse a bad URL before any start
         self.profile = profile
         self.cluster_id = cluster_id
         if progress == "auto":
@@ -390,12 +392,6 @@ def init(
     ipyparallel cluster that already runs (engines on other hosts included) instead of
     starting engines here; ``n`` then picks how many of its engines join (default: all).
     """
-    if _current:
-        running = ", ".join(r.name for r in _current[0].records)
-        raise AlreadyInitializedError(
-            f"an nbrpc cluster is already running ({running}). Run %rpc_shutdown "
-            "(or nbrpc.shutdown()) first, then start a new one."
-        )
     if (profile is not None or cluster_id is not None) and n == 2 and names is None:
         n = None  # attach: all engines unless asked otherwise
     cluster = Cluster(
@@ -409,6 +405,12 @@ def init(
         cluster_id=cluster_id,
         progress=progress,
     )
+    if _current:
+        running = ", ".join(r.name for r in _current[0].records)
+        raise AlreadyInitializedError(
+            f"an nbrpc cluster is already running ({running}). Run %rpc_shutdown "
+            "(or nbrpc.shutdown()) first, then start a new one."
+        )
     _current.append(cluster)
     try:
         cluster.start()

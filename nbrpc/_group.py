@@ -217,7 +217,7 @@ def kernel_membership(
                 f"process in a group, so --self {name} needs a kernel restart. "
                 f"Leave --self out (or use --self {member.name})."
             )
-        if init_method and _spec_from_init_method(init_method) != member.spec:
+        if init_method and spec_from_init_method(init_method) != member.spec:
             raise ValueError(
                 f"this kernel's RPC group already uses {describe(member.spec)}; torch "
                 "fixes the rendezvous for the process's lifetime, so a different "
@@ -227,7 +227,7 @@ def kernel_membership(
         return member
     owned_dir = None
     if init_method:
-        spec = _spec_from_init_method(init_method)
+        spec = spec_from_init_method(init_method)
     else:
         owned_dir = tempfile.mkdtemp(prefix="nbrpc-")  # mode 0700: this user only
         spec = StoreSpec(kind="file", path=os.path.join(owned_dir, "store"))
@@ -241,7 +241,7 @@ def current_kernel_membership() -> KernelMembership | None:
     return _kernel[0] if _kernel else None
 
 
-def _spec_from_init_method(init_method: str) -> StoreSpec:
+def spec_from_init_method(init_method: str) -> StoreSpec:
     url = urlparse(init_method)
     if url.scheme == "tcp" and url.hostname and url.port is not None:
         return StoreSpec(kind="tcp", host=url.hostname, port=url.port)

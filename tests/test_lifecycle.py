@@ -28,7 +28,8 @@ def test_call_before_init_says_what_to_do():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     ).stdout
     assert "nbrpc is not initialized, so rpc_sync has no workers" in out
-    assert "%rpc_init -n 2" in out and "nbrpc.init(n=2)" in out
+    assert "%rpc_init -n 2" in out
+    assert "nbrpc.init(n=2)" in out
     assert "so nbrpc.workers() has no workers" in out
 
 
@@ -77,7 +78,7 @@ def test_attach_to_running_ipyparallel_cluster_leaves_it_running():
         client.wait_for_engines(2, timeout=30)
         assert sorted(client[:].apply_sync(__import__("os").getpid)) == sorted(pids)
         # torch cannot join twice from one process: attaching again is refused clearly
-        with pytest.raises(nbrpc.BootError, match="cannot join twice.*restart"):
+        with pytest.raises(nbrpc.BootError, match=r"cannot join twice.*restart"):
             nbrpc.init(cluster_id=engines.cluster_id, progress=False)
         client.close()
     finally:

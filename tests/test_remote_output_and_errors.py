@@ -130,7 +130,7 @@ def test_remote_failure_surfaces_on_to_here(cell):
 def test_unknown_worker_names_the_known_ones(cell):
     with pytest.raises(nbrpc.UnknownWorkerError, match=r"'wroker1'.*worker0, worker1, worker2"):
         nbrpc.rpc_sync("wroker1", cell.divide, args=(1, 1))
-    with pytest.raises(ValueError):  # UnknownWorkerError is a ValueError too
+    with pytest.raises(ValueError, match="nobody"):  # UnknownWorkerError is a ValueError
         nbrpc.remote("nobody", cell.divide, args=(1, 1))
 
 

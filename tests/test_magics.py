@@ -1,0 +1,65 @@
+"""The magics in a real IPython shell: arguments, errors as UsageError, the full cycle."""
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+
+import nbrpc
+
+
+@pytest.fixture(scope="module")
+def shell():
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "nbrpc")
+    return ip
+
+
+def test_status_prints_every_process(shell, cluster, capsys):
+    shell.run_line_magic("rpc_status", "")
+    out = capsys.readouterr().out
+    for record in cluster.workers:
+        assert record.name in out
+        assert str(record.pid) in out
+    assert "ready" in out
+
+
+@pytest.mark.parametrize(
+    ("line", "match"),
+    [
+        ("--bogus", "unrecognized arguments"),
+        ("-n two", "invalid int value"),
+        ("-n 0", "-n must be at least 1"),
+        ("--names 'a b,c'", "bad worker name"),
+        ("--names a,a", "unique"),
+        ("-n 3 --names a,b", "does not match"),
+        ("--init-method udp://x:1", "unsupported --init-method"),
+        ("-n 2", "already running"),
+    ],
+)
+def test_bad_input_is_a_usage_error(shell, cluster, line, match):
+    with pytest.raises(UsageError, match=match):
+        shell.run_line_magic("rpc_init", line)
+    assert nbrpc.current() is cluster  # the running cluster is untouched
+
+
+def test_shutdown_rejects_arguments(shell, cluster):
+    with pytest.raises(UsageError, match="no arguments"):
+        shell.run_line_magic("rpc_shutdown", "now")
+
+
+def test_full_cycle_with_custom_names(shell, cluster, capsys):
+    shell.run_line_magic("rpc_shutdown", "")
+    assert "shut down" in capsys.readouterr().out
+    shell.run_line_magic("rpc_status", "")
+    assert "no cluster is running" in capsys.readouterr().out
+    with pytest.raises(UsageError, match="cannot rename"):
+        shell.run_line_magic("rpc_init", "-n 1 --self master")
+    shell.run_line_magic("rpc_init", "--names ps,trainer1 --timeout 20 --threads 4 --quiet")
+    try:
+        assert nbrpc.workers() == ["worker0", "ps", "trainer1"]
+        assert nbrpc.rpc_sync("trainer1", lambda: "trained") == "trained"
+        import torch.distributed.rpc as rpc
+
+        assert rpc.get_rpc_timeout() == 20
+    finally:
+        shell.run_line_magic("rpc_shutdown", "")
