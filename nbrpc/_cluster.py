@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import enum
 import logging
+import os
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ DEFAULT_THREADS = 16
 ENGINE_START_TIMEOUT_S = 90.0
 JOIN_TIMEOUT_S = 90.0
 LEAVE_TIMEOUT_S = 30.0
+ENGINE_EXIT_WAIT_S = 5.0
 
 
 class ClusterState(enum.Enum):
@@ -210,7 +212,7 @@ class Cluster:
         self._ipp_cluster = ipp.Cluster(
             n=self.n,
             controller_ip="127.0.0.1",  # a local cluster listens on loopback only
-            log_level=logging.WARNING,
+            log_level=logging.ERROR,  # nbrpc reports failures itself, with advice
             shutdown_atexit=True,
         )
         self._ipp_cluster.start_controller_sync()
@@ -294,11 +296,17 @@ class Cluster:
     def _stop_engines(self) -> None:
         if self._client is not None:
             try:
+                if self._ipp_cluster is not None:  # ours: ask engines to exit cleanly first
+                    self._client.shutdown(targets="all", hub=False, block=True)
+            except Exception as exc:
+                log.warning("asking engines to exit: %s", exc)
+            try:
                 self._client.close()
             except Exception as exc:
                 log.warning("closing the ipyparallel client: %s", exc)
             self._client = None
         if self._ipp_cluster is not None:
+            _wait_for_exit([r.pid for r in self.records[1:]], ENGINE_EXIT_WAIT_S)
             try:
                 self._ipp_cluster.stop_cluster_sync()
             except Exception as exc:
@@ -366,6 +374,18 @@ class Cluster:
             "<table><tr><th>name</th><th>rank</th><th>pid</th><th>host</th><th>role</th>"
             f"<th>state</th></tr>{rows}</table>"
         )
+
+
+def _wait_for_exit(pids: list[int], timeout: float) -> None:
+    """Give engines asked to shut down a moment to exit on their own (bounded)."""
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except OSError:
+                break
+            time.sleep(0.05)
 
 
 def _remote_message(exc: BaseException) -> str:

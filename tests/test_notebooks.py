@@ -1,0 +1,73 @@
+"""The quickstart in a real Jupyter kernel: what shows up in which cell.
+
+nbval (``make test`` runs it over ``notebooks/``) checks that every cell runs and that the
+notebooks' own asserts hold; this test checks the outputs a person reads.
+"""
+
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _text(cell) -> str:
+    parts = []
+    for out in cell.get("outputs", []):
+        if out["output_type"] == "stream":
+            parts.append(out["text"])
+        elif out["output_type"] in ("execute_result", "display_data"):
+            parts.append(out["data"].get("text/plain", ""))
+        elif out["output_type"] == "error":
+            parts.append(f"ERROR {out['ename']}: {out['evalue']}")
+    return "".join(parts)
+
+
+@pytest.fixture(scope="module")
+def quickstart():
+    nb = nbformat.read(ROOT / "notebooks" / "01_quickstart.ipynb", as_version=4)
+    NotebookClient(
+        nb,
+        timeout=300,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(ROOT / "notebooks")}},
+    ).execute()
+    return {
+        cell.source.splitlines()[0]: _text(cell) for cell in nb.cells if cell.cell_type == "code"
+    }
+
+
+def test_rpc_init_cell_shows_progress_and_summary(quickstart):
+    out = quickstart["%load_ext nbrpc"]
+    assert "IntProgress" in out  # the per-worker progress widget (text/plain of its view)
+    assert "3 processes in the RPC group, ready" in out
+    for name in ("worker0", "worker1", "worker2"):
+        assert name in out
+
+
+def test_remote_print_lands_in_the_calling_cell(quickstart):
+    out = quickstart["def greet(n):"]
+    assert "[worker1] hello 0 from the worker\n[worker1] hello 1 from the worker\n" in out
+    assert out.rstrip().endswith("2")  # the result comes after the output
+
+
+def test_trainer_print_lands_in_the_parameter_server_cell(quickstart):
+    assert "[worker2] pushing gradients with norm" in quickstart["class ParameterServer:"]
+
+
+def test_remote_traceback_shows_the_notebook_line(quickstart):
+    out = quickstart["def divide(a, b):"]
+    assert "caught ZeroDivisionError from worker2" in out
+    assert "ratio = a / b" in out
+
+
+def test_second_cluster_in_the_same_kernel(quickstart):
+    out = quickstart["%rpc_shutdown"]
+    assert "workers again: ['worker0', 'worker1', 'worker2']" in out
+    assert "a call on the new cluster: 42" in out
+
+
+def test_no_cell_failed(quickstart):
+    assert not [src for src, out in quickstart.items() if "ERROR " in out]
