@@ -124,8 +124,12 @@ def join(
     num_worker_threads: int,
     device_maps: dict | None = None,
     devices: list | None = None,
+    store: dist.Store | None = None,
 ) -> None:
-    """``init_rpc`` this process into the group described by ``spec``."""
+    """``init_rpc`` this process into the group described by ``spec``.
+
+    ``store``: one already opened (the kernel opens a TCP store first to learn its port).
+    """
     if _joined["name"] is not None:
         raise RuntimeError(
             f"this process already joined an RPC group as {_joined['name']!r}; torch RPC "
@@ -141,7 +145,9 @@ def join(
         devices=devices or None,
     )
     with _handed_lock:
-        _handed_store.append(spec.open(is_master=(rank == 0), timeout_s=rpc_timeout))
+        if store is None:
+            store = spec.open(is_master=(rank == 0), timeout_s=rpc_timeout)
+        _handed_store.append(store)
         with _tensorpipe_on_loopback(spec.loopback_only):
             rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=options)
     _joined["name"] = name
@@ -217,7 +223,7 @@ def kernel_membership(
                 f"process in a group, so --self {name} needs a kernel restart. "
                 f"Leave --self out (or use --self {member.name})."
             )
-        if init_method and spec_from_init_method(init_method) != member.spec:
+        if init_method and not _same_rendezvous(spec_from_init_method(init_method), member.spec):
             raise ValueError(
                 f"this kernel's RPC group already uses {describe(member.spec)}; torch "
                 "fixes the rendezvous for the process's lifetime, so a different "
@@ -226,12 +232,23 @@ def kernel_membership(
         rpc._set_rpc_timeout(rpc_timeout)
         return member
     owned_dir = None
+    store = None
     if init_method:
         spec = spec_from_init_method(init_method)
+        if spec.kind == "tcp":  # the store binds first; port 0 lets it pick a free port
+            store = spec.open(is_master=True, timeout_s=rpc_timeout)
+            spec = StoreSpec(kind="tcp", host=spec.host, port=store.port)
     else:
         owned_dir = tempfile.mkdtemp(prefix="nbrpc-")  # mode 0700: this user only
         spec = StoreSpec(kind="file", path=os.path.join(owned_dir, "store"))
-    join(name, 0, spec, rpc_timeout=rpc_timeout, num_worker_threads=num_worker_threads)
+    join(
+        name,
+        0,
+        spec,
+        rpc_timeout=rpc_timeout,
+        num_worker_threads=num_worker_threads,
+        store=store,
+    )
     member = KernelMembership(name, spec, owned_dir)
     _kernel.append(member)
     return member
@@ -251,6 +268,12 @@ def spec_from_init_method(init_method: str) -> StoreSpec:
         f"unsupported --init-method {init_method!r}: use tcp://HOST:PORT (workers on other "
         "hosts connect there) or file:///shared/path (a file every worker can open)."
     )
+
+
+def _same_rendezvous(asked: StoreSpec, actual: StoreSpec) -> bool:
+    if asked.kind == "tcp" and asked.port == 0:  # "any port" matches the one picked
+        return actual.kind == "tcp" and asked.host == actual.host
+    return asked == actual
 
 
 def describe(spec: StoreSpec) -> str:

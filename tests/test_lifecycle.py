@@ -85,3 +85,26 @@ def test_attach_to_running_ipyparallel_cluster_leaves_it_running():
         nbrpc.shutdown()
         engines.stop_cluster_sync()
     ensure_cluster()
+
+
+def test_tcp_rendezvous_on_a_free_port(tmp_path):
+    """--init-method tcp://HOST:0: the store picks its port and workers are told it."""
+    script = tmp_path / "tcp_group.py"
+    script.write_text(
+        "import nbrpc\n"
+        "c = nbrpc.init(n=1, init_method='tcp://127.0.0.1:0', progress=False)\n"
+        "from nbrpc import _group\n"
+        "spec = _group.current_kernel_membership().spec\n"
+        "assert spec.kind == 'tcp' and spec.port > 0, spec\n"
+        "print('result', nbrpc.rpc_sync('worker1', lambda: 'over tcp'), spec.port)\n"
+        "nbrpc.shutdown()\n"
+        "try:\n"
+        "    nbrpc.init(n=1, init_method='tcp://127.0.0.1:1', progress=False)\n"
+        "except ValueError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "result over tcp" in out.stdout
+    assert "refused:" in out.stdout
+    assert "already uses a TCP store" in out.stdout
