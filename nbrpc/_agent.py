@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed.rpc as rpc
+import torch.distributed.rpc.api as rpc_api
 from torch.distributed.rpc import RRef, WorkerInfo
 from torch.distributed.rpc.constants import UNSET_RPC_TIMEOUT
 
@@ -46,14 +47,16 @@ def workers() -> list[str]:
     return _group.member_names()
 
 
-def _destination(to: str | WorkerInfo | int, what: str) -> str | WorkerInfo:
+def _destination(to: str | WorkerInfo | int, what: str) -> WorkerInfo:
     _require(what)
     if isinstance(to, WorkerInfo):
         return to
-    names = _group.member_names()
-    if isinstance(to, str) and to in names:
-        return to
-    raise UnknownWorkerError(to, names)
+    if isinstance(to, str):
+        try:  # one lookup in the agent's table; the full list only for the error
+            return rpc_api._get_current_rpc_agent().get_worker_info(to)
+        except RuntimeError:
+            pass
+    raise UnknownWorkerError(to, _group.member_names())
 
 
 def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
@@ -61,7 +64,7 @@ def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
     if worker_name is None:
         _require("nbrpc.get_worker_info()")
         return rpc.get_worker_info()
-    return rpc.get_worker_info(_destination(worker_name, "nbrpc.get_worker_info()"))
+    return _destination(worker_name, "nbrpc.get_worker_info()")
 
 
 def _timeout(timeout: float | None) -> float:
