@@ -20,7 +20,6 @@ Two things a notebook user expects from a remote call that torch RPC does not gi
 from __future__ import annotations
 
 import collections
-import contextlib
 import itertools
 import linecache
 import pickle
@@ -216,48 +215,73 @@ def settle(raw: Any, out: Any, translate: Any) -> None:
 # --- output forwarding -------------------------------------------------------------
 
 
-def show_output(worker: str, stream: str, text: str) -> None:
+def show_output(worker: str, chunks: list[tuple[str, str]]) -> None:
     """Runs in the kernel: print a worker's output, each line marked with its name."""
-    out = sys.stderr if stream == "stderr" else sys.stdout
-    marked = "".join(f"[{worker}] {line}" for line in text.splitlines(keepends=True))
-    out.write(marked)
-    out.flush()
+    for stream, text in chunks:
+        out = sys.stderr if stream == "stderr" else sys.stdout
+        out.write("".join(f"[{worker}] {line}" for line in text.splitlines(keepends=True)))
+        out.flush()
 
 
 class _CallOutput:
-    """Output written by one RPC call on a worker, sent to the kernel line by line."""
+    """Output written by one RPC call on a worker, sent to the kernel in order.
+
+    At most one message is in flight: the kernel runs RPCs on a thread pool, so two
+    messages in flight could print out of order. Lines written meanwhile wait and go
+    together in the next message.
+    """
 
     def __init__(self) -> None:
         self.buffers = {"stdout": "", "stderr": ""}
-        self.futures: list = []
+        self._pending: list[tuple[str, str]] = []
+        self._in_flight = False
+        self._lock = threading.RLock()
+        self._idle = threading.Event()
+        self._idle.set()
 
     def write(self, stream: str, text: str) -> None:
         buf = self.buffers[stream] + text
         cut = buf.rfind("\n") + 1
         self.buffers[stream] = buf[cut:]
         if cut:
-            self._send(stream, buf[:cut])
+            self._queue(stream, buf[:cut])
 
-    def _send(self, stream: str, text: str) -> None:
+    def _queue(self, stream: str, text: str) -> None:
+        with self._lock:
+            self._pending.append((stream, text))
+            if not self._in_flight:
+                self._send_pending()
+
+    def _send_pending(self) -> None:  # holds self._lock
+        chunks, self._pending = self._pending, []
+        self._in_flight = True
+        self._idle.clear()
         try:
-            self.futures.append(
-                rpc.rpc_async(
-                    _forward["to"],
-                    show_output,
-                    args=(_forward["me"], stream, text),
-                    timeout=_OUTPUT_WAIT_S,
-                )
+            fut = rpc.rpc_async(
+                _forward["to"], show_output, args=(_forward["me"], chunks), timeout=_OUTPUT_WAIT_S
             )
         except Exception as exc:  # the kernel is gone: keep the text on the worker
+            self._in_flight = False
+            self._idle.set()
+            text = "".join(t for _, t in chunks)
             sys.__stderr__.write(f"{text}(nbrpc: could not forward output: {exc})\n")
+            return
+        fut.add_done_callback(self._sent)
+
+    def _sent(self, _fut: Any) -> None:
+        with self._lock:
+            self._in_flight = False
+            if self._pending:
+                self._send_pending()
+            else:
+                self._idle.set()
 
     def close(self) -> None:
+        """Send what is left and wait (bounded) until the kernel has printed it all."""
         for stream, rest in self.buffers.items():
             if rest:
-                self._send(stream, rest + "\n")
-        for fut in self.futures:
-            with contextlib.suppress(Exception):  # best effort: never lose the result
-                fut.wait()
+                self._queue(stream, rest + "\n")
+        self._idle.wait(_OUTPUT_WAIT_S)
 
 
 class _ForwardingStream:
