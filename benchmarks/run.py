@@ -7,7 +7,9 @@ Figures (medians and p90 over repeats):
 - small call: round trip of a 1-element tensor; nbrpc with a notebook-defined function vs
   ``torch.distributed.rpc.rpc_sync`` with an importable one.
 - 64 MB: round trip of a 64 MB float32 tensor, the same two peers.
-Ratios are nbrpc / raw torch (1.00 = as fast as torch itself).
+- bare torch: the same calls between two bare processes with no nbrpc at all
+  (``raw_torch.py``, run first as a subprocess: nbrpc's hooks are process-wide).
+Ratios are nbrpc / torch (1.00 = as fast as torch itself).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -72,7 +75,15 @@ def main() -> int:
     args = parser.parse_args()
     small_n, big_n, boots = (200, 5, 1) if args.quick else (2000, 20, 3)
 
-    results: dict = {"boot_s": bench_boot(boots)}
+    bare = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "raw_torch.py"), str(small_n), str(big_n)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
+    raw = json.loads(bare.stdout.strip().splitlines()[-1])
+    results: dict = {"boot_s": bench_boot(boots), "bare_torch": raw}
     nbrpc.init(n=2, progress=False)
     nb_echo = notebook_echo()
     tiny = torch.ones(1)
@@ -96,6 +107,9 @@ def main() -> int:
     )
     nbrpc.shutdown()
 
+    results["small_call_s"]["torch rpc, bare processes"] = raw["small"]
+    results["small_call_s"]["torch rpc builtin, bare"] = raw["builtin"]
+    results["64MB_round_trip_s"]["torch rpc, bare processes"] = raw["large"]
     boot = results["boot_s"]
     print(
         f"boot of nbrpc.init(n=2) to first call: median {boot['median']:.2f} s "
@@ -110,7 +124,15 @@ def main() -> int:
                 f"  {name:<26} median {row['median'] * scale:8.1f} {unit}   "
                 f"p90 {row['p90'] * scale:8.1f} {unit}   n={row['n']}"
             )
-        print(f"  ratio nbrpc / torch (median): {ours['median'] / base['median']:.2f}")
+        bare_row = rows["torch rpc, bare processes"]
+        print(
+            f"  ratio nbrpc / torch in the same processes (median): "
+            f"{ours['median'] / base['median']:.2f}"
+        )
+        print(
+            f"  ratio nbrpc / torch in bare processes (median):     "
+            f"{ours['median'] / bare_row['median']:.2f}"
+        )
     out = ROOT / "benchmarks" / "results"
     out.mkdir(exist_ok=True)
     (out / "latest.json").write_text(json.dumps(results, indent=2))

@@ -1,0 +1,71 @@
+"""Baseline: plain torch RPC between bare processes, no nbrpc imported anywhere.
+
+Run by ``benchmarks/run.py`` as a subprocess (nbrpc's hooks are process-wide, so this
+baseline needs processes of its own). Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+WORKER = """
+import sys, torch.distributed.rpc as rpc
+sys.path.insert(0, sys.argv[3])
+rpc.init_rpc(f"worker{sys.argv[1]}", rank=int(sys.argv[1]), world_size=2,
+             rpc_backend_options=rpc.TensorPipeRpcBackendOptions(init_method=sys.argv[2]))
+rpc.shutdown()
+"""
+
+
+def main() -> int:
+    small_n, big_n = int(sys.argv[1]), int(sys.argv[2])
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, root)
+    import torch
+    import torch.distributed.rpc as rpc
+
+    from benchmarks.peers import echo
+
+    url = f"file://{tempfile.mkdtemp()}/store"
+    t0 = time.perf_counter()
+    worker = subprocess.Popen([sys.executable, "-c", WORKER, "1", url, root])
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=url)
+    rpc.init_rpc("worker0", rank=0, world_size=2, rpc_backend_options=opts)
+    rpc.rpc_sync("worker1", min, args=(1, 2))
+    boot = time.perf_counter() - t0
+
+    def timed(fn, n):
+        out = []
+        for _ in range(n):
+            t = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t)
+        return sorted(out)
+
+    tiny, big = torch.ones(1), torch.randn(16 * 1024 * 1024)
+    timed(lambda: rpc.rpc_sync("worker1", echo, args=(tiny,)), 20)
+    small = timed(lambda: rpc.rpc_sync("worker1", echo, args=(tiny,)), small_n)
+    builtin = timed(lambda: rpc.rpc_sync("worker1", torch.add, args=(tiny, 1)), small_n)
+    large = timed(lambda: rpc.rpc_sync("worker1", echo, args=(big,)), big_n)
+    rpc.shutdown()
+    worker.wait(timeout=60)
+
+    def row(s):
+        return {"median": statistics.median(s), "p90": s[int(0.9 * (len(s) - 1))], "n": len(s)}
+
+    print(
+        json.dumps(
+            {"boot_s": boot, "small": row(small), "builtin": row(builtin), "large": row(large)}
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
