@@ -22,6 +22,7 @@ from typing import Any
 
 from torch.distributed.rpc import RRef, WorkerInfo
 
+from . import autograd, optim
 from ._agent import get_worker_info, remote, rpc_async, rpc_sync, workers
 from ._cluster import Cluster, ClusterState, WorkerRecord, current, init, shutdown
 from ._errors import (
@@ -55,10 +56,12 @@ __all__ = [
     "WorkerInfo",
     "WorkerRecord",
     "__version__",
+    "autograd",
     "current",
     "get_worker_info",
     "init",
     "load_ipython_extension",
+    "optim",
     "register_by_value",
     "remote",
     "rpc_async",

@@ -19,7 +19,9 @@ def test_all_matches_public_names():
     }
     public.discard("annotations")  # from __future__
     public.discard("Any")  # typing import
-    assert public | {"__version__"} == set(nbrpc.__all__)
+    assert public | {"__version__", "autograd", "optim"} == set(nbrpc.__all__)
+    assert callable(nbrpc.autograd.backward)
+    assert callable(nbrpc.optim.DistributedOptimizer)
 
 
 def test_magics_are_registered_by_load_ext_only():

@@ -1,0 +1,72 @@
+"""Distributed autograd from a notebook: torch's engine, with errors that say what to do.
+
+    with nbrpc.autograd.context() as context_id:
+        loss = model(x).sum()
+        nbrpc.autograd.backward(context_id, [loss])      # or seed 001's backward([loss])
+        grads = nbrpc.autograd.get_gradients(context_id)
+
+Plain ``torch.distributed.autograd`` keeps working alongside.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed.autograd as dist_autograd
+
+from ._errors import NbrpcError
+
+__all__ = ["AutogradContextError", "backward", "context", "current_context_id", "get_gradients"]
+
+context = dist_autograd.context
+
+
+class AutogradContextError(NbrpcError, RuntimeError):
+    """A distributed autograd call outside of (or after) its context."""
+
+
+def current_context_id() -> int:
+    """The id of the innermost ``with context()`` block on this thread."""
+    try:
+        return dist_autograd._current_context()._context_id()
+    except RuntimeError:
+        raise AutogradContextError(
+            "no distributed autograd context is active on this thread. Wrap the forward "
+            "and backward pass in `with nbrpc.autograd.context() as context_id:`."
+        ) from None
+
+
+def _check_valid(context_id: int, what: str) -> None:
+    try:
+        dist_autograd._is_valid_context(context_id)  # returns None; raises when unknown
+    except RuntimeError:
+        raise AutogradContextError(
+            f"{what}: distributed autograd context {context_id} does not exist here any more "
+            "(its `with` block has ended, which frees its gradients on every worker). "
+            "Read gradients and step the optimizer inside the block."
+        ) from None
+
+
+def backward(
+    context_id: int | Sequence[torch.Tensor] | torch.Tensor,
+    roots: Sequence[torch.Tensor] | torch.Tensor | None = None,
+    retain_graph: bool = False,
+) -> None:
+    """Run the backward pass across workers from scalar ``roots``.
+
+    ``backward(context_id, roots)`` as in current torch, or ``backward(roots)`` inside a
+    ``with context()`` block as in seed 001.
+    """
+    if roots is None:
+        roots, context_id = context_id, current_context_id()  # type: ignore[assignment]
+    if isinstance(roots, torch.Tensor):
+        roots = [roots]
+    _check_valid(int(context_id), "backward")  # type: ignore[arg-type]
+    dist_autograd.backward(int(context_id), list(roots), retain_graph)  # type: ignore[arg-type]
+
+
+def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
+    """Gradients accumulated in this process for ``context_id``: {tensor: grad}."""
+    _check_valid(context_id, "get_gradients")
+    return dist_autograd.get_gradients(context_id)

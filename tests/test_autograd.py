@@ -1,0 +1,110 @@
+"""Distributed autograd and the optimizer across real workers, against one process."""
+
+import pytest
+import torch
+import torch.distributed.rpc as rpc
+
+import nbrpc
+from nbrpc import autograd
+from nbrpc.optim import DistributedOptimizer
+
+pytestmark = pytest.mark.usefixtures("cluster")
+
+CELL = """
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+
+class Stage(torch.nn.Module):
+    def __init__(self, seed, n_in, n_out):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.lin = torch.nn.Linear(n_in, n_out).double()
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+    def param_rrefs(self):
+        return [rpc.RRef(p) for p in self.parameters()]
+    def weights(self):
+        return [p.detach().clone() for p in self.parameters()]
+
+def grads_of(module_rref, context_id):
+    grads = dist_autograd.get_gradients(context_id)
+    return [grads[p] for p in module_rref.local_value().parameters()]
+"""
+
+
+@pytest.fixture(scope="module")
+def cell():
+    from conftest import notebook_code
+
+    return notebook_code(CELL)
+
+
+def _split(cell):
+    stage0 = cell.Stage(0, 6, 5)
+    stage1 = nbrpc.remote("worker1", cell.Stage, args=(1, 5, 4))
+    stage2 = nbrpc.remote("worker2", cell.Stage, args=(2, 4, 3))
+    return stage0, stage1, stage2
+
+
+def _local_twin(cell):
+    return cell.Stage(0, 6, 5), cell.Stage(1, 5, 4), cell.Stage(2, 4, 3)
+
+
+def test_split_kernel_worker1_worker2_matches_one_process(cell):
+    x = torch.randn(8, 6, dtype=torch.float64)
+    stage0, stage1, stage2 = _split(cell)
+    with autograd.context() as ctx:
+        h = stage0(x)
+        h = stage1.rpc_sync().forward(h)
+        out = stage2.rpc_sync().forward(h)
+        loss = out.pow(2).sum()
+        autograd.backward(ctx, [loss])
+        local_grads = autograd.get_gradients(ctx)
+        g0 = [local_grads[p] for p in stage0.parameters()]
+        g1 = nbrpc.rpc_sync("worker1", cell.grads_of, args=(stage1, ctx))
+        g2 = nbrpc.rpc_sync("worker2", cell.grads_of, args=(stage2, ctx))
+
+        params = [rpc.RRef(p) for p in stage0.parameters()]
+        params += stage1.rpc_sync().param_rrefs() + stage2.rpc_sync().param_rrefs()
+        opt = DistributedOptimizer(torch.optim.SGD, params, lr=0.1)
+        opt.step()  # inside the context: no id needed
+
+    t0, t1, t2 = _local_twin(cell)
+    ref_loss = t2(t1(t0(x))).pow(2).sum()
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
+    for got, module in ((g0, t0), (g1, t1), (g2, t2)):
+        for g, p in zip(got, module.parameters(), strict=True):
+            torch.testing.assert_close(g, p.grad, rtol=1e-12, atol=1e-12)
+    local_sgd = torch.optim.SGD([*t0.parameters(), *t1.parameters(), *t2.parameters()], lr=0.1)
+    local_sgd.step()
+    for module_rref, twin in ((stage1, t1), (stage2, t2)):
+        for w, p in zip(module_rref.rpc_sync().weights(), twin.parameters(), strict=True):
+            torch.testing.assert_close(w, p.detach(), rtol=1e-12, atol=1e-12)
+    for w, p in zip(stage0.parameters(), t0.parameters(), strict=True):
+        torch.testing.assert_close(w.detach(), p.detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_seed_001_backward_form_inside_context():
+    t1 = torch.rand((3, 3), requires_grad=True)
+    t2 = torch.rand((3, 3), requires_grad=True)
+    with autograd.context() as ctx:
+        loss = nbrpc.rpc_sync("worker1", torch.add, args=(t1, t2)).sum()
+        autograd.backward([loss])  # seed 001's older form
+        grads = autograd.get_gradients(ctx)
+    torch.testing.assert_close(grads[t1], torch.ones(3, 3))
+    torch.testing.assert_close(grads[t2], torch.ones(3, 3))
+
+
+def test_backward_without_context_says_what_to_do():
+    loss = (torch.ones(2, requires_grad=True) * 2).sum()
+    with pytest.raises(autograd.AutogradContextError, match=r"with nbrpc\.autograd\.context"):
+        autograd.backward([loss])
+
+
+def test_gradients_of_a_finished_context():
+    with autograd.context() as ctx:
+        pass
+    with pytest.raises(autograd.AutogradContextError, match="has ended"):
+        autograd.get_gradients(ctx)
