@@ -22,7 +22,7 @@ from typing import Any
 
 from torch.distributed.rpc import RRef, WorkerInfo
 
-from . import autograd, optim
+from . import autograd
 from ._agent import get_worker_info, remote, rpc_async, rpc_sync, workers
 from ._cluster import Cluster, ClusterState, WorkerRecord, current, init, shutdown
 from ._errors import (
@@ -69,6 +69,16 @@ __all__ = [
     "shutdown",
     "workers",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # nbrpc.optim imports torch.distributed.optim, which scripts torch's functional
+    # optimizers: 0.7 s measured, paid in every worker. Load it on first use only.
+    if name == "optim":
+        import importlib
+
+        return importlib.import_module(".optim", __name__)
+    raise AttributeError(f"module 'nbrpc' has no attribute {name!r}")
 
 
 def load_ipython_extension(ipython: Any) -> None:
