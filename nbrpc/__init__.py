@@ -37,6 +37,7 @@ from ._errors import (
     UnknownWorkerError,
 )
 from ._pickling import register_by_value
+from .autograd import trace_backward
 
 __version__ = "0.1.0"
 
@@ -67,6 +68,7 @@ __all__ = [
     "rpc_async",
     "rpc_sync",
     "shutdown",
+    "trace_backward",
     "workers",
 ]
 

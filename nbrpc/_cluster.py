@@ -21,6 +21,8 @@ import atexit
 import enum
 import logging
 import os
+import subprocess
+import sys
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -130,6 +132,7 @@ class Cluster:
         self._ipp_cluster: Any = None
         self._client: Any = None
         self._engine_of: dict[str, int] = {}
+        self._reaper: subprocess.Popen | None = None
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -144,6 +147,7 @@ class Cluster:
             self._abandon()
             raise
         self.boot_seconds = time.monotonic() - t0
+        self._start_reaper()
         self.state = ClusterState.READY
         _agent.set_active(True)
         _live.add(self)
@@ -266,6 +270,29 @@ class Cluster:
             time.sleep(0.02)
         return infos
 
+    def _start_reaper(self) -> None:
+        """Engines and controller we started stop if this process dies (see _reaper)."""
+        if self._ipp_cluster is None:
+            return
+        pids = [r.pid for r in self.records[1:]]
+        controller = getattr(self._ipp_cluster.controller, "pid", None)
+        if controller:
+            pids.append(controller)
+        self._reaper = subprocess.Popen(
+            [sys.executable, "-m", "nbrpc._reaper", str(os.getpid()), *map(str, pids)],
+            start_new_session=True,  # not hit by the signal that kills the kernel's group
+            stdin=subprocess.DEVNULL,
+        )
+
+    def _stop_reaper(self) -> None:
+        if self._reaper is not None:
+            self._reaper.terminate()
+            try:
+                self._reaper.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._reaper.kill()
+            self._reaper = None
+
     def _abandon(self) -> None:
         """After a failed boot: stop what was started, leave the kernel usable."""
         self.state = ClusterState.SHUTTING_DOWN
@@ -331,6 +358,7 @@ class Cluster:
             self._leave_workers(graceful, timeout)
         finally:
             self._stop_engines()
+            self._stop_reaper()
             for record in self.records[1:]:
                 record.state = "stopped"
             self.state = ClusterState.CLOSED

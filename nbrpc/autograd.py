@@ -15,9 +15,17 @@ from collections.abc import Sequence
 import torch
 import torch.distributed.autograd as dist_autograd
 
+from . import _trace
 from ._errors import NbrpcError
 
-__all__ = ["AutogradContextError", "backward", "context", "current_context_id", "get_gradients"]
+__all__ = [
+    "AutogradContextError",
+    "backward",
+    "context",
+    "current_context_id",
+    "get_gradients",
+    "trace_backward",
+]
 
 context = dist_autograd.context
 
@@ -52,18 +60,39 @@ def backward(
     context_id: int | Sequence[torch.Tensor] | torch.Tensor,
     roots: Sequence[torch.Tensor] | torch.Tensor | None = None,
     retain_graph: bool = False,
+    *,
+    timed: bool = False,
 ) -> None:
     """Run the backward pass across workers from scalar ``roots``.
 
     ``backward(context_id, roots)`` as in current torch, or ``backward(roots)`` inside a
-    ``with context()`` block as in seed 001.
+    ``with context()`` block as in seed 001. ``timed=True`` first puts timing hooks on
+    every node of every worker taking part (one RPC round), so that
+    :func:`nbrpc.trace_backward` reports when each function ran.
     """
     if roots is None:
         roots, context_id = context_id, current_context_id()  # type: ignore[assignment]
     if isinstance(roots, torch.Tensor):
         roots = [roots]
-    _check_valid(int(context_id), "backward")  # type: ignore[arg-type]
-    dist_autograd.backward(int(context_id), list(roots), retain_graph)  # type: ignore[arg-type]
+    context_id = int(context_id)  # type: ignore[arg-type]
+    _check_valid(context_id, "backward")
+    roots = list(roots)  # type: ignore[arg-type]
+    _trace.remember_roots(context_id, roots)
+    if timed:
+        _trace.instrument_all(context_id)
+    dist_autograd.backward(context_id, roots, retain_graph)
+
+
+def trace_backward(context_id: int | None = None) -> dict:
+    """The backward pass of ``context_id`` as it crossed the workers (see ``nbrpc._trace``).
+
+    Call it inside the ``with context()`` block, after ``backward``: leaving the block
+    frees the graph on every worker.
+    """
+    if context_id is None:
+        context_id = current_context_id()
+    _check_valid(context_id, "trace_backward")
+    return _trace.trace_backward(context_id)
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:

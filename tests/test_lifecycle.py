@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import time
 
 import ipyparallel as ipp
 import pytest
@@ -108,3 +109,26 @@ def test_tcp_rendezvous_on_a_free_port(tmp_path):
     assert "result over tcp" in out.stdout
     assert "refused:" in out.stdout
     assert "already uses a TCP store" in out.stdout
+
+
+def test_workers_exit_when_the_kernel_is_killed(tmp_path):
+    """kill -9 of the kernel: no atexit runs, yet its engines and controller go away."""
+    script = tmp_path / "doomed_kernel.py"
+    script.write_text(
+        "import os, sys, time, nbrpc\n"
+        "c = nbrpc.init(n=2, progress=False)\n"
+        "print(' '.join(str(r.pid) for r in c.workers[1:]), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    kernel = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in kernel.stdout.readline().split()]
+        assert len(pids) == 2
+        kernel.kill()
+        kernel.wait(timeout=10)
+        t0 = time.monotonic()
+        assert wait_for_exit(pids, timeout=20) == [], "engines outlived their kernel"
+        print(f"engines gone {time.monotonic() - t0:.1f} s after the kernel was killed")
+    finally:
+        if kernel.poll() is None:
+            kernel.kill()

@@ -1,0 +1,205 @@
+"""trace_backward and gradient equality on splits whose graph shape is known."""
+
+import threading
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed.rpc as rpc
+
+import nbrpc
+from nbrpc import autograd
+
+pytestmark = pytest.mark.usefixtures("cluster")
+
+CELL = """
+import torch
+import torch.distributed.autograd as dist_autograd
+
+class Stage(torch.nn.Module):
+    def __init__(self, seed, n_in, n_out):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.lin = torch.nn.Linear(n_in, n_out).double()
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+def grads_of(module_rref, context_id):
+    grads = dist_autograd.get_gradients(context_id)
+    return [grads.get(p) for p in module_rref.local_value().parameters()]
+"""
+
+SEND, RECV = "SendRpcBackward", "RecvRpcBackward"
+STAGE = ["TanhBackward0", "AddmmBackward0", "TBackward0", "AccumulateGrad", "AccumulateGrad"]
+
+
+@pytest.fixture(scope="module")
+def cell():
+    from conftest import notebook_code
+
+    return notebook_code(CELL)
+
+
+def names_on(trace, worker):
+    return Counter(n["name"] for n in trace["nodes"] if n["worker"] == worker)
+
+
+def hops(trace):
+    by_id = {n["id"]: n for n in trace["nodes"]}
+    return [
+        (by_id[e["src"]]["worker"], by_id[e["dst"]]["worker"])
+        for e in trace["edges"]
+        if e["kind"] == "rpc"
+    ]
+
+
+def check_edges_are_consistent(trace):
+    ids = {n["id"] for n in trace["nodes"]}
+    by_id = {n["id"]: n for n in trace["nodes"]}
+    for e in trace["edges"]:
+        assert e["src"] in ids
+        assert e["dst"] in ids
+        src, dst = by_id[e["src"]], by_id[e["dst"]]
+        if e["kind"] == "local":
+            assert src["worker"] == dst["worker"]
+        else:  # a hop: from the receiver's recv to the sender's send, same message id
+            assert (src["kind"], dst["kind"]) == ("recv", "send")
+            assert src["message_id"] == dst["message_id"] == e["message_id"]
+            assert src["worker"] != dst["worker"]
+
+
+def grads_match(cell, got_by_module, twins):
+    for got, twin in zip(got_by_module, twins, strict=True):
+        for g, p in zip(got, twin.parameters(), strict=True):
+            if p.grad is None:
+                assert g is None
+            else:
+                torch.testing.assert_close(g, p.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_chain_kernel_worker1_worker2(cell):
+    x = torch.randn(4, 3, dtype=torch.float64)
+    s0 = cell.Stage(0, 3, 3)
+    s1 = nbrpc.remote("worker1", cell.Stage, args=(1, 3, 3))
+    s2 = nbrpc.remote("worker2", cell.Stage, args=(2, 3, 2))
+    with autograd.context() as ctx:
+        loss = s2.rpc_sync().forward(s1.rpc_sync().forward(s0(x))).pow(2).sum()
+        autograd.backward(ctx, [loss], timed=True)
+        trace = nbrpc.trace_backward(ctx)
+        local = autograd.get_gradients(ctx)
+        got = [
+            [local[p] for p in s0.parameters()],
+            nbrpc.rpc_sync("worker1", cell.grads_of, args=(s1, ctx)),
+            nbrpc.rpc_sync("worker2", cell.grads_of, args=(s2, ctx)),
+        ]
+    t0, t1, t2 = cell.Stage(0, 3, 3), cell.Stage(1, 3, 3), cell.Stage(2, 3, 2)
+    t2(t1(t0(x))).pow(2).sum().backward()
+    grads_match(cell, got, [t0, t1, t2])
+
+    check_edges_are_consistent(trace)
+    assert [w["name"] for w in trace["workers"]] == ["worker0", "worker1", "worker2"]
+    assert names_on(trace, "worker0") == Counter(
+        ["SumBackward0", "PowBackward0", SEND, SEND, RECV, RECV, *STAGE]
+    )
+    for worker in ("worker1", "worker2"):
+        assert names_on(trace, worker) == Counter([SEND, RECV, *STAGE])
+    assert sorted(hops(trace)) == sorted(
+        [
+            ("worker1", "worker0"),
+            ("worker0", "worker1"),
+            ("worker2", "worker0"),
+            ("worker0", "worker2"),
+        ]
+    )
+    roots = [n for n in trace["nodes"] if n["kind"] == "root"]
+    assert [(r["worker"], r["name"]) for r in roots] == [("worker0", "SumBackward0")]
+    # timed=True: every node ran, and has a start and a duration
+    assert all("duration_s" in n and n["duration_s"] >= 0 for n in trace["nodes"])
+    assert all(w["timing"]["busy_s"] > 0 for w in trace["workers"])
+
+
+def test_module_used_twice_across_workers(cell):
+    x = torch.randn(4, 3, dtype=torch.float64)
+    s1 = nbrpc.remote("worker1", cell.Stage, args=(1, 3, 3))
+    s2 = nbrpc.remote("worker2", cell.Stage, args=(2, 3, 3))
+    with autograd.context() as ctx:
+        h = s1.rpc_sync().forward(x.requires_grad_())
+        h = s2.rpc_sync().forward(h)
+        loss = s1.rpc_sync().forward(h).sum()  # worker1's module again
+        autograd.backward(ctx, [loss])
+        trace = nbrpc.trace_backward(ctx)
+        got = [
+            nbrpc.rpc_sync("worker1", cell.grads_of, args=(s1, ctx)),
+            nbrpc.rpc_sync("worker2", cell.grads_of, args=(s2, ctx)),
+        ]
+        x_grad = autograd.get_gradients(ctx)[x]
+    t1, t2 = cell.Stage(1, 3, 3), cell.Stage(2, 3, 3)
+    xr = x.detach().clone().requires_grad_()
+    t1(t2(t1(xr))).sum().backward()
+    grads_match(cell, got, [t1, t2])
+    torch.testing.assert_close(x_grad, xr.grad, rtol=1e-12, atol=1e-12)
+
+    check_edges_are_consistent(trace)
+    w1 = names_on(trace, "worker1")
+    assert w1[SEND] == 2
+    assert w1[RECV] == 2
+    assert w1["AccumulateGrad"] == 2  # one per parameter, shared by both uses
+    assert w1["AddmmBackward0"] == 2
+    acc = {
+        n["id"] for n in trace["nodes"] if n["worker"] == "worker1" and n["kind"] == "accumulate"
+    }
+    into_acc = Counter(e["dst"] for e in trace["edges"] if e["dst"] in acc)
+    assert sorted(into_acc.values()) == [2, 2]  # each leaf receives from both uses
+    assert len(hops(trace)) == 6
+
+
+def test_branch_whose_output_is_unused(cell):
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    s1 = nbrpc.remote("worker1", cell.Stage, args=(1, 3, 3))
+    s2 = nbrpc.remote("worker2", cell.Stage, args=(2, 3, 3))
+    with autograd.context() as ctx:
+        used = s1.rpc_sync().forward(x)
+        _unused = s2.rpc_sync().forward(x)  # computed, sent back, never used in the loss
+        loss = used.sum()
+        autograd.backward(ctx, [loss])
+        trace = nbrpc.trace_backward(ctx)
+        got = [
+            nbrpc.rpc_sync("worker1", cell.grads_of, args=(s1, ctx)),
+            nbrpc.rpc_sync("worker2", cell.grads_of, args=(s2, ctx)),
+        ]
+    t1 = cell.Stage(1, 3, 3)
+    t1(x.detach().clone().requires_grad_()).sum().backward()
+    grads_match(cell, [got[0]], [t1])
+    assert got[1] == [None, None]  # the unused branch's parameters got no gradient
+    check_edges_are_consistent(trace)
+
+
+def test_two_contexts_from_two_threads_stay_separate(cell):
+    s1 = nbrpc.remote("worker1", cell.Stage, args=(1, 3, 3))
+    inputs = [torch.randn(4, 3, dtype=torch.float64) for _ in range(2)]
+    results: dict = {}
+    barrier = threading.Barrier(2)
+
+    def run(i):
+        with autograd.context() as ctx:
+            loss = s1.rpc_sync().forward(inputs[i]).pow(2).sum()
+            barrier.wait()  # both contexts alive at once
+            autograd.backward(ctx, [loss])
+            results[i] = nbrpc.rpc_sync("worker1", cell.grads_of, args=(s1, ctx))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for i in range(2):
+        twin = cell.Stage(1, 3, 3)
+        twin(inputs[i]).pow(2).sum().backward()
+        grads_match(cell, [results[i]], [twin])
+
+
+def test_trace_after_the_context_ended_says_so():
+    with autograd.context() as ctx:
+        rpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), 1))
+    with pytest.raises(autograd.AutogradContextError, match="has ended"):
+        nbrpc.trace_backward(ctx)
