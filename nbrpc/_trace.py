@@ -15,7 +15,7 @@ them::
      "workers": [{"name": "worker1", "id": 1, "host": "...", "timing": {...} | None}, ...],
      "nodes": [{"id": "worker1/0", "worker": "worker1", "name": "TanhBackward0",
                 "kind": "send" | "recv" | "root" | "function" | "accumulate",
-                "message_id": int | None, "start_s", "duration_s"}, ...],
+                "message_id": int | None, "is_root": bool, "start_s", "duration_s"}, ...],
      "edges": [{"src": "worker1/0", "dst": "worker1/1", "kind": "local" | "rpc",
                 "message_id": int | None}, ...]}
 
@@ -37,7 +37,13 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 import torch.distributed.rpc.api as rpc_api
 
-__all__ = ["instrument", "local_graph", "remember_roots", "trace_backward"]
+__all__ = [
+    "instrument",
+    "local_graph",
+    "never_reached",
+    "remember_roots",
+    "trace_backward",
+]
 
 _SEND = "torch::distributed::autograd::SendRpcBackward"
 _RECV = "torch::distributed::autograd::RecvRpcBackward"
@@ -95,7 +101,7 @@ def _walk(context_id: int) -> tuple[list, dict[int, int], list[tuple[int, int]],
                 queue.append(nxt)
             edges.append((index[id(fn)], index[id(nxt)]))
     root_ids = {id(fn) for fn in roots}
-    kinds = {}
+    kinds: dict[int, tuple[str, int | None]] = {}
     for fn in nodes:
         if id(fn) in message_of:
             kinds[id(fn)] = message_of[id(fn)]
@@ -114,6 +120,7 @@ def local_graph(context_id: int) -> dict[str, Any]:
     nodes, _index, edges, kinds = _walk(context_id)
     with _lock:
         times = _timings.get(context_id, {})
+        roots = {id(fn) for fn in _roots.get(context_id, [])}
     out_nodes = []
     for i, fn in enumerate(nodes):
         kind, mid = kinds[id(fn)]
@@ -123,6 +130,7 @@ def local_graph(context_id: int) -> dict[str, Any]:
             "name": _short(fn.name()),
             "kind": kind,
             "message_id": mid,
+            "is_root": id(fn) in roots,
         }
         span = times.get(id(fn))
         if span and len(span) == 2:
@@ -167,6 +175,32 @@ def instrument(context_id: int) -> list[int]:
         fn.register_prehook(pre)
         fn.register_hook(post)
     return sorted(dist_autograd._retrieve_context(context_id)._known_worker_ids())
+
+
+def never_reached(trace: dict[str, Any]) -> list[dict[str, Any]]:
+    """Send functions that would never get a gradient from a backward from the roots.
+
+    torch's FAST-mode engine waits for a gradient at every ``SendRpcBackward`` of the
+    context, so if one is never reached the backward pass waits forever. Gradients start
+    at the roots, flow along local edges, and a ``RecvRpcBackward`` that is reached
+    passes them to its partner ``SendRpcBackward`` on the sending worker.
+    """
+    local: dict[str, list[str]] = {}
+    hop: dict[str, str] = {}
+    for e in trace["edges"]:
+        if e["kind"] == "local":
+            local.setdefault(e["src"], []).append(e["dst"])
+        else:
+            hop[e["src"]] = e["dst"]
+    reached = {n["id"] for n in trace["nodes"] if n["is_root"]}
+    stack = list(reached)
+    while stack:
+        node = stack.pop()
+        for nxt in local.get(node, []) + ([hop[node]] if node in hop else []):
+            if nxt not in reached:
+                reached.add(nxt)
+                stack.append(nxt)
+    return [n for n in trace["nodes"] if n["kind"] == "send" and n["id"] not in reached]
 
 
 def _names_by_id() -> dict[int, str]:

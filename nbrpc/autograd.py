@@ -62,6 +62,7 @@ def backward(
     retain_graph: bool = False,
     *,
     timed: bool = False,
+    check: bool = True,
 ) -> None:
     """Run the backward pass across workers from scalar ``roots``.
 
@@ -69,6 +70,11 @@ def backward(
     ``with context()`` block as in seed 001. ``timed=True`` first puts timing hooks on
     every node of every worker taking part (one RPC round), so that
     :func:`nbrpc.trace_backward` reports when each function ran.
+
+    ``check=True`` (default) first looks at the graph on every worker taking part (one
+    RPC round per hop distance) and refuses, with the reason, a backward pass that torch
+    would never finish: one where a tensor sent by RPC inside the context (an argument or
+    a result) does not lead to the loss. ``check=False`` skips that round in hot loops.
     """
     if roots is None:
         roots, context_id = context_id, current_context_id()  # type: ignore[assignment]
@@ -78,9 +84,29 @@ def backward(
     _check_valid(context_id, "backward")
     roots = list(roots)  # type: ignore[arg-type]
     _trace.remember_roots(context_id, roots)
+    if check:
+        _refuse_hang(context_id)
     if timed:
         _trace.instrument_all(context_id)
     dist_autograd.backward(context_id, roots, retain_graph)
+
+
+def _refuse_hang(context_id: int) -> None:
+    trace = _trace.trace_backward(context_id)
+    stuck = _trace.never_reached(trace)
+    if not stuck:
+        return
+    receiver = {e["dst"]: e["src"].split("/")[0] for e in trace["edges"] if e["kind"] == "rpc"}
+    pairs = ", ".join(
+        f"{n['worker']} -> {receiver.get(n['id'], '?')} (message {n['message_id']})" for n in stuck
+    )
+    raise AutogradContextError(
+        "this backward pass would wait forever: torch's distributed autograd expects a "
+        "gradient for every tensor sent by RPC inside the context, and these sends would "
+        f"never get one: {pairs}. Usually an RPC result that requires grad is not used by "
+        "the loss. Make that call outside the `with context()` block, or under "
+        "torch.no_grad() on the worker, or add its result to the loss multiplied by 0."
+    )
 
 
 def trace_backward(context_id: int | None = None) -> dict:

@@ -24,6 +24,16 @@ class Stage(torch.nn.Module):
     def forward(self, x):
         return torch.tanh(self.lin(x))
 
+class Fork(torch.nn.Module):
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.used = torch.nn.Linear(3, 2).double()
+        self.unused = torch.nn.Linear(3, 2).double()
+    def forward(self, x):
+        _ = self.unused(x)  # a branch computed, then dropped
+        return self.used(x)
+
 def grads_of(module_rref, context_id):
     grads = dist_autograd.get_gradients(context_id)
     return [grads.get(p) for p in module_rref.local_value().parameters()]
@@ -154,24 +164,40 @@ def test_module_used_twice_across_workers(cell):
 
 
 def test_branch_whose_output_is_unused(cell):
+    """worker2 computes two branches and returns one: the other gets no gradient."""
+    x = torch.randn(4, 3, dtype=torch.float64)
+    s1 = nbrpc.remote("worker1", cell.Stage, args=(1, 3, 3))
+    fork = nbrpc.remote("worker2", cell.Fork, args=(5,))
+    with autograd.context() as ctx:
+        loss = fork.rpc_sync().forward(s1.rpc_sync().forward(x)).sum()
+        autograd.backward(ctx, [loss])
+        trace = nbrpc.trace_backward(ctx)
+        got = [
+            nbrpc.rpc_sync("worker1", cell.grads_of, args=(s1, ctx)),
+            nbrpc.rpc_sync("worker2", cell.grads_of, args=(fork, ctx)),
+        ]
+    t1, twin = cell.Stage(1, 3, 3), cell.Fork(5)
+    twin(t1(x)).sum().backward()
+    grads_match(cell, got, [t1, twin])
+    assert twin.unused.weight.grad is None  # the reference agrees: no gradient there
+    check_edges_are_consistent(trace)
+    assert names_on(trace, "worker2")["AccumulateGrad"] == 2  # only the used branch
+
+
+def test_unused_rpc_result_is_refused_instead_of_hanging(cell):
     x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
     s1 = nbrpc.remote("worker1", cell.Stage, args=(1, 3, 3))
     s2 = nbrpc.remote("worker2", cell.Stage, args=(2, 3, 3))
     with autograd.context() as ctx:
         used = s1.rpc_sync().forward(x)
-        _unused = s2.rpc_sync().forward(x)  # computed, sent back, never used in the loss
-        loss = used.sum()
-        autograd.backward(ctx, [loss])
-        trace = nbrpc.trace_backward(ctx)
-        got = [
-            nbrpc.rpc_sync("worker1", cell.grads_of, args=(s1, ctx)),
-            nbrpc.rpc_sync("worker2", cell.grads_of, args=(s2, ctx)),
-        ]
-    t1 = cell.Stage(1, 3, 3)
-    t1(x.detach().clone().requires_grad_()).sum().backward()
-    grads_match(cell, [got[0]], [t1])
-    assert got[1] == [None, None]  # the unused branch's parameters got no gradient
-    check_edges_are_consistent(trace)
+        _unused = s2.rpc_sync().forward(x)  # requires grad, never reaches the loss
+        with pytest.raises(autograd.AutogradContextError, match=r"would wait forever.*worker2"):
+            autograd.backward(ctx, [used.sum()])
+    with autograd.context() as ctx:  # the fix the message suggests works
+        used = s1.rpc_sync().forward(x)
+        unused = s2.rpc_sync().forward(x)
+        autograd.backward(ctx, [used.sum() + 0 * unused.sum()])
+        assert autograd.get_gradients(ctx)[x].shape == x.shape
 
 
 def test_two_contexts_from_two_threads_stay_separate(cell):
