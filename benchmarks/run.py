@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import torch.distributed.rpc as rpc  # noqa: E402
 
 import nbrpc  # noqa: E402
-from benchmarks.peers import echo  # noqa: E402
+from benchmarks.peers import Shard, echo  # noqa: E402
 
 
 def notebook_echo():
@@ -69,6 +69,39 @@ def bench_boot(boots: int) -> dict:
     return stats(samples)
 
 
+def bench_model_split(steps: int) -> dict:
+    """One forward+backward+optimizer step of 04's model: split over 3 processes vs one."""
+    from nbrpc.optim import DistributedOptimizer
+
+    x, target = torch.randn(64, 512), torch.randn(64, 16)
+    shard1 = Shard(1, 512, 1024)
+    shard2 = nbrpc.remote("worker1", Shard, args=(2, 1024, 1024))
+    shard3 = nbrpc.remote("worker2", Shard, args=(3, 1024, 16))
+    params = [rpc.RRef(p) for p in shard1.parameters()]
+    params += shard2.rpc_sync().param_rrefs() + shard3.rpc_sync().param_rrefs()
+    opt = DistributedOptimizer(torch.optim.SGD, params, lr=0.01)
+
+    def split_step():
+        with nbrpc.autograd.context() as ctx:
+            out = shard3.rpc_sync().forward(shard2.rpc_sync().forward(shard1(x)))
+            loss = torch.nn.functional.mse_loss(out, target)
+            nbrpc.autograd.backward(ctx, [loss], check=False)
+            opt.step(ctx)
+
+    local = torch.nn.Sequential(Shard(1, 512, 1024), Shard(2, 1024, 1024), Shard(3, 1024, 16))
+    local_opt = torch.optim.SGD(local.parameters(), lr=0.01)
+
+    def local_step():
+        local_opt.zero_grad()
+        torch.nn.functional.mse_loss(local(x), target).backward()
+        local_opt.step()
+
+    for _ in range(3):
+        split_step()
+        local_step()
+    return interleaved({"split over 3 processes": split_step, "one process": local_step}, steps)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
@@ -105,6 +138,7 @@ def main() -> int:
         },
         big_n,
     )
+    results["model_split_step_s"] = bench_model_split(10 if args.quick else 50)
     nbrpc.shutdown()
 
     results["small_call_s"]["torch rpc, bare processes"] = raw["small"]
@@ -133,6 +167,15 @@ def main() -> int:
             f"  ratio nbrpc / torch in bare processes (median):     "
             f"{ours['median'] / bare_row['median']:.2f}"
         )
+    split = results["model_split_step_s"]
+    print("04's model, one forward+backward+SGD step (64x512 -> 1024 -> 1024 -> 16, float32):")
+    for name, row in split.items():
+        print(
+            f"  {name:<26} median {row['median'] * 1e3:8.2f} ms   "
+            f"p90 {row['p90'] * 1e3:8.2f} ms   n={row['n']}"
+        )
+    ratio = split["split over 3 processes"]["median"] / split["one process"]["median"]
+    print(f"  ratio split / one process (median): {ratio:.2f}")
     out = ROOT / "benchmarks" / "results"
     out.mkdir(exist_ok=True)
     (out / "latest.json").write_text(json.dumps(results, indent=2))
