@@ -35,6 +35,31 @@ def notebook_code(source: str) -> SimpleNamespace:
     return SimpleNamespace(**{k: v for k, v in namespace.items() if not k.startswith("__")})
 
 
+#: A float64 model stage and a gradient reader, as a notebook defines them; shared by the
+#: autograd and trace tests.
+STAGE_CELL = """
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+
+class Stage(torch.nn.Module):
+    def __init__(self, seed, n_in, n_out):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.lin = torch.nn.Linear(n_in, n_out).double()
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+    def param_rrefs(self):
+        return [rpc.RRef(p) for p in self.parameters()]
+    def weights(self):
+        return [p.detach().clone() for p in self.parameters()]
+
+def grads_of(module_rref, context_id):
+    grads = dist_autograd.get_gradients(context_id)
+    return [grads.get(p) for p in module_rref.local_value().parameters()]
+"""
+
+
 def ensure_cluster() -> nbrpc.Cluster:
     """The running cluster, started (2 workers) when none is."""
     try:

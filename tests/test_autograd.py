@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.distributed.rpc as rpc
+from conftest import STAGE_CELL, notebook_code
 
 import nbrpc
 from nbrpc import autograd
@@ -10,34 +11,10 @@ from nbrpc.optim import DistributedOptimizer
 
 pytestmark = pytest.mark.usefixtures("cluster")
 
-CELL = """
-import torch
-import torch.distributed.autograd as dist_autograd
-import torch.distributed.rpc as rpc
-
-class Stage(torch.nn.Module):
-    def __init__(self, seed, n_in, n_out):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.lin = torch.nn.Linear(n_in, n_out).double()
-    def forward(self, x):
-        return torch.tanh(self.lin(x))
-    def param_rrefs(self):
-        return [rpc.RRef(p) for p in self.parameters()]
-    def weights(self):
-        return [p.detach().clone() for p in self.parameters()]
-
-def grads_of(module_rref, context_id):
-    grads = dist_autograd.get_gradients(context_id)
-    return [grads[p] for p in module_rref.local_value().parameters()]
-"""
-
 
 @pytest.fixture(scope="module")
 def cell():
-    from conftest import notebook_code
-
-    return notebook_code(CELL)
+    return notebook_code(STAGE_CELL)
 
 
 def _split(cell):

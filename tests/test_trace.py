@@ -6,23 +6,15 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed.rpc as rpc
+from conftest import STAGE_CELL, notebook_code
 
 import nbrpc
 from nbrpc import autograd
 
 pytestmark = pytest.mark.usefixtures("cluster")
 
-CELL = """
+FORK_CELL = """
 import torch
-import torch.distributed.autograd as dist_autograd
-
-class Stage(torch.nn.Module):
-    def __init__(self, seed, n_in, n_out):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.lin = torch.nn.Linear(n_in, n_out).double()
-    def forward(self, x):
-        return torch.tanh(self.lin(x))
 
 class Fork(torch.nn.Module):
     def __init__(self, seed):
@@ -33,10 +25,6 @@ class Fork(torch.nn.Module):
     def forward(self, x):
         _ = self.unused(x)  # a branch computed, then dropped
         return self.used(x)
-
-def grads_of(module_rref, context_id):
-    grads = dist_autograd.get_gradients(context_id)
-    return [grads.get(p) for p in module_rref.local_value().parameters()]
 """
 
 SEND, RECV = "SendRpcBackward", "RecvRpcBackward"
@@ -45,9 +33,7 @@ STAGE = ["TanhBackward0", "AddmmBackward0", "TBackward0", "AccumulateGrad", "Acc
 
 @pytest.fixture(scope="module")
 def cell():
-    from conftest import notebook_code
-
-    return notebook_code(CELL)
+    return notebook_code(STAGE_CELL + FORK_CELL)
 
 
 def names_on(trace, worker):
