@@ -35,6 +35,7 @@ from ._errors import (
     RpcTimeoutError,
     SerializationError,
     UnknownWorkerError,
+    WorkerDiedError,
 )
 from ._pickling import register_by_value
 from .autograd import trace_backward
@@ -54,6 +55,7 @@ __all__ = [
     "RpcTimeoutError",
     "SerializationError",
     "UnknownWorkerError",
+    "WorkerDiedError",
     "WorkerInfo",
     "WorkerRecord",
     "__version__",

@@ -19,7 +19,7 @@ from torch.distributed.rpc import RRef, WorkerInfo
 from torch.distributed.rpc.constants import UNSET_RPC_TIMEOUT
 
 from . import _group, _remote
-from ._errors import NotInitializedError, RpcTimeoutError, UnknownWorkerError
+from ._errors import NotInitializedError, RpcTimeoutError, UnknownWorkerError, WorkerDiedError
 
 __all__ = ["get_worker_info", "remote", "rpc_async", "rpc_sync", "workers"]
 
@@ -125,7 +125,11 @@ def _start(
     out: torch.futures.Future = torch.futures.Future()
 
     def translate(exc: BaseException) -> BaseException:
-        return _timeout_error(exc, func, dest, timeout) if _is_timeout(exc) else exc
+        if _is_timeout(exc):
+            return _timeout_error(exc, func, dest, timeout)
+        if _remote.is_connection_loss(exc):
+            return WorkerDiedError(dest.name, str(exc).splitlines()[0])
+        return exc
 
     raw.add_done_callback(lambda done: _remote.settle(done, out, translate))
     return out

@@ -21,6 +21,7 @@ import atexit
 import enum
 import logging
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -42,6 +43,10 @@ ENGINE_START_TIMEOUT_S = 90.0
 JOIN_TIMEOUT_S = 90.0
 LEAVE_TIMEOUT_S = 30.0
 ENGINE_EXIT_WAIT_S = 5.0
+DEAD_RELEASE_TIMEOUT_S = 2.0  # RRefs owned by a dead worker are never confirmed: do not wait
+# Releasing the kernel's RRefs takes milliseconds when every owner answers; one that died
+# in an earlier cluster leaves torch waiting for the whole timeout, so bound it.
+RELEASE_TIMEOUT_S = 5.0
 
 
 class ClusterState(enum.Enum):
@@ -303,11 +308,34 @@ class Cluster:
             self.state = ClusterState.CLOSED
             _agent.set_active(False)
 
+    def dead_workers(self) -> list[str]:
+        """Workers whose process is gone, from what ipyparallel and the OS know.
+
+        An engine that ipyparallel no longer lists (its heartbeat stopped, or its nanny
+        reported the exit) is dead; so is a worker on this host whose pid is gone.
+        """
+        if self._client is None:
+            return [r.name for r in self.records[1:] if r.state == "dead"]
+        engines = set(self._client.ids)
+        here = socket.gethostname()
+        for record in self.records[1:]:
+            if record.state != "ready":
+                continue
+            gone = record.engine_id not in engines
+            if not gone and record.host == here:
+                gone = not _process_alive(record.pid)
+            if gone:
+                record.state = "dead"
+        return [r.name for r in self.records[1:] if r.state == "dead"]
+
     def _leave_workers(self, graceful: bool, timeout: float = LEAVE_TIMEOUT_S) -> None:
         if self._client is None or not self._engine_of:
             return
+        dead = set(self.dead_workers())
         pending = []
-        for eid in self._engine_of.values():
+        for name, eid in self._engine_of.items():
+            if name in dead:
+                continue
             try:
                 pending.append(self._client[eid].apply_async(_worker.leave))
             except Exception as exc:
@@ -323,8 +351,9 @@ class Cluster:
     def _stop_engines(self) -> None:
         if self._client is not None:
             try:
-                if self._ipp_cluster is not None:  # ours: ask engines to exit cleanly first
-                    self._client.shutdown(targets="all", hub=False, block=True)
+                live = [r.engine_id for r in self.records[1:] if r.state == "ready"]
+                if self._ipp_cluster is not None and live:  # ours: ask engines to exit first
+                    self._client.shutdown(targets=live, hub=False, block=True)
             except Exception as exc:
                 log.warning("asking engines to exit: %s", exc)
             try:
@@ -350,17 +379,29 @@ class Cluster:
             return
         self.state = ClusterState.SHUTTING_DOWN
         try:
+            dead = self.dead_workers()
+            if dead:
+                live = [r.name for r in self.records[1:] if r.state == "ready"]
+                try:
+                    _group.forget(dead, live)
+                except Exception as exc:
+                    log.warning("telling the group that %s died: %s", ", ".join(dead), exc)
             if graceful:
                 try:
-                    _group.release_user_rrefs(timeout)
+                    _group.release_user_rrefs(
+                        DEAD_RELEASE_TIMEOUT_S if dead else min(timeout, RELEASE_TIMEOUT_S)
+                    )
                 except Exception as exc:
                     log.warning("releasing the kernel's RRefs: %s", exc)
             self._leave_workers(graceful, timeout)
+            if dead:
+                _group.release_stale_token()
         finally:
             self._stop_engines()
             self._stop_reaper()
             for record in self.records[1:]:
-                record.state = "stopped"
+                if record.state == "ready":
+                    record.state = "stopped"
             self.state = ClusterState.CLOSED
             if _current and _current[0] is self:
                 _current.clear()
@@ -379,13 +420,17 @@ class Cluster:
         return list(self.records)
 
     def summary(self) -> str:
+        if self.state is ClusterState.READY:
+            self.dead_workers()
         lines = [
             f"nbrpc: {len(self.records)} processes in the RPC group, {self.state.value}"
             + (f" (booted in {self.boot_seconds:.1f} s)" if self.boot_seconds else "")
         ]
-        lines.append(f"  {'name':<12}{'rank':>5}  {'pid':>8}  {'host':<20}role")
+        lines.append(f"  {'name':<12}{'rank':>5}  {'pid':>8}  {'host':<20}{'role':<10}state")
         for r in self.records:
-            lines.append(f"  {r.name:<12}{r.rank:>5}  {r.pid:>8}  {r.host:<20}{r.role}")
+            lines.append(
+                f"  {r.name:<12}{r.rank:>5}  {r.pid:>8}  {r.host:<20}{r.role:<10}{r.state}"
+            )
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -404,16 +449,26 @@ class Cluster:
         )
 
 
+def _process_alive(pid: int) -> bool:
+    """A process on this host that exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError, ProcessLookupError):
+        return False
+    except OSError:  # no /proc: fall back to signal 0
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            return False
+        return True
+
+
 def _wait_for_exit(pids: list[int], timeout: float) -> None:
     """Give engines asked to shut down a moment to exit on their own (bounded)."""
     deadline = time.monotonic() + timeout
-    for pid in pids:
-        while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except OSError:
-                break
-            time.sleep(0.05)
+    while time.monotonic() < deadline and any(_process_alive(p) for p in pids):
+        time.sleep(0.05)
 
 
 def _remote_message(exc: BaseException) -> str:

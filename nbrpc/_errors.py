@@ -12,6 +12,7 @@ for deadlines, ``RuntimeError`` for lifecycle mistakes)::
     ├── UnknownWorkerError       (ValueError)     a worker name that is not in the group
     ├── RpcTimeoutError          (TimeoutError)   a call outlived its timeout
     ├── SerializationError       (TypeError)      an argument or result cannot be pickled
+    ├── WorkerDiedError          (ConnectionError) the worker's process is gone
     └── RemoteError                               a worker raised, and the original type
                                                   could not be rebuilt here
 
@@ -33,6 +34,7 @@ __all__ = [
     "RpcTimeoutError",
     "SerializationError",
     "UnknownWorkerError",
+    "WorkerDiedError",
 ]
 
 
@@ -77,6 +79,20 @@ class RpcTimeoutError(NbrpcError, TimeoutError):
 
 class SerializationError(NbrpcError, TypeError):
     pass
+
+
+class WorkerDiedError(NbrpcError, ConnectionError):
+    """A worker's process is gone (killed, crashed, out of memory) or unreachable."""
+
+    def __init__(self, worker: str, detail: str = "") -> None:
+        self.worker = worker
+        super().__init__(
+            f"{worker} is gone: its connection closed (the process died or was killed)"
+            + (f"; torch said: {detail}" if detail else "")
+            + f". Calls to {worker} fail and the objects it owned (RRefs) are lost. "
+            "%rpc_status shows which workers are dead; %rpc_shutdown then %rpc_init "
+            "rebuilds the cluster in this kernel."
+        )
 
 
 class RemoteError(NbrpcError):

@@ -164,6 +164,53 @@ def release_user_rrefs(timeout_s: float) -> None:
     _delete_all_user_and_unforked_owner_rrefs(timedelta(seconds=timeout_s))
 
 
+_TOKEN_KEY = "RpcGroupManagementToken"  # torch's key for the join/leave critical section
+_MEMBER_LIST_KEY = "_ALL_WORKER_INFOS"  # torch's list of a dynamic group's members
+
+
+def forget(dead: list[str], live: list[str]) -> None:
+    """Tell this process and the ``live`` peers that the ``dead`` workers left the group.
+
+    A killed worker cannot say so itself, and torch's leave notifies every member it
+    knows: a live worker's leave would fail on the dead peer, and torch would then never
+    release the group's join/leave token, blocking every later join. So nbrpc sends,
+    on the dead worker's behalf, the message torch's own leave sends.
+    """
+    from torch.distributed.rpc._utils import _update_group_membership
+
+    agent = rpc_api._get_current_rpc_agent()
+    infos = {w.name: w for w in agent.get_worker_infos()}
+    for name in dead:
+        info = infos.get(name)
+        if info is None:
+            continue
+        for peer in live:
+            rpc.rpc_sync(peer, _update_group_membership, args=(info, [], {}, False), timeout=10)
+        agent._update_group_membership(info, [], {}, False)
+        _remove_from_member_list(agent.store, info.name, info.id)
+
+
+def _remove_from_member_list(store: dist.Store, name: str, worker_id: int) -> None:
+    """What torch's ``removeCurrentName`` does on a graceful leave, for a dead worker.
+
+    torch lists a dynamic group's members as ``"name-id,"`` entries under
+    ``names/_ALL_WORKER_INFOS``; a joining worker refuses a name already listed, so a dead
+    worker's entry would block a new worker of the same name.
+    """
+    names = dist.PrefixStore("names", store)
+    if not names.check([_MEMBER_LIST_KEY]):
+        return
+    listed = names.get(_MEMBER_LIST_KEY).decode()
+    entry = f"{name}-{worker_id},"
+    if entry in listed:
+        names.set(_MEMBER_LIST_KEY, listed.replace(entry, "", 1))
+
+
+def release_stale_token() -> None:
+    """After every worker is gone, free torch's join/leave token if a failed leave kept it."""
+    rpc_api._get_current_rpc_agent().store.set(_TOKEN_KEY, "")
+
+
 def leave(timeout: float = 0) -> None:
     """Leave the group gracefully (torch's own dynamic-group shutdown)."""
     rpc_api.shutdown(graceful=True, timeout=timeout)

@@ -113,6 +113,22 @@ def run_function(python_udf: Any) -> Any:
             output.close()
 
 
+_CONNECTION_LOST = (
+    "eof (this error originated at tensorpipe",
+    "ECONNREFUSED",
+    "ECONNRESET",
+    "EPIPE",
+    "pipe closed",
+    "Connection reset by peer",
+)
+
+
+def is_connection_loss(exc: BaseException) -> bool:
+    """Whether torch's error means the peer's process went away (TensorPipe's wording)."""
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(s in text for s in _CONNECTION_LOST)
+
+
 def format_remote_traceback(failure: _FailureText) -> str:
     lines = [f"Remote traceback (most recent call last), on {failure.worker}:\n"]
     for filename, lineno, name, line in failure.frames:

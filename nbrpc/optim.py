@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch.distributed.optim import DistributedOptimizer as _TorchDistributedOptimizer
 
+from ._errors import WorkerDiedError
+from ._remote import is_connection_loss
 from .autograd import _check_valid, current_context_id
 
 __all__ = ["DistributedOptimizer"]
@@ -16,8 +20,26 @@ class DistributedOptimizer(_TorchDistributedOptimizer):
     owns parameters. ``step(context_id)``; or ``step()`` inside a ``with context()``.
     """
 
+    def __init__(self, optimizer_class: Any, params_rref: list, *args: Any, **kwargs: Any):
+        self._owners = sorted({r.owner().name for r in params_rref})
+        try:
+            super().__init__(optimizer_class, params_rref, *args, **kwargs)
+        except RuntimeError as exc:
+            raise self._dead_owner(exc) from None
+
     def step(self, context_id: int | None = None) -> None:
         if context_id is None:
             context_id = current_context_id()
         _check_valid(context_id, "DistributedOptimizer.step")
-        super().step(context_id)
+        try:
+            super().step(context_id)
+        except RuntimeError as exc:
+            raise self._dead_owner(exc) from None
+
+    def _dead_owner(self, exc: RuntimeError) -> BaseException:
+        if not is_connection_loss(exc):
+            return exc
+        return WorkerDiedError(
+            f"a worker owning parameters of this optimizer ({', '.join(self._owners)})",
+            str(exc).splitlines()[0],
+        )

@@ -1,0 +1,70 @@
+"""A worker dies: calls fail fast and clearly, the kernel lives, the cluster rebuilds."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from conftest import ensure_cluster, notebook_code
+
+import nbrpc
+from nbrpc.optim import DistributedOptimizer
+
+CELL = """
+import time
+import torch
+
+def slow(seconds):
+    time.sleep(seconds)
+    return seconds
+
+def param():
+    return torch.ones(2, requires_grad=True)
+"""
+
+
+def test_killed_worker_fails_calls_fast_and_the_cluster_rebuilds(cluster):
+    cell = notebook_code(CELL)
+    victim = cluster.workers[2]
+    p1 = nbrpc.remote("worker1", cell.param)
+    p2 = nbrpc.remote("worker2", cell.param)
+    p1.to_here()
+    p2.to_here()
+    in_flight = nbrpc.rpc_async("worker2", cell.slow, args=(30,))
+    time.sleep(0.5)
+    os.kill(victim.pid, signal.SIGKILL)
+
+    t0 = time.monotonic()
+    with pytest.raises(nbrpc.WorkerDiedError, match=r"worker2 is gone.*%rpc_shutdown"):
+        in_flight.wait()
+    noticed = time.monotonic() - t0
+    assert noticed < 10, f"a call waiting on a dead worker took {noticed:.1f} s to fail"
+    print(f"in-flight call failed {noticed:.2f} s after the kill")
+
+    with pytest.raises(nbrpc.WorkerDiedError, match="worker2 is gone"):
+        nbrpc.rpc_sync("worker2", min, args=(1, 2))
+    assert nbrpc.rpc_sync("worker1", min, args=(1, 2)) == 1  # the rest still works
+
+    with pytest.raises(nbrpc.WorkerDiedError, match=r"owning parameters.*worker1, worker2"):
+        DistributedOptimizer(torch.optim.SGD, [p1, p2], lr=0.1)
+
+    deadline = time.monotonic() + 20  # ipyparallel/the OS report the death
+    while "worker2" not in cluster.dead_workers() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    print(f"%rpc_status shows worker2 dead {time.monotonic() - t0:.2f} s after the kill")
+    status = cluster.summary()
+    assert "dead" in status.splitlines()[-1]
+    assert status.splitlines()[-2].endswith("ready")
+
+    del p1, p2
+    t0 = time.monotonic()
+    nbrpc.shutdown()
+    took = time.monotonic() - t0
+    assert took < 15, f"shutdown with a dead worker took {took:.1f} s"
+    print(f"shutdown with a dead worker took {took:.2f} s")
+
+    again = ensure_cluster()  # the same kernel rebuilds the cluster
+    assert nbrpc.workers() == ["worker0", "worker1", "worker2"]
+    assert nbrpc.rpc_sync("worker2", cell.slow, args=(0,)) == 0
+    assert all(r.state == "ready" for r in again.workers)
