@@ -9,6 +9,7 @@ worker. Notebook-defined code travels because :mod:`nbrpc._pickling` is installe
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -26,6 +27,23 @@ __all__ = ["get_worker_info", "remote", "rpc_async", "rpc_sync", "workers"]
 T = TypeVar("T")
 
 _session = {"active": False}  # set by the cluster layer while a cluster is up
+
+
+class Future(torch.futures.Future):
+    """torch's Future, whose ``wait()`` the notebook's stop button can interrupt.
+
+    torch's own ``wait()`` blocks in C++, where Python cannot deliver SIGINT: a
+    KeyboardInterrupt would only arrive when the remote call ends. On the main thread
+    this waits on a ``threading.Event`` instead, which Python interrupts at once. The
+    remote call itself goes on; its result is dropped.
+    """
+
+    def wait(self) -> Any:
+        if not self.done() and threading.current_thread() is threading.main_thread():
+            finished = threading.Event()
+            self.add_done_callback(lambda _: finished.set())
+            finished.wait()
+        return super().wait()
 
 
 def set_active(active: bool) -> None:
@@ -122,7 +140,7 @@ def _start(
 ) -> torch.futures.Future:
     dest = _destination(to, what)
     raw = rpc.rpc_async(dest, func, args=tuple(args), kwargs=kwargs, timeout=_timeout(timeout))
-    out: torch.futures.Future = torch.futures.Future()
+    out = Future()
 
     def translate(exc: BaseException) -> BaseException:
         if _is_timeout(exc):

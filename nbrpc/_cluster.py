@@ -349,11 +349,15 @@ class Cluster:
                     log.warning("a worker did not leave the RPC group cleanly: %s", exc)
 
     def _stop_engines(self) -> None:
+        asked = []  # engines asked to exit cleanly; the rest are stopped by signal
         if self._client is not None:
             try:
-                live = [r.engine_id for r in self.records[1:] if r.state == "ready"]
+                live = [r for r in self.records[1:] if r.state == "ready"]
                 if self._ipp_cluster is not None and live:  # ours: ask engines to exit first
-                    self._client.shutdown(targets=live, hub=False, block=True)
+                    self._client.shutdown(
+                        targets=[r.engine_id for r in live], hub=False, block=True
+                    )
+                    asked = [r.pid for r in live]
             except Exception as exc:
                 log.warning("asking engines to exit: %s", exc)
             try:
@@ -362,7 +366,7 @@ class Cluster:
                 log.warning("closing the ipyparallel client: %s", exc)
             self._client = None
         if self._ipp_cluster is not None:
-            _wait_for_exit([r.pid for r in self.records[1:]], ENGINE_EXIT_WAIT_S)
+            _wait_for_exit(asked, ENGINE_EXIT_WAIT_S)
             try:
                 self._ipp_cluster.stop_cluster_sync()
             except Exception as exc:
@@ -372,6 +376,9 @@ class Cluster:
     def shutdown(self, graceful: bool = True, timeout: float = LEAVE_TIMEOUT_S) -> None:
         """Workers leave the group; engines this cluster started are stopped.
 
+        ``graceful``: workers finish their calls in flight (bounded by ``timeout``) and
+        leave. Otherwise the kernel drops them from the group at once and the engines are
+        stopped; calls still in flight fail with :class:`WorkerDiedError`.
         Engines of an attached ipyparallel cluster keep running. The kernel stays in the
         group, alone, so that a later ``init`` can bring new workers (see ``_group``).
         """
@@ -380,12 +387,16 @@ class Cluster:
         self.state = ClusterState.SHUTTING_DOWN
         try:
             dead = self.dead_workers()
+            if not graceful:  # nobody leaves by themselves: the kernel forgets them all
+                dead = [r.name for r in self.records[1:]]
+                for record in self.records[1:]:
+                    record.state = "stopped"
             if dead:
                 live = [r.name for r in self.records[1:] if r.state == "ready"]
                 try:
                     _group.forget(dead, live)
                 except Exception as exc:
-                    log.warning("telling the group that %s died: %s", ", ".join(dead), exc)
+                    log.warning("removing %s from the group: %s", ", ".join(dead), exc)
             if graceful:
                 try:
                     _group.release_user_rrefs(
@@ -393,7 +404,8 @@ class Cluster:
                     )
                 except Exception as exc:
                     log.warning("releasing the kernel's RRefs: %s", exc)
-            self._leave_workers(graceful, timeout)
+            if graceful:
+                self._leave_workers(graceful, timeout)
             if dead:
                 _group.release_stale_token()
         finally:

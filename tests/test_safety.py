@@ -1,0 +1,70 @@
+"""Safe by default: a local cluster listens on loopback only; the stop button works."""
+
+import ipaddress
+import subprocess
+import sys
+
+import psutil
+
+import nbrpc
+
+
+def _listening(pid: int) -> list[tuple[str, int]]:
+    proc = psutil.Process(pid)
+    found = []
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            conns = p.net_connections(kind="inet")
+        except psutil.NoSuchProcess:
+            continue
+        found += [(c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN]
+    return found
+
+
+def test_local_cluster_listens_on_loopback_only(cluster):
+    pids = [r.pid for r in cluster.workers]  # the kernel (this process) and every worker
+    pids.append(cluster._ipp_cluster.controller.pid)
+    sockets = {pid: _listening(pid) for pid in pids}
+    assert any(sockets.values()), "found no listening socket at all: the check is blind"
+    for pid, addrs in sockets.items():
+        for ip, port in addrs:
+            assert ipaddress.ip_address(ip).is_loopback, (
+                f"pid {pid} listens on {ip}:{port}, not on loopback"
+            )
+
+
+def test_workers_list_only_the_group(cluster):
+    assert set(nbrpc.workers()) == {r.name for r in cluster.workers}
+
+
+INTERRUPT = """
+import os, signal, threading, time, nbrpc
+nbrpc.init(n=1, progress=False)
+ns = {"__name__": "__main__"}
+exec("import time\\ndef slow(s):\\n    time.sleep(s)\\n    return s\\n", ns)
+for how in ("rpc_sync", "rpc_async().wait()"):
+    threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    t = time.monotonic()
+    try:
+        if how == "rpc_sync":
+            nbrpc.rpc_sync("worker1", ns["slow"], args=(20,))
+        else:
+            nbrpc.rpc_async("worker1", ns["slow"], args=(20,)).wait()
+        print(how, "not interrupted")
+    except KeyboardInterrupt:
+        print(how, f"interrupted after {time.monotonic() - t:.1f} s")
+print("still usable:", nbrpc.rpc_sync("worker1", ns["slow"], args=(0,)))
+nbrpc.shutdown(graceful=False)
+"""
+
+
+def test_keyboard_interrupt_returns_control_promptly():
+    out = subprocess.run(
+        [sys.executable, "-c", INTERRUPT], capture_output=True, text=True, timeout=180
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    for how in ("rpc_sync", "rpc_async().wait()"):
+        line = next(x for x in out.stdout.splitlines() if x.startswith(how + " "))
+        assert "interrupted after" in line, line
+        assert float(line.split("after ")[1].split()[0]) < 3.0, line
+    assert "still usable: 0" in out.stdout
