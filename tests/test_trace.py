@@ -10,11 +10,23 @@ from conftest import STAGE_CELL, notebook_code
 
 import nbrpc
 from nbrpc import autograd
+from nbrpc.optim import DistributedOptimizer
 
 pytestmark = pytest.mark.usefixtures("cluster")
 
 FORK_CELL = """
 import torch
+import torch.distributed.rpc as rpc
+
+class SignSGD(torch.optim.Optimizer):
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(torch.sign(p.grad), alpha=-group["lr"])
 
 class Fork(torch.nn.Module):
     def __init__(self, seed):
@@ -25,6 +37,10 @@ class Fork(torch.nn.Module):
     def forward(self, x):
         _ = self.unused(x)  # a branch computed, then dropped
         return self.used(x)
+    def param_rrefs(self):
+        return [rpc.RRef(p) for p in self.parameters()]
+    def weights(self):
+        return [p.detach().clone() for p in self.parameters()]
 """
 
 SEND, RECV = "SendRpcBackward", "RecvRpcBackward"
@@ -71,6 +87,16 @@ def grads_match(cell, got_by_module, twins):
                 assert g is None
             else:
                 torch.testing.assert_close(g, p.grad, rtol=1e-12, atol=1e-12)
+
+
+def step_and_compare(module_rrefs, twins, ctx, optimizer_class=torch.optim.SGD, **kwargs):
+    """One DistributedOptimizer step inside ``ctx``; weights must equal the twins' step."""
+    params = [r for m in module_rrefs for r in m.rpc_sync().param_rrefs()]
+    DistributedOptimizer(optimizer_class, params, **kwargs).step(ctx)
+    optimizer_class([p for t in twins for p in t.parameters()], **kwargs).step()
+    for module_rref, twin in zip(module_rrefs, twins, strict=True):
+        for w, p in zip(module_rref.rpc_sync().weights(), twin.parameters(), strict=True):
+            torch.testing.assert_close(w, p.detach(), rtol=1e-12, atol=1e-12)
 
 
 def test_chain_kernel_worker1_worker2(cell):
@@ -129,11 +155,12 @@ def test_module_used_twice_across_workers(cell):
             nbrpc.rpc_sync("worker2", cell.grads_of, args=(s2, ctx)),
         ]
         x_grad = autograd.get_gradients(ctx)[x]
-    t1, t2 = cell.Stage(1, 3, 3), cell.Stage(2, 3, 3)
-    xr = x.detach().clone().requires_grad_()
-    t1(t2(t1(xr))).sum().backward()
-    grads_match(cell, got, [t1, t2])
-    torch.testing.assert_close(x_grad, xr.grad, rtol=1e-12, atol=1e-12)
+        t1, t2 = cell.Stage(1, 3, 3), cell.Stage(2, 3, 3)
+        xr = x.detach().clone().requires_grad_()
+        t1(t2(t1(xr))).sum().backward()
+        grads_match(cell, got, [t1, t2])
+        torch.testing.assert_close(x_grad, xr.grad, rtol=1e-12, atol=1e-12)
+        step_and_compare([s1, s2], [t1, t2], ctx, lr=0.1)
 
     check_edges_are_consistent(trace)
     w1 = names_on(trace, "worker1")
@@ -162,10 +189,12 @@ def test_branch_whose_output_is_unused(cell):
             nbrpc.rpc_sync("worker1", cell.grads_of, args=(s1, ctx)),
             nbrpc.rpc_sync("worker2", cell.grads_of, args=(fork, ctx)),
         ]
-    t1, twin = cell.Stage(1, 3, 3), cell.Fork(5)
-    twin(t1(x)).sum().backward()
-    grads_match(cell, got, [t1, twin])
-    assert twin.unused.weight.grad is None  # the reference agrees: no gradient there
+        t1, twin = cell.Stage(1, 3, 3), cell.Fork(5)
+        twin(t1(x)).sum().backward()
+        grads_match(cell, got, [t1, twin])
+        assert twin.unused.weight.grad is None  # the reference agrees: no gradient there
+        # a notebook-defined optimizer; the unused branch must stay as it was
+        step_and_compare([s1, fork], [t1, twin], ctx, cell.SignSGD, lr=0.1)
     check_edges_are_consistent(trace)
     assert names_on(trace, "worker2")["AccumulateGrad"] == 2  # only the used branch
 
