@@ -50,10 +50,6 @@ def set_active(active: bool) -> None:
     _session["active"] = active
 
 
-def is_active() -> bool:
-    return _session["active"]
-
-
 def _require(what: str) -> None:
     if not _session["active"]:
         raise NotInitializedError(what)

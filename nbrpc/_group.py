@@ -111,10 +111,6 @@ def _loopback_ifname() -> str:
 _joined = {"name": None}  # this process's name in the group; torch allows one join
 
 
-def joined_as() -> str | None:
-    return _joined["name"]
-
-
 def join(
     name: str,
     rank: int,

@@ -119,10 +119,6 @@ def install() -> None:
     _rpc_internal._handle_exception = _remote.handle_exception
 
 
-def installed() -> bool:
-    return _rpc_internal._pickler is RpcPickler
-
-
 def serialize(obj: Any) -> tuple[bytes, list]:
     """Pickle ``obj`` exactly as an RPC would: returns ``(pickle_bytes, tensor_table)``.
 
