@@ -29,9 +29,10 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _agent, _group, _worker
+from . import _agent, _group, _reaper, _worker
 from ._errors import AlreadyInitializedError, BootError, ClusterClosedError, NotInitializedError
 from ._progress import BootProgress, in_notebook
+from ._reaper import process_alive
 
 __all__ = ["Cluster", "ClusterState", "WorkerRecord", "current", "init", "shutdown"]
 
@@ -137,7 +138,7 @@ class Cluster:
         self._ipp_cluster: Any = None
         self._client: Any = None
         self._engine_of: dict[str, int] = {}
-        self._reaper: subprocess.Popen | None = None
+        self._watchdog: subprocess.Popen | None = None
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -283,20 +284,20 @@ class Cluster:
         controller = getattr(self._ipp_cluster.controller, "pid", None)
         if controller:
             pids.append(controller)
-        self._reaper = subprocess.Popen(
-            [sys.executable, "-m", "nbrpc._reaper", str(os.getpid()), *map(str, pids)],
+        self._watchdog = subprocess.Popen(
+            [sys.executable, _reaper.__file__, str(os.getpid()), *map(str, pids)],
             start_new_session=True,  # not hit by the signal that kills the kernel's group
             stdin=subprocess.DEVNULL,
         )
 
     def _stop_reaper(self) -> None:
-        if self._reaper is not None:
-            self._reaper.terminate()
+        if self._watchdog is not None:
+            self._watchdog.terminate()
             try:
-                self._reaper.wait(timeout=5)
+                self._watchdog.wait(timeout=5)
             except subprocess.TimeoutExpired:
-                self._reaper.kill()
-            self._reaper = None
+                self._watchdog.kill()
+            self._watchdog = None
 
     def _abandon(self) -> None:
         """After a failed boot: stop what was started, leave the kernel usable."""
@@ -323,7 +324,7 @@ class Cluster:
                 continue
             gone = record.engine_id not in engines
             if not gone and record.host == here:
-                gone = not _process_alive(record.pid)
+                gone = not process_alive(record.pid)
             if gone:
                 record.state = "dead"
         return [r.name for r in self.records[1:] if r.state == "dead"]
@@ -404,7 +405,6 @@ class Cluster:
                     )
                 except Exception as exc:
                     log.warning("releasing the kernel's RRefs: %s", exc)
-            if graceful:
                 self._leave_workers(graceful, timeout)
             if dead:
                 _group.release_stale_token()
@@ -461,25 +461,10 @@ class Cluster:
         )
 
 
-def _process_alive(pid: int) -> bool:
-    """A process on this host that exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError, ProcessLookupError):
-        return False
-    except OSError:  # no /proc: fall back to signal 0
-        try:
-            os.kill(pid, 0)
-        except OSError:
-            return False
-        return True
-
-
 def _wait_for_exit(pids: list[int], timeout: float) -> None:
     """Give engines asked to shut down a moment to exit on their own (bounded)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(_process_alive(p) for p in pids):
+    while time.monotonic() < deadline and any(process_alive(p) for p in pids):
         time.sleep(0.05)
 
 
