@@ -11,9 +11,11 @@ From a script::
     with nbrpc.init(n=2):
         nbrpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
 
-Layers, top to bottom (a module never imports one above it): ``_magics`` → ``_cluster``
-(ipyparallel control plane) → ``_agent`` (call facade) → ``_group`` (RPC membership) →
-``_pickling`` / ``_remote`` (what travels, and how failures and output come back).
+Layers, top to bottom (a module never imports one above it): ``_magics`` → ``widgets``
+(live views; ``_views`` draws them) → ``_cluster`` (ipyparallel control plane) → ``_agent``
+(call facade, ``ownership()``) → ``_group`` (RPC membership) → ``_pickling`` / ``_ledger``
+(RRef handles per process) / ``_remote`` (what travels, and how failures and output come
+back).
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from typing import Any
 from torch.distributed.rpc import RRef, WorkerInfo
 
 from . import autograd
-from ._agent import get_worker_info, remote, rpc_async, rpc_sync, workers
-from ._cluster import Cluster, ClusterState, WorkerRecord, current, init, shutdown
+from ._agent import get_worker_info, ownership, remote, rpc_async, rpc_sync, workers
+from ._cluster import Cluster, ClusterState, WorkerRecord, current, init, shutdown, status
 from ._errors import (
     AlreadyInitializedError,
     BootError,
@@ -65,12 +67,15 @@ __all__ = [
     "init",
     "load_ipython_extension",
     "optim",
+    "ownership",
     "register_by_value",
     "remote",
     "rpc_async",
     "rpc_sync",
     "shutdown",
+    "status",
     "trace_backward",
+    "widgets",
     "workers",
 ]
 
@@ -78,10 +83,11 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # nbrpc.optim imports torch.distributed.optim, which scripts torch's functional
     # optimizers: 0.7 s measured, paid in every worker. Load it on first use only.
-    if name == "optim":
+    # nbrpc.widgets imports anywidget and ipywidgets, which workers never need.
+    if name in ("optim", "widgets"):
         import importlib
 
-        return importlib.import_module(".optim", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'nbrpc' has no attribute {name!r}")
 
 

@@ -19,10 +19,18 @@ import torch.distributed.rpc.api as rpc_api
 from torch.distributed.rpc import RRef, WorkerInfo
 from torch.distributed.rpc.constants import UNSET_RPC_TIMEOUT
 
-from . import _group, _remote
+from . import _group, _ledger, _remote
 from ._errors import NotInitializedError, RpcTimeoutError, UnknownWorkerError, WorkerDiedError
 
-__all__ = ["get_worker_info", "remote", "rpc_async", "rpc_sync", "workers"]
+__all__ = [
+    "get_worker_info",
+    "ownership",
+    "remote",
+    "rpc_async",
+    "rpc_sync",
+    "snapshots",
+    "workers",
+]
 
 T = TypeVar("T")
 
@@ -159,3 +167,41 @@ def remote(
     """Run ``func`` on ``to`` and keep the result there; return an ``RRef`` to it."""
     dest = _destination(to, "remote")
     return rpc.remote(dest, func, args=tuple(args), kwargs=kwargs, timeout=_timeout(timeout))
+
+
+SNAPSHOT_TIMEOUT_S = 5.0
+
+
+def snapshots(
+    timeout: float = SNAPSHOT_TIMEOUT_S, skip: set[str] | frozenset = frozenset()
+) -> dict:
+    """Every live process's ledger snapshot (see :mod:`nbrpc._ledger`), by process name.
+
+    Asked of all processes at once. A process that does not answer within ``timeout``
+    (or is in ``skip``, e.g. known dead) is left out: its RRefs are unknown, not absent.
+    """
+    _require("nbrpc.ownership()")
+    me = rpc.get_worker_info().name
+    asked = {
+        name: _start("ownership", name, _ledger.snapshot, (), None, timeout)
+        for name in _group.member_names()
+        if name != me and name not in skip
+    }
+    found = {me: _ledger.snapshot()}
+    for name, fut in asked.items():
+        try:
+            found[name] = fut.wait()
+        except (RpcTimeoutError, WorkerDiedError, RuntimeError):
+            continue
+    return found
+
+
+def ownership(timeout: float = SNAPSHOT_TIMEOUT_S) -> list[dict[str, Any]]:
+    """One dict per live RRef in the cluster, whoever made it.
+
+    Keys: ``id`` (torch's RRef id, ``"creator_rank:n"``), ``owner``, ``holders`` (processes
+    holding a user reference), ``owner_holds``, ``type`` (of the value), ``created_by``
+    (e.g. ``"remote(worker1, ParameterServer)"``) and ``handles`` (Python handles in all).
+    An RRef dropped everywhere and garbage-collected is gone from the list.
+    """
+    return _ledger.merge(list(snapshots(timeout).values()))

@@ -34,7 +34,7 @@ from ._errors import AlreadyInitializedError, BootError, ClusterClosedError, Not
 from ._progress import BootProgress, in_notebook
 from ._reaper import process_alive
 
-__all__ = ["Cluster", "ClusterState", "WorkerRecord", "current", "init", "shutdown"]
+__all__ = ["Cluster", "ClusterState", "WorkerRecord", "current", "init", "shutdown", "status"]
 
 log = logging.getLogger("nbrpc")
 
@@ -309,20 +309,23 @@ class Cluster:
             self.state = ClusterState.CLOSED
             _agent.set_active(False)
 
-    def dead_workers(self) -> list[str]:
+    def dead_workers(self, ask_ipyparallel: bool = True) -> list[str]:
         """Workers whose process is gone, from what ipyparallel and the OS know.
 
         An engine that ipyparallel no longer lists (its heartbeat stopped, or its nanny
         reported the exit) is dead; so is a worker on this host whose pid is gone.
+        ``ask_ipyparallel=False`` checks pids only: the ipyparallel client is not
+        thread-safe, and the live views call this from their own thread.
         """
+        client = self._client if ask_ipyparallel else None
+        engines = set(client.ids) if client is not None else None
         if self._client is None:
             return [r.name for r in self.records[1:] if r.state == "dead"]
-        engines = set(self._client.ids)
         here = socket.gethostname()
         for record in self.records[1:]:
             if record.state != "ready":
                 continue
-            gone = record.engine_id not in engines
+            gone = engines is not None and record.engine_id not in engines
             if not gone and record.host == here:
                 gone = not process_alive(record.pid)
             if gone:
@@ -431,6 +434,30 @@ class Cluster:
     def workers(self) -> list[WorkerRecord]:
         return list(self.records)
 
+    def status(
+        self, timeout: float = _agent.SNAPSHOT_TIMEOUT_S, ask_ipyparallel: bool = True
+    ) -> list[dict[str, Any]]:
+        """Live figures per process: the record (state, pid, host, devices, role) plus
+        ``calls_in_flight``, ``calls_done`` (Python calls it served), ``rrefs_owned`` and
+        ``rrefs_held`` (Python RRef handles it holds).
+
+        Figures are ``None`` for a process that is not ready or did not answer in time.
+        """
+        snaps: dict[str, dict] = {}
+        if self.state is ClusterState.READY:
+            dead = set(self.dead_workers(ask_ipyparallel))
+            snaps = _agent.snapshots(timeout, skip=dead)
+        rows = []
+        for record in self.records:
+            row = record.as_dict()
+            snap = snaps.get(record.name) if record.state == "ready" else None
+            row["calls_in_flight"] = snap["calls_in_flight"] if snap else None
+            row["calls_done"] = snap["calls_done"] if snap else None
+            row["rrefs_owned"] = snap["owned"] if snap else None
+            row["rrefs_held"] = len(snap["handles"]) if snap else None
+            rows.append(row)
+        return rows
+
     def summary(self) -> str:
         if self.state is ClusterState.READY:
             self.dead_workers()
@@ -531,6 +558,11 @@ def shutdown(graceful: bool = True, timeout: float = LEAVE_TIMEOUT_S) -> None:
     """Shut the current cluster down (no-op when none runs)."""
     if _current:
         _current[0].shutdown(graceful=graceful, timeout=timeout)
+
+
+def status(timeout: float = _agent.SNAPSHOT_TIMEOUT_S) -> list[dict[str, Any]]:
+    """Live figures for each process of the current cluster (see :meth:`Cluster.status`)."""
+    return current().status(timeout)
 
 
 @atexit.register

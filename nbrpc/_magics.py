@@ -12,6 +12,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from . import _cluster
 from ._errors import NbrpcError
+from ._progress import in_notebook
 
 __all__ = ["RpcMagics"]
 
@@ -67,8 +68,15 @@ class RpcMagics(Magics):
 
     @line_magic
     def rpc_status(self, line: str) -> None:
-        """Print the cluster's state: every process, its rank, pid and host."""
+        """Show the cluster: a live ClusterView in a notebook, a table elsewhere."""
         if not _cluster._current:
             print("nbrpc: no cluster is running; start one with %rpc_init -n 2")
+            return
+        if in_notebook():
+            from IPython.display import display
+
+            from .widgets import ClusterView
+
+            display(ClusterView())
             return
         print(_cluster.current().summary())

@@ -13,7 +13,8 @@ notebook code once nbrpc is initialized.
 
 This module is the one place where nbrpc reaches torch through private names. They are
 listed in ``TORCH_PRIVATE_HOOKS`` and pinned by ``tests/test_pickling.py``, which fails
-loudly the day a torch release renames them.
+loudly the day a torch release renames them. The RRef ledger (:mod:`nbrpc._ledger`) uses
+a few private RRef methods of its own; that test pins those too.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from types import MethodType, ModuleType
 from typing import Any
 
 import cloudpickle
-import torch.distributed.rpc.api as _rpc_api
+import torch.distributed.rpc.api as rpc_api
 import torch.distributed.rpc.internal as _rpc_internal
+from torch._C._distributed_rpc import PyRRef
 
-from . import _remote
+from . import _ledger, _remote
 from ._errors import SerializationError
 
 __all__ = ["RpcPickler", "install", "register_by_value", "serialize"]
@@ -54,6 +56,20 @@ def _reduce_method(method: MethodType) -> Any:
 
 
 _BASE_TABLE = {**_CLOUDPICKLE_TABLE, MethodType: _reduce_method}
+# RRefs travel as torch's fork data plus their label, so the receiver's ledger knows them.
+_RREF_TABLE = {PyRRef: _ledger.reduce_rref, rpc_api.RRef: _ledger.reduce_rref}
+
+
+class _DispatchTable(dict):
+    """A dispatch table where torch's RRef reducers, set item by item, yield to the ledger's.
+
+    torch writes ``p.dispatch_table[PyRRef] = ...`` after assigning the table. The C
+    pickler reads any mapping with ``PyObject_GetItem``, so a dict subclass costs no more
+    per lookup than a dict.
+    """
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, _RREF_TABLE.get(key, value))
 
 
 class RpcPickler(cloudpickle.Pickler):
@@ -93,8 +109,9 @@ class RpcPickler(cloudpickle.Pickler):
     @dispatch_table.setter
     def dispatch_table(self, table: dict) -> None:
         # A flat merged dict, not a ChainMap: the C pickler looks every object's type up
-        # in this table, and a plain dict lookup is far cheaper. torch's entries win.
-        _C_DISPATCH_TABLE.__set__(self, {**_BASE_TABLE, **table})
+        # in this table, and a plain dict lookup is far cheaper. torch's entries win,
+        # except for RRefs, which the ledger reduces (the same fork data, plus a label).
+        _C_DISPATCH_TABLE.__set__(self, _DispatchTable({**_BASE_TABLE, **table, **_RREF_TABLE}))
 
 
 _original: dict[str, Any] = {}
@@ -117,6 +134,7 @@ def install() -> None:
     _rpc_internal._pickler = RpcPickler
     _rpc_internal._run_function = _remote.run_function
     _rpc_internal._handle_exception = _remote.handle_exception
+    _ledger.install()
 
 
 def serialize(obj: Any) -> tuple[bytes, list]:
@@ -124,7 +142,7 @@ def serialize(obj: Any) -> tuple[bytes, list]:
 
     Tensors appear in the table, not in the bytes: the table travels beside the pickle.
     """
-    return _rpc_api._default_pickler.serialize(obj)
+    return rpc_api._default_pickler.serialize(obj)
 
 
 def register_by_value(module: ModuleType) -> None:

@@ -36,11 +36,13 @@ from torch.distributed.rpc.internal import RemoteException
 from ._errors import RemoteError
 
 __all__ = [
+    "call_counts",
     "forward_output_to",
     "handle_exception",
     "run_function",
     "settle",
     "show_output",
+    "worker_name",
 ]
 
 _call = threading.local()  # .output: the _CallOutput of the RPC call running on this thread
@@ -74,7 +76,8 @@ class _FailureText(str):
         )
 
 
-def _worker_name() -> str:
+def worker_name() -> str:
+    """This process's name in the group, or ``"?"`` outside one."""
     try:
         return rpc.get_worker_info().name
     except Exception:
@@ -91,9 +94,27 @@ def _failure(exc: BaseException) -> RemoteException:
         exc_bytes = None
     ename = f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins.")
     evalue = str(exc)
-    worker = _worker_name()
+    worker = worker_name()
     text = f"On {worker}:\n{ename}: {evalue}\n" + "".join(traceback.format_list(frames))
     return RemoteException(_FailureText(text, worker, ename, evalue, frames, exc_bytes), type(exc))
+
+
+_counts = {"in_flight": 0, "done": 0}  # user calls this process has served
+# nbrpc's own RPCs (output, ledger, trace) and torch's (group membership, RRef type
+# queries, shutdown) are not user calls: not counted.
+_NOT_USER_CALLS = (
+    "nbrpc.",
+    "torch.distributed.rpc.api",
+    "torch.distributed.rpc._utils",
+    "torch.distributed.rpc.backend_registry",
+)
+_counts_lock = threading.Lock()
+
+
+def call_counts() -> dict[str, int]:
+    """User calls served by this process: running now, and finished (ok or not)."""
+    with _counts_lock:
+        return dict(_counts)
 
 
 def run_function(python_udf: Any) -> Any:
@@ -101,6 +122,11 @@ def run_function(python_udf: Any) -> Any:
     output = _CallOutput() if _forward else None
     previous = getattr(_call, "output", None)
     _call.output = output
+    func = getattr(python_udf, "func", None)
+    counted = not (getattr(func, "__module__", None) or "").startswith(_NOT_USER_CALLS)
+    if counted:
+        with _counts_lock:
+            _counts["in_flight"] += 1
     try:
         if isinstance(python_udf, AttributeError):
             raise python_udf
@@ -111,6 +137,10 @@ def run_function(python_udf: Any) -> Any:
         _call.output = previous
         if output is not None:
             output.close()
+        if counted:
+            with _counts_lock:
+                _counts["in_flight"] -= 1
+                _counts["done"] += 1
 
 
 _CONNECTION_LOST = (

@@ -28,6 +28,14 @@ def test_torch_private_hooks_still_exist():
     source = inspect.getsource(rpc_internal._InternalRPCPickler.serialize)
     assert "_pickler(f)" in source
     assert "p.dispatch_table = self._dispatch_table" in source
+    # RRefs: torch sets their reducers item by item after that assignment (the ledger's
+    # _DispatchTable redirects them), and the ledger uses these private RRef methods.
+    assert "p.dispatch_table[dist.rpc.PyRRef] = self._py_rref_reducer" in source
+    from torch._C._distributed_rpc import PyRRef, _rref_context_get_debug_info
+
+    for name in ("_serialize", "_deserialize", "_get_type"):
+        assert hasattr(PyRRef, name), f"PyRRef.{name} is gone"
+    assert "num_owner_rrefs" in _rref_context_get_debug_info()
 
 
 def test_notebook_function_travels_by_value(nb):

@@ -1,0 +1,197 @@
+"""What each process knows about its RRefs and calls: the data behind ``nbrpc.ownership()``.
+
+torch keeps RRefs in a C++ context that Python cannot list, so every process keeps its own
+ledger of the Python RRef handles it holds, with weak references: a handle that is dropped
+and garbage-collected leaves the ledger by itself. A handle enters the ledger where it is
+born in that process:
+
+* ``torch.distributed.rpc.remote`` (and so ``nbrpc.remote``): patched to record the result
+  with a label such as ``remote(worker1, ParameterServer)``;
+* ``RRef(value)``: the local-owner constructor, patched the same way;
+* unpickling: an RRef that arrives as an argument or a return value. nbrpc's pickler
+  (:mod:`nbrpc._pickling`) reduces RRefs through :func:`reduce_rref`, so the label and the
+  value's type travel with the fork and the receiver records them.
+
+The kernel asks every process for :func:`snapshot` and :func:`merge` joins them by RRef id:
+one row per live RRef with its owner and the processes that hold a user reference.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed.rpc as rpc
+import torch.distributed.rpc.api as rpc_api
+from torch._C._distributed_rpc import PyRRef, _rref_context_get_debug_info
+
+from . import _remote
+
+__all__ = ["install", "merge", "reduce_rref", "snapshot"]
+
+_TYPE_WAIT_S = 1.0  # how long one snapshot waits for owners to say what their values are
+
+
+@dataclass
+class _Entry:
+    created_by: str
+    type: str | None
+    creator: str
+
+
+_handles: weakref.WeakKeyDictionary[PyRRef, _Entry] = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+_original: dict[str, Any] = {}
+_ID = re.compile(r"created_on=(\d+), local_id=(\d+)")
+
+
+def _record(rref: PyRRef, created_by: str, type_name: str | None, creator: str) -> PyRRef:
+    with _lock:
+        _handles[rref] = _Entry(created_by, type_name, creator)
+    return rref
+
+
+def _callable_name(func: Any) -> str:
+    name = getattr(func, "__qualname__", None) or type(func).__name__
+    if name.startswith("_VariableFunctionsClass."):  # torch.add and the other builtins
+        return "torch." + name.split(".", 1)[1]
+    return name
+
+
+def _destination_name(to: Any) -> str:
+    return getattr(to, "name", None) or str(to)
+
+
+def _patched_remote(to: Any, func: Any, *args: Any, **kwargs: Any) -> PyRRef:
+    rref = _original["remote"](to, func, *args, **kwargs)
+    type_name = func.__qualname__ if isinstance(func, type) else None
+    label = f"remote({_destination_name(to)}, {_callable_name(func)})"
+    return _record(rref, label, type_name, _remote.worker_name())
+
+
+def _rref_init(self: PyRRef, value: Any, *args: Any, **kwargs: Any) -> None:
+    _original["RRef.__init__"](self, value, *args, **kwargs)
+    type_name = type(value).__qualname__
+    _record(self, f"RRef({type_name})", type_name, _remote.worker_name())
+
+
+def _receive(fork_data: tuple, created_by: str, type_name: str | None, creator: str) -> PyRRef:
+    """Unpickling side of :func:`reduce_rref` (what torch's own receiver does, recorded)."""
+    return _record(PyRRef._deserialize(fork_data), created_by, type_name, creator)
+
+
+def reduce_rref(rref: PyRRef) -> tuple:
+    """Pickle an RRef as torch does (a fork of it), carrying its label and type along."""
+    entry = _handles.get(rref) or _Entry("unknown", None, "?")
+    return (_receive, (rref._serialize(), entry.created_by, entry.type, entry.creator))
+
+
+def install() -> None:
+    """Patch the places where RRef handles are born (idempotent; every process)."""
+    if _original:
+        return
+    _original["remote"] = rpc_api.remote
+    _original["RRef.__init__"] = rpc_api.RRef.__init__
+    rpc_api.remote = rpc.remote = _patched_remote  # type: ignore[assignment]
+    rpc_api.RRef.__init__ = _rref_init  # type: ignore[method-assign]
+
+
+def rref_id(rref: PyRRef) -> str:
+    """torch's globally unique RRef id, as ``"created_on:local_id"`` (ranks are unique)."""
+    match = _ID.search(str(rref))
+    return f"{match.group(1)}:{match.group(2)}" if match else str(rref)
+
+
+def _type_of(rref: PyRRef, entry: _Entry, pending: list) -> None:
+    if entry.type is not None:
+        return
+    try:
+        if rref.is_owner():
+            entry.type = type(rref.local_value()).__qualname__
+        else:  # asks the owner once; torch caches the answer in the handle
+            pending.append((entry, rref._get_type(blocking=False)))
+    except Exception:
+        entry.type = "?"
+
+
+def snapshot() -> dict[str, Any]:
+    """This process's handles and figures (runs in every process, asked by the kernel)."""
+    with _lock:
+        held = list(_handles.items())
+    pending: list = []
+    rows = []
+    for rref, entry in held:
+        _type_of(rref, entry, pending)
+    deadline = time.monotonic() + _TYPE_WAIT_S
+    for entry, fut in pending:
+        while not fut.done() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if fut.done():
+            try:
+                entry.type = fut.wait().__qualname__
+            except Exception:
+                entry.type = "?"
+    for rref, entry in held:
+        rows.append(
+            {
+                "id": rref_id(rref),
+                "owner": rref.owner_name(),
+                "is_owner": rref.is_owner(),
+                "type": entry.type,
+                "created_by": entry.created_by,
+                "creator": entry.creator,
+            }
+        )
+    debug = _rref_context_get_debug_info()
+    calls = _remote.call_counts()
+    return {
+        "name": _remote.worker_name(),
+        "handles": rows,
+        "owned": int(debug.get("num_owner_rrefs", 0)),
+        "forks": int(debug.get("num_forks", 0)),
+        "calls_in_flight": calls["in_flight"],
+        "calls_done": calls["done"],
+    }
+
+
+def merge(snapshots: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per live RRef from every process's :func:`snapshot`, sorted by id.
+
+    ``holders``: processes holding a user reference (not the owner);
+    ``creator``: the process whose code made it;
+    ``owner_holds``: whether the owner itself holds a Python handle;
+    ``handles``: how many Python handles exist in all.
+    """
+    rows: dict[str, dict[str, Any]] = {}
+    for snap in snapshots:
+        for handle in snap["handles"]:
+            row = rows.setdefault(
+                handle["id"],
+                {
+                    "id": handle["id"],
+                    "owner": handle["owner"],
+                    "holders": [],
+                    "owner_holds": False,
+                    "type": None,
+                    "created_by": None,
+                    "creator": None,
+                    "handles": 0,
+                },
+            )
+            row["handles"] += 1
+            if handle["is_owner"]:
+                row["owner_holds"] = True
+            elif snap["name"] not in row["holders"]:
+                row["holders"].append(snap["name"])
+            if row["type"] in (None, "?") and handle["type"]:
+                row["type"] = handle["type"]
+            if row["created_by"] in (None, "unknown"):
+                row["created_by"] = handle["created_by"]
+                row["creator"] = handle["creator"]
+    for row in rows.values():
+        row["holders"].sort()
+    return sorted(rows.values(), key=lambda r: tuple(int(p) for p in r["id"].split(":")))

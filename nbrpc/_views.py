@@ -1,0 +1,322 @@
+"""Plain data in, HTML/SVG/text out: what the widgets draw, as pure functions.
+
+Every view is computed here from the lists and dicts that ``nbrpc.status()``,
+``nbrpc.ownership()`` and ``nbrpc.trace_backward()`` return, so it can be tested without a
+browser and used without widgets (``_repr_html_`` in nbconvert, text in a terminal). The
+SVG carries ``data-*`` attributes (worker names, RRef ids, edge kinds) that the widget's
+front end uses for hover highlighting and that the browser test reads.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from html import escape
+from typing import Any
+
+__all__ = [
+    "backward_svg",
+    "backward_text",
+    "cluster_html",
+    "cluster_text",
+    "ownership_svg",
+    "ownership_text",
+]
+
+_STATE_COLOR = {
+    "ready": "#2e7d32",
+    "booting": "#f9a825",
+    "dead": "#c62828",
+    "stopped": "#757575",
+    "shutting down": "#f9a825",
+}
+_KIND_FILL = {
+    "root": "#c8e6c9",
+    "send": "#ffe0b2",
+    "recv": "#bbdefb",
+    "accumulate": "#eeeeee",
+    "function": "#ffffff",
+}
+_FONT = "font-family:system-ui,-apple-system,'Segoe UI',sans-serif"
+MAX_RREFS_PER_OWNER = 16  # more are summarised as "+N more" so a 10,000-RRef loop stays drawable
+
+
+def _figure(value: Any) -> str:
+    return "–" if value is None else str(value)
+
+
+# -- cluster ------------------------------------------------------------------------------
+
+
+def cluster_html(rows: list[dict[str, Any]], state: str) -> str:
+    """One card per process: state, pid@host, devices, calls, RRefs."""
+    if not rows:
+        return (
+            f'<div class="nbrpc-cluster" data-state="{escape(state)}" style="{_FONT}">'
+            f"<b>nbrpc</b>: no cluster ({escape(state)}). Start one with "
+            "<code>%rpc_init -n 2</code>.</div>"
+        )
+    cards = []
+    for r in rows:
+        color = _STATE_COLOR.get(r["state"], "#757575")
+        devices = ", ".join(r.get("devices") or []) or "–"
+        cards.append(
+            f'<div class="nbrpc-worker" data-worker="{escape(r["name"])}" '
+            f'data-state="{escape(r["state"])}" style="border:1px solid #ccc;'
+            f"border-left:6px solid {color};border-radius:6px;padding:6px 10px;"
+            'min-width:170px;background:#fafafa">'
+            f'<div style="font-weight:600;font-size:14px">{escape(r["name"])} '
+            f'<span style="color:{color};font-size:12px">● {escape(r["state"])}</span></div>'
+            f'<div style="font-size:12px;color:#444">{escape(r.get("role", ""))} · rank '
+            f"{r.get('rank', '–')}</div>"
+            f'<div style="font-size:12px;color:#444">pid {r.get("pid", "–")} @ '
+            f"{escape(str(r.get('host', '–')))}</div>"
+            f'<div style="font-size:12px;color:#444">devices: {escape(devices)}</div>'
+            f'<div style="font-size:12px">calls: <b>{_figure(r.get("calls_in_flight"))}</b> '
+            f"running, {_figure(r.get('calls_done'))} done</div>"
+            f'<div style="font-size:12px">RRefs: {_figure(r.get("rrefs_owned"))} owned, '
+            f"{_figure(r.get('rrefs_held'))} held</div></div>"
+        )
+    return (
+        f'<div class="nbrpc-cluster" data-state="{escape(state)}" style="{_FONT}">'
+        f'<div style="margin-bottom:4px"><b>nbrpc</b> cluster: {len(rows)} processes, '
+        f"{escape(state)}</div>"
+        f'<div style="display:flex;flex-wrap:wrap;gap:8px">{"".join(cards)}</div></div>'
+    )
+
+
+def cluster_text(rows: list[dict[str, Any]], state: str) -> str:
+    if not rows:
+        return f"nbrpc: no cluster ({state})"
+    lines = [f"nbrpc cluster: {len(rows)} processes, {state}"]
+    for r in rows:
+        lines.append(
+            f"  {r['name']:<12}{r['state']:<9}pid {r.get('pid', '–'):<8}"
+            f"calls {_figure(r.get('calls_in_flight'))} running / "
+            f"{_figure(r.get('calls_done'))} done   RRefs {_figure(r.get('rrefs_owned'))} owned"
+        )
+    return "\n".join(lines)
+
+
+# -- ownership ----------------------------------------------------------------------------
+
+_LANE_W, _LANE_GAP, _HEAD_H, _NODE_H, _NODE_GAP, _BAND = 190, 44, 34, 34, 8, 26
+
+
+def ownership_svg(workers: list[str], rrefs: list[dict[str, Any]]) -> str:
+    """Workers as columns; each RRef a box in its owner's column; an edge to each holder."""
+    names = list(workers) + sorted({r["owner"] for r in rrefs} - set(workers))
+    x_of = {name: 10 + i * (_LANE_W + _LANE_GAP) for i, name in enumerate(names)}
+    by_owner: dict[str, list[dict]] = defaultdict(list)
+    for r in rrefs:
+        by_owner[r["owner"]].append(r)
+    rows = max([min(len(v), MAX_RREFS_PER_OWNER + 1) for v in by_owner.values()] + [1])
+    height = _HEAD_H + _BAND + 30 + rows * (_NODE_H + _NODE_GAP)
+    width = 20 + len(names) * (_LANE_W + _LANE_GAP)
+    parts = [
+        f'<svg class="nbrpc-ownership" xmlns="http://www.w3.org/2000/svg" width="{width}" '
+        f'height="{height}" viewBox="0 0 {width} {height}" style="{_FONT};font-size:12px">',
+        '<defs><marker id="nbrpc-arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7"'
+        ' markerHeight="7" orient="auto"><path d="M0,0L10,5L0,10z" fill="#6a1b9a"/></marker>'
+        "</defs>",
+    ]
+    for name in names:
+        x = x_of[name]
+        parts.append(
+            f'<g class="lane" data-worker="{escape(name)}">'
+            f'<rect x="{x}" y="4" width="{_LANE_W}" height="{height - 8}" rx="8" '
+            'fill="#f5f5f5" stroke="#ddd"/>'
+            f'<rect x="{x}" y="4" width="{_LANE_W}" height="{_HEAD_H - 4}" rx="8" fill="#37474f"/>'
+            f'<text x="{x + _LANE_W / 2}" y="24" text-anchor="middle" fill="#fff" '
+            f'font-weight="600">{escape(name)}</text></g>'
+        )
+    edges, nodes = [], []
+    lane_of = {name: i for i, name in enumerate(names)}
+    for owner, items in by_owner.items():
+        x = x_of[owner]
+        shown = items[:MAX_RREFS_PER_OWNER]
+        for i, r in enumerate(shown):
+            y = _HEAD_H + _BAND + 10 + i * (_NODE_H + _NODE_GAP)
+            rid = escape(r["id"])
+            title = escape(f"RRef {r['id']}: {r.get('type')} made by {r.get('created_by')}")
+            nodes.append(
+                f'<g class="rref" data-rref="{rid}" data-owner="{escape(owner)}" '
+                f'data-holders="{escape(",".join(r["holders"]))}"><title>{title}</title>'
+                f'<rect x="{x + 8}" y="{y}" width="{_LANE_W - 16}" height="{_NODE_H}" rx="5" '
+                'fill="#ede7f6" stroke="#6a1b9a"/>'
+                f'<text x="{x + 14}" y="{y + 14}" font-weight="600">{rid} · '
+                f"{escape(str(r.get('type') or '?'))[:22]}</text>"
+                f'<text x="{x + 14}" y="{y + 28}" fill="#555" font-size="10">'
+                f"{escape(str(r.get('created_by') or ''))[:32]}</text></g>"
+            )
+            for k, holder in enumerate(r["holders"]):
+                if holder not in x_of:
+                    continue
+                # Out of the box sideways, up the gap beside the owner's lane, along the
+                # band under the headers, into the holder's header: never across a box.
+                right = lane_of[holder] > lane_of[owner]
+                sx = x + (_LANE_W - 8 if right else 8)
+                gap = x + _LANE_W + 6 + (i % 5) * 6 if right else x - 6 - (i % 5) * 6
+                band = _HEAD_H + 4 + ((i * 3 + k) % 7) * 3
+                tx = x_of[holder] + _LANE_W / 2 + ((i % 5) - 2) * 8
+                edges.append(
+                    f'<path class="hold-edge" data-rref="{rid}" data-holder="{escape(holder)}" '
+                    f'd="M{sx},{y + _NODE_H / 2} H{gap} V{band} H{tx} V{_HEAD_H + 1}" '
+                    'fill="none" stroke="#6a1b9a" stroke-width="1.4" opacity="0.75" '
+                    'stroke-linejoin="round" marker-end="url(#nbrpc-arrow)"/>'
+                )
+        if len(items) > len(shown):
+            y = _HEAD_H + _BAND + 10 + len(shown) * (_NODE_H + _NODE_GAP)
+            nodes.append(
+                f'<text class="more" x="{x + 14}" y="{y + 18}" fill="#555">'
+                f"+{len(items) - len(shown)} more</text>"
+            )
+    parts.extend(nodes)
+    parts.extend(edges)  # on top, so crossing edges stay visible
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def ownership_text(rrefs: list[dict[str, Any]]) -> str:
+    if not rrefs:
+        return "nbrpc: no live RRefs"
+    lines = [f"nbrpc: {len(rrefs)} live RRefs"]
+    for r in rrefs:
+        holders = ", ".join(r["holders"]) or "(owner only)"
+        lines.append(
+            f"  {r['id']:<8}{r.get('type')!s:<16}owner {r['owner']:<10}held by {holders:<20}"
+            f"{r.get('created_by') or ''}"
+        )
+    return "\n".join(lines)
+
+
+# -- backward -----------------------------------------------------------------------------
+
+_COL_W, _BOX_W, _BOX_H, _ROW_H, _LABEL_W = 132, 114, 30, 40, 100
+
+
+def _depths(trace: dict[str, Any]) -> dict[str, int]:
+    """Longest distance from a root along the gradient flow (edges point that way)."""
+    succ: dict[str, list[str]] = defaultdict(list)
+    indeg: dict[str, int] = {n["id"]: 0 for n in trace["nodes"]}
+    for e in trace["edges"]:
+        if e["src"] in indeg and e["dst"] in indeg:
+            succ[e["src"]].append(e["dst"])
+            indeg[e["dst"]] += 1
+    depth = {n: 0 for n, d in indeg.items() if d == 0}
+    queue = list(depth)
+    while queue:
+        node = queue.pop()
+        for nxt in succ[node]:
+            depth[nxt] = max(depth.get(nxt, 0), depth[node] + 1)
+            indeg[nxt] -= 1
+            if indeg[nxt] == 0:
+                queue.append(nxt)
+    for n in indeg:  # a cycle cannot happen in autograd; be safe anyway
+        depth.setdefault(n, 0)
+    return depth
+
+
+def _short_name(name: str) -> str:
+    return name.replace("Backward0", "").replace("Backward", "") or name
+
+
+def backward_svg(trace: dict[str, Any]) -> str:
+    """One lane per worker, autograd functions as boxes, send→recv hops drawn across lanes."""
+    workers = [w["name"] for w in trace["workers"]]
+    for n in trace["nodes"]:
+        if n["worker"] not in workers:
+            workers.append(n["worker"])
+    depth = _depths(trace)
+    slots: dict[tuple[str, int], int] = defaultdict(int)
+    pos: dict[str, tuple[float, float]] = {}
+    lane_rows: dict[str, int] = defaultdict(lambda: 1)
+    for n in sorted(trace["nodes"], key=lambda n: (depth[n["id"]], n["id"])):
+        key = (n["worker"], depth[n["id"]])
+        slots[key] += 1
+        lane_rows[n["worker"]] = max(lane_rows[n["worker"]], slots[key])
+    lane_y, y = {}, 30
+    for w in workers:
+        lane_y[w] = y
+        y += lane_rows[w] * _ROW_H + 20
+    height = y
+    width = _LABEL_W + (max(depth.values(), default=0) + 1) * _COL_W + 20
+    slots.clear()
+    for n in sorted(trace["nodes"], key=lambda n: (depth[n["id"]], n["id"])):
+        key = (n["worker"], depth[n["id"]])
+        row = slots[key]
+        slots[key] += 1
+        pos[n["id"]] = (_LABEL_W + depth[n["id"]] * _COL_W, lane_y[n["worker"]] + 10 + row * _ROW_H)
+    timing = {w["name"]: w.get("timing") for w in trace["workers"]}
+    parts = [
+        f'<svg class="nbrpc-backward" xmlns="http://www.w3.org/2000/svg" width="{width}" '
+        f'height="{height}" viewBox="0 0 {width} {height}" style="{_FONT};font-size:11px">',
+        '<defs><marker id="nbrpc-arrow-local" viewBox="0 0 10 10" refX="9" refY="5" '
+        'markerWidth="6" markerHeight="6" orient="auto"><path d="M0,0L10,5L0,10z" '
+        'fill="#888"/></marker><marker id="nbrpc-arrow-rpc" viewBox="0 0 10 10" refX="9" '
+        'refY="5" markerWidth="7" markerHeight="7" orient="auto"><path d="M0,0L10,5L0,10z" '
+        'fill="#e65100"/></marker></defs>',
+        f'<text x="6" y="18" font-weight="600">backward pass, context {trace.get("context_id")}'
+        " — gradients flow left to right; orange arrows cross processes</text>",
+    ]
+    for w in workers:
+        t = timing.get(w)
+        busy = f"{t['busy_s'] * 1e3:.2f} ms busy" if t else ""
+        h = lane_rows[w] * _ROW_H + 10
+        parts.append(
+            f'<g class="lane" data-worker="{escape(w)}"><rect x="4" y="{lane_y[w]}" '
+            f'width="{width - 8}" height="{h}" rx="6" fill="#f7f7f7" stroke="#ddd"/>'
+            f'<text x="10" y="{lane_y[w] + 20}" font-weight="600" font-size="12">{escape(w)}'
+            f'</text><text x="10" y="{lane_y[w] + 34}" fill="#555">{busy}</text></g>'
+        )
+    for e in trace["edges"]:
+        if e["src"] not in pos or e["dst"] not in pos:
+            continue
+        (sx, sy), (tx, ty) = pos[e["src"]], pos[e["dst"]]
+        x1, y1, x2, y2 = sx + _BOX_W, sy + _BOX_H / 2, tx, ty + _BOX_H / 2
+        if e["kind"] == "rpc":
+            parts.append(
+                f'<path class="rpc-edge" data-src="{escape(e["src"])}" data-dst="'
+                f'{escape(e["dst"])}" d="M{x1},{y1} C{x1 + 40},{y1} {x2 - 40},{y2} {x2},{y2}" '
+                'fill="none" stroke="#e65100" stroke-width="2.5" stroke-dasharray="6 3" '
+                'marker-end="url(#nbrpc-arrow-rpc)"/>'
+            )
+        else:
+            parts.append(
+                f'<path class="local-edge" d="M{x1},{y1} C{x1 + 20},{y1} {x2 - 20},{y2} {x2},'
+                f'{y2}" fill="none" stroke="#888" marker-end="url(#nbrpc-arrow-local)"/>'
+            )
+    for n in trace["nodes"]:
+        x, y0 = pos[n["id"]]
+        label = escape(_short_name(n["name"]))[:20]
+        ms = f" {n['duration_s'] * 1e3:.2f} ms" if n.get("duration_s") is not None else ""
+        stroke = "#e65100" if n["kind"] in ("send", "recv") else "#607d8b"
+        parts.append(
+            f'<g class="node" data-node="{escape(n["id"])}" data-kind="{n["kind"]}" '
+            f'data-worker="{escape(n["worker"])}"><title>{escape(n["name"])} on '
+            f"{escape(n['worker'])}{ms}</title>"
+            f'<rect x="{x}" y="{y0}" width="{_BOX_W}" height="{_BOX_H}" rx="4" '
+            f'fill="{_KIND_FILL.get(n["kind"], "#fff")}" stroke="{stroke}"/>'
+            f'<text x="{x + 6}" y="{y0 + 13}">{label}</text>'
+            f'<text x="{x + 6}" y="{y0 + 25}" fill="#555" font-size="10">{n["kind"]}{ms}'
+            "</text></g>"
+        )
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def backward_text(trace: dict[str, Any]) -> str:
+    hops = [e for e in trace["edges"] if e["kind"] == "rpc"]
+    lines = [
+        f"backward pass, context {trace.get('context_id')}: {len(trace['nodes'])} autograd "
+        f"functions on {len(trace['workers'])} processes, {len(hops)} cross-process hops"
+    ]
+    per_worker: dict[str, int] = defaultdict(int)
+    for n in trace["nodes"]:
+        per_worker[n["worker"]] += 1
+    for w in trace["workers"]:
+        t = w.get("timing")
+        busy = f", {t['busy_s'] * 1e3:.2f} ms busy" if t else ""
+        lines.append(f"  {w['name']}: {per_worker[w['name']]} functions{busy}")
+    for e in hops:
+        lines.append(f"  hop {e['src']} -> {e['dst']}")
+    return "\n".join(lines)

@@ -1,0 +1,193 @@
+"""Widgets that show the cluster, who owns which RRef, and how a backward pass crossed workers.
+
+Each view is an anywidget whose front end (``static/views.js``, bundled: no CDN) draws the
+HTML/SVG that :mod:`nbrpc._views` computes in Python from plain data. The data is kept on
+the widget as ``.data``, so tests check it without a browser, and every view has a
+text/HTML repr for front ends without widgets (nbconvert, a terminal).
+
+:class:`ClusterView` and :class:`OwnershipView` are live: a daemon thread asks the workers
+for their figures every ``interval`` seconds and redraws when something changed. It runs
+beside the kernel's main thread, so the views update while a cell is busy too. It never
+touches the ipyparallel client (which is not thread-safe); dead workers show up through
+their pids and failed calls. ``close()`` stops it.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+import threading
+from typing import Any
+
+import anywidget
+import traitlets
+
+from . import _agent, _cluster, _views
+from ._errors import NbrpcError
+
+__all__ = ["BackwardView", "ClusterView", "OwnershipView"]
+
+log = logging.getLogger("nbrpc")
+
+POLL_TIMEOUT_S = 2.0
+
+
+class _View(anywidget.AnyWidget):
+    _esm = pathlib.Path(__file__).parent / "static" / "views.js"
+
+    html = traitlets.Unicode("", help="the view's HTML/SVG, computed by nbrpc._views").tag(
+        sync=True
+    )
+    version = traitlets.Int(0, help="how many times the view was redrawn").tag(sync=True)
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.data: Any = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- drawing ------------------------------------------------------------------------
+
+    def _compute(self) -> Any:
+        raise NotImplementedError
+
+    def _render(self, data: Any) -> str:
+        raise NotImplementedError
+
+    def _text(self, data: Any) -> str:
+        raise NotImplementedError
+
+    def refresh(self) -> bool:
+        """Fetch the data now and redraw if it changed; returns whether it changed."""
+        data = self._compute()
+        if data == self.data:
+            return False
+        self.data = data
+        self.html = self._render(data)
+        self.version += 1
+        return True
+
+    # -- live updates -------------------------------------------------------------------
+
+    def _start(self, interval: float) -> None:
+        self.interval = interval
+        self._thread = threading.Thread(
+            target=self._poll, name=f"nbrpc-{type(self).__name__}", daemon=True
+        )
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.refresh()
+            except Exception as exc:  # a worker mid-shutdown, a closed comm: try again later
+                log.debug("%s refresh failed: %s", type(self).__name__, exc)
+
+    @property
+    def live(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+
+    def close(self) -> None:
+        """Stop live updates and close the widget."""
+        self._stop.set()
+        super().close()
+
+    # -- front ends without widgets -----------------------------------------------------
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        bundle = super()._repr_mimebundle_(**kwargs)
+        data, meta = bundle if isinstance(bundle, tuple) else (bundle, {})
+        data = dict(data or {})
+        data["text/plain"] = self._text(self.data)
+        data["text/html"] = self.html
+        return (data, meta) if isinstance(bundle, tuple) else data
+
+    def _repr_html_(self) -> str:
+        return self.html
+
+    def __repr__(self) -> str:
+        return self._text(self.data) if self.data is not None else type(self).__name__ + "()"
+
+
+class ClusterView(_View):
+    """One card per process: state, pid@host, devices, calls running/done, RRefs.
+
+    ``%rpc_status`` shows one. ``live=True`` redraws every ``interval`` seconds.
+    """
+
+    def __init__(self, *, live: bool = True, interval: float = 1.0) -> None:
+        super().__init__()
+        self.refresh()
+        if live:
+            self._start(interval)
+
+    def _compute(self) -> dict[str, Any]:
+        try:
+            cluster = _cluster.current()
+        except NbrpcError:
+            return {"state": "closed", "workers": []}
+        return {
+            "state": cluster.state.value,
+            "workers": cluster.status(POLL_TIMEOUT_S, ask_ipyparallel=False),
+        }
+
+    def _render(self, data: dict[str, Any]) -> str:
+        return _views.cluster_html(data["workers"], data["state"])
+
+    def _text(self, data: dict[str, Any] | None) -> str:
+        data = data or {"state": "closed", "workers": []}
+        return _views.cluster_text(data["workers"], data["state"])
+
+
+class OwnershipView(_View):
+    """Every live RRef drawn inside its owner's lane, with an edge to each holder.
+
+    Redraws when RRefs are created or released (``live=True``), from ``nbrpc.ownership()``.
+    """
+
+    def __init__(self, *, live: bool = True, interval: float = 1.0) -> None:
+        super().__init__()
+        self.refresh()
+        if live:
+            self._start(interval)
+
+    def _compute(self) -> dict[str, Any]:
+        try:
+            workers = _agent.workers()
+            rrefs = _agent.ownership(POLL_TIMEOUT_S)
+        except NbrpcError:
+            return {"workers": [], "rrefs": []}
+        return {"workers": workers, "rrefs": rrefs}
+
+    def _render(self, data: dict[str, Any]) -> str:
+        return _views.ownership_svg(data["workers"], data["rrefs"])
+
+    def _text(self, data: dict[str, Any] | None) -> str:
+        return _views.ownership_text((data or {}).get("rrefs", []))
+
+
+class BackwardView(_View):
+    """The cross-worker backward graph of one distributed autograd context.
+
+    ``trace`` is what ``nbrpc.trace_backward(context_id)`` returned, or the context id
+    itself. One lane per worker; send→recv hops are drawn across lanes in orange; per-node
+    and per-worker times appear when the backward ran with ``timed=True``.
+    """
+
+    def __init__(self, trace: dict[str, Any] | int) -> None:
+        super().__init__()
+        if isinstance(trace, int):
+            from .autograd import trace_backward
+
+            trace = trace_backward(trace)
+        self._trace = trace
+        self.refresh()
+
+    def _compute(self) -> dict[str, Any]:
+        return self._trace
+
+    def _render(self, data: dict[str, Any]) -> str:
+        return _views.backward_svg(data)
+
+    def _text(self, data: dict[str, Any] | None) -> str:
+        return _views.backward_text(data) if data else "BackwardView()"

@@ -1,0 +1,164 @@
+"""nbrpc.ownership() and nbrpc.status(): who owns which RRef, who holds it, live figures."""
+
+import gc
+import threading
+import time
+
+import pytest
+import torch
+from conftest import notebook_code
+
+import nbrpc
+
+pytestmark = pytest.mark.usefixtures("cluster")
+
+CELL = """
+import time
+import torch
+import torch.distributed.rpc as rpc
+
+class ParameterServer:
+    def __init__(self, n):
+        self.w = torch.zeros(n)
+
+def make_elsewhere(to):
+    # an RRef made by worker code, owned by a third process, returned to the caller
+    return rpc.remote(to, torch.add, args=(torch.ones(2), 1))
+
+def keep_local(value):
+    # an RRef owned by the worker that makes it (local RRef constructor)
+    return rpc.RRef(value)
+
+def hold(rref):
+    # notebook globals travel by value each call: keep state in the worker's own __main__
+    import sys
+    sys.modules["__main__"].held = rref
+    return rref.owner_name()
+
+def drop():
+    import gc, sys
+    sys.modules["__main__"].held = None
+    gc.collect()
+
+def nap(seconds):
+    time.sleep(seconds)
+    return seconds
+"""
+
+
+def _by_id(rows):
+    return {r["id"]: r for r in rows}
+
+
+def _wait_until(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _new_rows(before):
+    return [r for r in nbrpc.ownership() if r["id"] not in before]
+
+
+def test_ownership_follows_creation_and_release_across_workers():
+    nb = notebook_code(CELL)
+    before = {r["id"] for r in nbrpc.ownership()}
+    ps = nbrpc.remote("worker1", nb.ParameterServer, args=(3,))
+    third = nbrpc.rpc_sync("worker1", nb.make_elsewhere, args=("worker2",))
+    local = nbrpc.rpc_sync("worker2", nb.keep_local, args=(torch.ones(4),))
+    rows = _by_id(_new_rows(before))
+    assert len(rows) == 3, rows
+
+    ps_row = rows[ps_id := next(i for i, r in rows.items() if r["type"] == "ParameterServer")]
+    assert ps_row["owner"] == "worker1"
+    assert ps_row["holders"] == ["worker0"]
+    assert ps_row["created_by"] == "remote(worker1, ParameterServer)"
+    assert ps_row["creator"] == "worker0"
+
+    made_on_1 = next(r for r in rows.values() if r["creator"] == "worker1")
+    assert made_on_1["owner"] == "worker2"
+    assert made_on_1["holders"] == ["worker0"]  # worker1's own handle was dropped on return
+    assert made_on_1["created_by"] == "remote(worker2, torch.add)"
+    assert made_on_1["type"] == "Tensor"
+
+    local_row = next(r for r in rows.values() if r["created_by"] == "RRef(Tensor)")
+    assert local_row["owner"] == "worker2"
+    assert local_row["creator"] == "worker2"
+    assert local_row["holders"] == ["worker0"]
+
+    # a second holder: worker2 keeps a fork of the ParameterServer RRef
+    assert nbrpc.rpc_sync("worker2", nb.hold, args=(ps,)) == "worker1"
+    assert _by_id(nbrpc.ownership())[ps_id]["holders"] == ["worker0", "worker2"]
+
+    # release: the kernel drops its handles; worker2 still holds the server
+    del third, local
+    gc.collect()
+    assert _wait_until(lambda: set(_by_id(_new_rows(before))) == {ps_id})
+    del ps
+    gc.collect()
+    assert _wait_until(lambda: _by_id(nbrpc.ownership())[ps_id]["holders"] == ["worker2"])
+    nbrpc.rpc_sync("worker2", nb.drop)
+    assert _wait_until(lambda: ps_id not in _by_id(nbrpc.ownership()))
+
+
+def test_owner_side_counts_follow_the_ledger():
+    nb = notebook_code(CELL)
+    owned = {r["name"]: r["rrefs_owned"] for r in nbrpc.status()}
+    refs = [nbrpc.remote("worker2", nb.ParameterServer, args=(1,)) for _ in range(3)]
+    for r in refs:
+        r.to_here()
+    now = {r["name"]: r for r in nbrpc.status()}
+    assert now["worker2"]["rrefs_owned"] == owned["worker2"] + 3
+    assert now["worker0"]["rrefs_held"] >= 3
+    del refs, r
+    gc.collect()
+    assert _wait_until(
+        lambda: {r["name"]: r["rrefs_owned"] for r in nbrpc.status()}["worker2"] == owned["worker2"]
+    )
+
+
+def test_status_counts_calls_in_flight_and_done():
+    nb = notebook_code(CELL)
+    done_before = {r["name"]: r["calls_done"] for r in nbrpc.status()}
+    fut = nbrpc.rpc_async("worker1", nb.nap, args=(1.5,))
+    assert _wait_until(
+        lambda: {r["name"]: r for r in nbrpc.status()}["worker1"]["calls_in_flight"] == 1, 5
+    )
+    assert fut.wait() == 1.5
+    rows = {r["name"]: r for r in nbrpc.status()}
+    assert rows["worker1"]["calls_in_flight"] == 0
+    assert rows["worker1"]["calls_done"] == done_before["worker1"] + 1
+    assert rows["worker1"]["state"] == "ready"
+    assert rows["worker1"]["devices"][0] == "cpu"
+    assert rows["worker0"]["role"] == "kernel"
+
+
+def test_ownership_answers_while_a_worker_is_busy():
+    nb = notebook_code(CELL)
+    fut = nbrpc.rpc_async("worker1", nb.nap, args=(1.0,))
+    t0 = time.monotonic()
+    nbrpc.ownership()
+    assert time.monotonic() - t0 < 0.9  # served by another RPC thread, not queued behind
+    fut.wait()
+
+
+def test_ledger_is_thread_safe_under_concurrent_creation():
+    before = {r["id"] for r in nbrpc.ownership()}
+    made: list = []
+
+    def create():
+        for _ in range(50):
+            made.append(nbrpc.remote("worker1", torch.add, args=(torch.ones(1), 1)))
+
+    threads = [threading.Thread(target=create) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(_new_rows(before)) == 200
+    made.clear()
+    gc.collect()
+    assert _wait_until(lambda: not _new_rows(before))
