@@ -19,9 +19,10 @@ def test_all_matches_public_names():
     }
     public.discard("annotations")  # from __future__
     public.discard("Any")  # typing import
-    assert public | {"__version__", "autograd", "optim"} == set(nbrpc.__all__)
+    assert public | {"__version__", "autograd", "optim", "widgets"} == set(nbrpc.__all__)
     assert callable(nbrpc.autograd.backward)
     assert callable(nbrpc.optim.DistributedOptimizer)
+    assert callable(nbrpc.widgets.OwnershipView)
 
 
 def test_magics_are_registered_by_load_ext_only():
