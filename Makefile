@@ -5,6 +5,9 @@
 PY      := .venv/bin/python
 STAMP   := .venv/.nbrpc-installed
 TORCH   := torch==2.13.0
+# The browser test drives Debian's Chromium; Playwright never downloads a browser here.
+CHROMIUM := /usr/bin/chromium
+SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: venv demo test lint bench clean
 
@@ -24,7 +27,11 @@ lint: $(STAMP)
 	$(PY) -m ruff check nbrpc tests tools benchmarks
 	$(PY) -m ruff format --check nbrpc tests tools benchmarks
 
-test: $(STAMP) lint
+$(CHROMIUM):
+	$(SUDO) apt-get update -q
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium
+
+test: $(STAMP) $(CHROMIUM) lint
 	$(PY) -m pytest tests --nbval-lax notebooks -v -rs
 
 bench: $(STAMP)

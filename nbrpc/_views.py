@@ -144,9 +144,9 @@ def ownership_svg(workers: list[str], rrefs: list[dict[str, Any]]) -> str:
                 f'<rect x="{x + 8}" y="{y}" width="{_LANE_W - 16}" height="{_NODE_H}" rx="5" '
                 'fill="#ede7f6" stroke="#6a1b9a"/>'
                 f'<text x="{x + 14}" y="{y + 14}" font-weight="600">{rid} · '
-                f"{escape(str(r.get('type') or '?'))[:22]}</text>"
+                f"{escape(str(r.get('type') or '?')[:18])}</text>"
                 f'<text x="{x + 14}" y="{y + 28}" fill="#555" font-size="10">'
-                f"{escape(str(r.get('created_by') or ''))[:32]}</text></g>"
+                f"{escape(str(r.get('created_by') or '')[:32])}</text></g>"
             )
             for k, holder in enumerate(r["holders"]):
                 if holder not in x_of:
@@ -191,8 +191,6 @@ def ownership_text(rrefs: list[dict[str, Any]]) -> str:
 
 # -- backward -----------------------------------------------------------------------------
 
-_COL_W, _BOX_W, _BOX_H, _ROW_H, _LABEL_W = 132, 114, 30, 40, 100
-
 
 def _depths(trace: dict[str, Any]) -> dict[str, int]:
     """Longest distance from a root along the gradient flow (edges point that way)."""
@@ -220,32 +218,44 @@ def _short_name(name: str) -> str:
     return name.replace("Backward0", "").replace("Backward", "") or name
 
 
+_BOX_W, _BOX_H, _ROW_H, _SLOT_W, _HEADER_H = 118, 30, 46, 126, 46
+
+
 def backward_svg(trace: dict[str, Any]) -> str:
-    """One lane per worker, autograd functions as boxes, send→recv hops drawn across lanes."""
+    """One column per worker; autograd functions top to bottom in the order gradients
+    reach them; send→recv hops drawn across columns in orange.
+
+    Columns, not rows: a backward pass is deep and a cluster is narrow, so the drawing
+    grows downwards, the way a notebook scrolls.
+    """
     workers = [w["name"] for w in trace["workers"]]
     for n in trace["nodes"]:
         if n["worker"] not in workers:
             workers.append(n["worker"])
     depth = _depths(trace)
-    slots: dict[tuple[str, int], int] = defaultdict(int)
-    pos: dict[str, tuple[float, float]] = {}
-    lane_rows: dict[str, int] = defaultdict(lambda: 1)
-    for n in sorted(trace["nodes"], key=lambda n: (depth[n["id"]], n["id"])):
+    order = sorted(trace["nodes"], key=lambda n: (depth[n["id"]], n["id"]))
+    slot_of: dict[str, int] = {}
+    used: dict[tuple[str, int], int] = defaultdict(int)
+    for n in order:
         key = (n["worker"], depth[n["id"]])
-        slots[key] += 1
-        lane_rows[n["worker"]] = max(lane_rows[n["worker"]], slots[key])
-    lane_y, y = {}, 30
+        slot_of[n["id"]] = used[key]
+        used[key] += 1
+    slots = defaultdict(lambda: 1, {w: 1 for w in workers})
+    for (w, _), count in used.items():
+        slots[w] = max(slots[w], count)
+    lane_x, x = {}, 6
     for w in workers:
-        lane_y[w] = y
-        y += lane_rows[w] * _ROW_H + 20
-    height = y
-    width = _LABEL_W + (max(depth.values(), default=0) + 1) * _COL_W + 20
-    slots.clear()
-    for n in sorted(trace["nodes"], key=lambda n: (depth[n["id"]], n["id"])):
-        key = (n["worker"], depth[n["id"]])
-        row = slots[key]
-        slots[key] += 1
-        pos[n["id"]] = (_LABEL_W + depth[n["id"]] * _COL_W, lane_y[n["worker"]] + 10 + row * _ROW_H)
+        lane_x[w] = x
+        x += slots[w] * _SLOT_W + 28
+    width = x
+    height = _HEADER_H + 30 + (max(depth.values(), default=0) + 1) * _ROW_H
+    pos = {
+        n["id"]: (
+            lane_x[n["worker"]] + 14 + slot_of[n["id"]] * _SLOT_W,
+            _HEADER_H + 36 + depth[n["id"]] * _ROW_H,
+        )
+        for n in trace["nodes"]
+    }
     timing = {w["name"]: w.get("timing") for w in trace["workers"]}
     parts = [
         f'<svg class="nbrpc-backward" xmlns="http://www.w3.org/2000/svg" width="{width}" '
@@ -255,39 +265,43 @@ def backward_svg(trace: dict[str, Any]) -> str:
         'fill="#888"/></marker><marker id="nbrpc-arrow-rpc" viewBox="0 0 10 10" refX="9" '
         'refY="5" markerWidth="7" markerHeight="7" orient="auto"><path d="M0,0L10,5L0,10z" '
         'fill="#e65100"/></marker></defs>',
-        f'<text x="6" y="18" font-weight="600">backward pass, context {trace.get("context_id")}'
-        " — gradients flow left to right; orange arrows cross processes</text>",
+        f'<text x="6" y="16" font-weight="600">backward pass, context {trace.get("context_id")}'
+        " — gradients flow top to bottom; orange arrows cross processes</text>",
     ]
     for w in workers:
         t = timing.get(w)
         busy = f"{t['busy_s'] * 1e3:.2f} ms busy" if t else ""
-        h = lane_rows[w] * _ROW_H + 10
+        lw = slots[w] * _SLOT_W + 16
         parts.append(
-            f'<g class="lane" data-worker="{escape(w)}"><rect x="4" y="{lane_y[w]}" '
-            f'width="{width - 8}" height="{h}" rx="6" fill="#f7f7f7" stroke="#ddd"/>'
-            f'<text x="10" y="{lane_y[w] + 20}" font-weight="600" font-size="12">{escape(w)}'
-            f'</text><text x="10" y="{lane_y[w] + 34}" fill="#555">{busy}</text></g>'
+            f'<g class="lane" data-worker="{escape(w)}"><rect x="{lane_x[w]}" y="24" '
+            f'width="{lw}" height="{height - 28}" rx="6" fill="#f7f7f7" stroke="#ddd"/>'
+            f'<text x="{lane_x[w] + 10}" y="44" font-weight="600" font-size="12">{escape(w)}'
+            f'</text><text x="{lane_x[w] + 10}" y="60" fill="#555">{busy}</text></g>'
         )
     for e in trace["edges"]:
         if e["src"] not in pos or e["dst"] not in pos:
             continue
         (sx, sy), (tx, ty) = pos[e["src"]], pos[e["dst"]]
-        x1, y1, x2, y2 = sx + _BOX_W, sy + _BOX_H / 2, tx, ty + _BOX_H / 2
         if e["kind"] == "rpc":
+            right = tx > sx
+            x1, y1 = sx + (_BOX_W if right else 0), sy + _BOX_H / 2
+            x2, y2 = tx + (0 if right else _BOX_W), ty + _BOX_H / 2
+            bend = 40 if right else -40
             parts.append(
                 f'<path class="rpc-edge" data-src="{escape(e["src"])}" data-dst="'
-                f'{escape(e["dst"])}" d="M{x1},{y1} C{x1 + 40},{y1} {x2 - 40},{y2} {x2},{y2}" '
-                'fill="none" stroke="#e65100" stroke-width="2.5" stroke-dasharray="6 3" '
+                f'{escape(e["dst"])}" d="M{x1},{y1} C{x1 + bend},{y1} {x2 - bend},{y2} {x2},'
+                f'{y2}" fill="none" stroke="#e65100" stroke-width="2.5" stroke-dasharray="6 3" '
                 'marker-end="url(#nbrpc-arrow-rpc)"/>'
             )
         else:
+            x1, y1, x2, y2 = sx + _BOX_W / 2, sy + _BOX_H, tx + _BOX_W / 2, ty
             parts.append(
-                f'<path class="local-edge" d="M{x1},{y1} C{x1 + 20},{y1} {x2 - 20},{y2} {x2},'
+                f'<path class="local-edge" d="M{x1},{y1} C{x1},{y1 + 10} {x2},{y2 - 10} {x2},'
                 f'{y2}" fill="none" stroke="#888" marker-end="url(#nbrpc-arrow-local)"/>'
             )
     for n in trace["nodes"]:
         x, y0 = pos[n["id"]]
-        label = escape(_short_name(n["name"]))[:20]
+        label = escape(_short_name(n["name"]))[:18]
         ms = f" {n['duration_s'] * 1e3:.2f} ms" if n.get("duration_s") is not None else ""
         stroke = "#e65100" if n["kind"] in ("send", "recv") else "#607d8b"
         parts.append(

@@ -1,0 +1,266 @@
+"""What a person sees: notebook 06 in a real JupyterLab, driven by a real headless Chromium.
+
+A JupyterLab server starts on loopback with a token; Debian's Chromium (never a downloaded
+browser) opens a copy of ``notebooks/06_seeing_the_cluster.ipynb`` and runs it cell group
+by cell group. The DOM must show every worker in the cluster view, every RRef in the
+ownership view (and lose the released one while the page stays open), and cross-worker
+edges in the backward view. Screenshots go to ``test-artifacts/browser/`` (git-ignored).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import wait_for_exit
+
+CHROMIUM = "/usr/bin/chromium"
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = ROOT / "test-artifacts" / "browser"
+LAUNCH_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+
+pytestmark = pytest.mark.skipif(
+    not os.path.exists(CHROMIUM),
+    reason=f"no {CHROMIUM}: install Debian's chromium (`make test` does it: apt-get install "
+    "chromium)",
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_server(url: str, proc: subprocess.Popen, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"jupyter lab exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"jupyter lab did not answer {url} in {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A JupyterLab on 127.0.0.1 with a token, serving a copy of notebook 06."""
+    work = tmp_path_factory.mktemp("lab")
+    shutil.copy(ROOT / "notebooks" / "06_seeing_the_cluster.ipynb", work / "views.ipynb")
+    config = work / "config"
+    (config / "labconfig").mkdir(parents=True)
+    # No "would you like news?" toast over the screenshots (and no request for it).
+    (config / "labconfig" / "page_config.json").write_text(
+        json.dumps({"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}})
+    )
+    port, token = _free_port(), secrets.token_hex(16)
+    log = open(work / "lab.log", "w")  # noqa: SIM115 - closed in the finalizer below
+    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(config)}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            "--ServerApp.ip=127.0.0.1",
+            f"--ServerApp.port={port}",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={work}",
+            "--LabApp.expose_app_in_browser=True",
+            # CI runs as root; the server is on loopback behind a random token either way
+            *(["--allow-root"] if os.geteuid() == 0 else []),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_for_server(f"{base}/api/status?token={token}", proc)
+        yield {"base": base, "token": token, "work": work}
+    finally:
+        try:
+            family = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            family = []
+        proc.terminate()  # the server stops its kernels; their clusters stop with them
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        for pid in wait_for_exit(family, timeout=30):  # only what this fixture started
+            psutil.Process(pid).kill()
+        log.close()
+
+
+#: JavaScript helpers run in the page; ``window.jupyterapp`` exists because the server
+#: runs with ``--LabApp.expose_app_in_browser``.
+KERNEL_IDLE = """() => {
+  const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;
+  const k = w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel;
+  return !!k && k.status === 'idle' && w.content.widgets.length > 0;
+}"""
+RUN_UP_TO = """async (needle) => {
+  const app = window.jupyterapp;
+  const nb = app.shell.currentWidget.content;
+  const at = nb.widgets.findIndex(c => c.model.sharedModel.getSource().includes(needle));
+  if (at < 0) throw new Error('no cell contains ' + needle);
+  nb.activeCellIndex = at;
+  await app.commands.execute('notebook:run-all-above');
+  return at;
+}"""
+RUN_CELL = """async (needle) => {
+  const app = window.jupyterapp;
+  const nb = app.shell.currentWidget.content;
+  const at = nb.widgets.findIndex(c => c.model.sharedModel.getSource().includes(needle));
+  nb.activeCellIndex = at;
+  await app.commands.execute('notebook:run-cell');
+  return at;
+}"""
+PRINTED = """(prefix) => {
+  for (const out of document.querySelectorAll('.jp-OutputArea-output')) {
+    for (const line of out.innerText.split('\\n')) {
+      if (line.startsWith(prefix)) return line.slice(prefix.length);
+    }
+  }
+  return '';
+}"""
+ERRORS = """() => Array.from(document.querySelectorAll(
+  '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]'))
+  .map(e => e.innerText).filter(t => /Error|Traceback/.test(t))"""
+
+
+def _fail_with_page(page, what: str) -> None:
+    page.screenshot(path=str(ARTIFACTS / "failure.png"), full_page=True)
+    errors = page.evaluate(ERRORS)
+    pytest.fail(f"{what}; errors in the page: {errors or 'none'}; see {ARTIFACTS}/failure.png")
+
+
+def _wait(page, condition: str, what: str, timeout_s: float = 120, arg=None) -> None:
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        page.wait_for_function(condition, arg=arg, timeout=timeout_s * 1000, polling=250)
+    except PlaywrightTimeout:
+        _fail_with_page(page, f"timed out after {timeout_s} s waiting for {what}")
+
+
+def test_views_render_and_update_in_jupyterlab(lab):
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+    t0 = time.monotonic()
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=LAUNCH_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1100})
+            page.goto(f"{lab['base']}/lab/tree/views.ipynb?token={lab['token']}")
+            _wait(page, KERNEL_IDLE, "JupyterLab to open the notebook with an idle kernel")
+            timings["lab open, kernel idle"] = time.monotonic() - t0
+
+            # Everything up to the release: boot, status, workload, views, backward pass.
+            t1 = time.monotonic()
+            page.evaluate(RUN_UP_TO, "del scratch")
+            _wait(
+                page,
+                "() => document.querySelectorAll('.nbrpc-backward path.rpc-edge').length > 0",
+                "the backward view",
+                timeout_s=180,
+            )
+            timings["cluster boot + workload + views"] = time.monotonic() - t1
+
+            workers = page.eval_on_selector_all(
+                ".nbrpc-cluster .nbrpc-worker", "els => els.map(e => e.dataset.worker)"
+            )
+            assert sorted(workers) == ["worker0", "worker1", "worker2"]
+            states = page.eval_on_selector_all(
+                ".nbrpc-cluster .nbrpc-worker", "els => els.map(e => e.dataset.state)"
+            )
+            assert set(states) == {"ready"}
+
+            ids = page.evaluate(PRINTED, "RRef ids:").split()
+            assert len(ids) == 3, ids
+            for rid in ids:
+                _wait(
+                    page,
+                    "(id) => !!document.querySelector(`.nbrpc-ownership g.rref[data-rref='${id}']`)",
+                    f"RRef {rid} in the ownership view",
+                    timeout_s=15,
+                    arg=rid,
+                )
+            lanes = page.eval_on_selector_all(
+                ".nbrpc-ownership g.lane", "els => els.map(e => e.dataset.worker)"
+            )
+            assert lanes == ["worker0", "worker1", "worker2"]
+            holders = page.eval_on_selector_all(
+                ".nbrpc-ownership path.hold-edge", "els => els.map(e => e.dataset.holder)"
+            )
+            assert "worker2" in holders  # worker2 holds the parameter server
+            page.locator(".nbrpc-cluster").first.screenshot(path=str(ARTIFACTS / "cluster.png"))
+            page.locator(".nbrpc-ownership").first.screenshot(path=str(ARTIFACTS / "ownership.png"))
+
+            backward_lanes = page.eval_on_selector_all(
+                ".nbrpc-backward g.lane", "els => els.map(e => e.dataset.worker)"
+            )
+            assert sorted(backward_lanes) == ["worker0", "worker1", "worker2"]
+            hops = page.eval_on_selector_all(
+                ".nbrpc-backward path.rpc-edge",
+                "els => els.map(e => [e.dataset.src.split('/')[0], e.dataset.dst.split('/')[0]])",
+            )
+            assert len(hops) == 3
+            assert all(src != dst for src, dst in hops)  # every hop crosses processes
+            page.locator(".nbrpc-backward").first.screenshot(path=str(ARTIFACTS / "backward.png"))
+
+            # Release one RRef: the open ownership view must redraw without it.
+            version = page.eval_on_selector(
+                ".nbrpc-ownership", "e => Number(e.closest('.nbrpc-view').dataset.version)"
+            )
+            t2 = time.monotonic()
+            page.evaluate(RUN_CELL, "del scratch")
+            _wait(page, "() => document.body.innerText.includes('released:')", "the release")
+            gone = page.evaluate(PRINTED, "released:").strip()
+            assert gone in ids
+            _wait(
+                page,
+                "(id) => !document.querySelector(`.nbrpc-ownership g.rref[data-rref='${id}']`)",
+                f"RRef {gone} to leave the ownership view",
+                timeout_s=15,
+                arg=gone,
+            )
+            timings["release seen in the page"] = time.monotonic() - t2
+            now = page.eval_on_selector(
+                ".nbrpc-ownership", "e => Number(e.closest('.nbrpc-view').dataset.version)"
+            )
+            assert now > version
+            for rid in set(ids) - {gone}:
+                assert page.query_selector(f".nbrpc-ownership g.rref[data-rref='{rid}']")
+            page.screenshot(path=str(ARTIFACTS / "notebook.png"), full_page=True)
+            assert not page.evaluate(ERRORS)
+
+            page.evaluate(RUN_CELL, "%rpc_shutdown")
+            _wait(
+                page,
+                "() => document.body.innerText.includes('shut down')",
+                "%rpc_shutdown",
+                timeout_s=60,
+            )
+        finally:
+            browser.close()
+    timings["whole browser test"] = time.monotonic() - t0
+    (ARTIFACTS / "timings.json").write_text(json.dumps(timings, indent=1))
+    print("browser test timings (s):", {k: round(v, 1) for k, v in timings.items()})
