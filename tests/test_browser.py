@@ -139,6 +139,7 @@ PRINTED = """(prefix) => {
   }
   return '';
 }"""
+HAS_RREF = "(id) => !!document.querySelector(`.nbrpc-ownership g.rref[data-rref='${id}']`)"
 ERRORS = """() => Array.from(document.querySelectorAll(
   '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]'))
   .map(e => e.innerText).filter(t => /Error|Traceback/.test(t))"""
@@ -198,7 +199,7 @@ def test_views_render_and_update_in_jupyterlab(lab):
             for rid in ids:
                 _wait(
                     page,
-                    "(id) => !!document.querySelector(`.nbrpc-ownership g.rref[data-rref='${id}']`)",
+                    HAS_RREF,
                     f"RRef {rid} in the ownership view",
                     timeout_s=15,
                     arg=rid,
@@ -237,7 +238,7 @@ def test_views_render_and_update_in_jupyterlab(lab):
             assert gone in ids
             _wait(
                 page,
-                "(id) => !document.querySelector(`.nbrpc-ownership g.rref[data-rref='${id}']`)",
+                f"(id) => !({HAS_RREF})(id)",
                 f"RRef {gone} to leave the ownership view",
                 timeout_s=15,
                 arg=gone,
