@@ -9,6 +9,7 @@ worker. Notebook-defined code travels because :mod:`nbrpc._pickling` is installe
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -20,7 +21,14 @@ from torch.distributed.rpc import RRef, WorkerInfo
 from torch.distributed.rpc.constants import UNSET_RPC_TIMEOUT
 
 from . import _group, _ledger, _remote
-from ._errors import NotInitializedError, RpcTimeoutError, UnknownWorkerError, WorkerDiedError
+from ._errors import (
+    ClusterClosedError,
+    NotInitializedError,
+    RpcTimeoutError,
+    SerializationError,
+    UnknownWorkerError,
+    WorkerDiedError,
+)
 
 __all__ = [
     "get_worker_info",
@@ -34,7 +42,9 @@ __all__ = [
 
 T = TypeVar("T")
 
-_session = {"active": False}  # set by the cluster layer while a cluster is up
+# Set by the cluster layer: "active" while a cluster is up; "cancelled" from the moment a
+# non-graceful shutdown starts, so calls it cuts off say so instead of "worker died".
+_session = {"active": False, "cancelled": False}
 
 
 class Future(torch.futures.Future):
@@ -56,6 +66,19 @@ class Future(torch.futures.Future):
 
 def set_active(active: bool) -> None:
     _session["active"] = active
+    if active:
+        _session["cancelled"] = False
+
+
+def cancel_calls_in_flight() -> None:
+    """A non-graceful shutdown begins: calls it cuts off fail as cancelled."""
+    _session["cancelled"] = True
+
+
+def calls_in_flight() -> int:
+    """Calls this process started that have not finished (torch's own count)."""
+    metrics = rpc_api._get_current_rpc_agent().get_metrics()
+    return int(metrics.get("agent.client_active_calls", 0))
 
 
 def _require(what: str) -> None:
@@ -100,6 +123,17 @@ def _name_of(func: Any) -> str:
 def _is_timeout(exc: BaseException) -> bool:
     text = str(exc)
     return isinstance(exc, RuntimeError) and ("timeout" in text.lower() or "timed out" in text)
+
+
+_NO_MODULE = re.compile(r"ModuleNotFoundError: No module named '([^']+)'")
+
+
+def _missing_module(exc: BaseException) -> str | None:
+    """The module a worker failed to import while unpickling a call (torch's wording)."""
+    if not isinstance(exc, RuntimeError) or "deserialize" not in str(exc):
+        return None
+    match = _NO_MODULE.search(str(exc))
+    return match.group(1) if match else None
 
 
 def _timeout_error(
@@ -149,7 +183,21 @@ def _start(
     def translate(exc: BaseException) -> BaseException:
         if _is_timeout(exc):
             return _timeout_error(exc, func, dest, timeout)
+        missing = _missing_module(exc)
+        if missing:
+            return SerializationError(
+                f"{dest.name} cannot import module {missing!r}, which the call of "
+                f"{_name_of(func)} needs: code from an importable module travels by "
+                f"reference. Install {missing} on the workers, or send it by value with "
+                f"nbrpc.register_by_value({missing.split('.')[0]}) before the call."
+            )
         if _remote.is_connection_loss(exc):
+            if _session["cancelled"]:
+                return ClusterClosedError(
+                    f"call of {_name_of(func)} on {dest.name} was cancelled: the cluster was "
+                    "shut down with graceful=False while it ran. Use a graceful shutdown "
+                    "(the default) to let calls in flight finish."
+                )
             return WorkerDiedError(dest.name, str(exc).splitlines()[0])
         return exc
 

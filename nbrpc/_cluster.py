@@ -107,6 +107,7 @@ class Cluster:
         profile: str | None = None,
         cluster_id: str | None = None,
         progress: str | bool = "auto",
+        listen: str | None = None,
     ) -> None:
         if names:
             names = [s.strip() for s in names]
@@ -126,6 +127,9 @@ class Cluster:
         self.init_method = init_method
         if init_method:
             _group.spec_from_init_method(init_method)  # refuse a bad URL before any start
+        self.listen = listen
+        if listen:
+            _group.interface_for(listen)  # refuse an address this host lacks, before any start
         self.profile = profile
         self.cluster_id = cluster_id
         if progress == "auto":
@@ -164,6 +168,7 @@ class Cluster:
         member = _group.kernel_membership(
             self.self_name,
             init_method=self.init_method,
+            listen=self.listen,
             rpc_timeout=self.rpc_timeout,
             num_worker_threads=self.num_worker_threads,
         )
@@ -221,7 +226,8 @@ class Cluster:
             return self._client
         self._ipp_cluster = ipp.Cluster(
             n=self.n,
-            controller_ip="127.0.0.1",  # a local cluster listens on loopback only
+            # a local cluster listens on loopback only; --listen ADDR opens it to other hosts
+            controller_ip=self.listen or "127.0.0.1",
             log_level=logging.ERROR,  # nbrpc reports failures itself, with advice
             shutdown_atexit=True,
         )
@@ -391,6 +397,10 @@ class Cluster:
         self.state = ClusterState.SHUTTING_DOWN
         try:
             dead = self.dead_workers()
+            if graceful:
+                self._wait_for_calls_in_flight(timeout)
+            else:
+                _agent.cancel_calls_in_flight()
             if not graceful:  # nobody leaves by themselves: the kernel forgets them all
                 dead = [r.name for r in self.records[1:]]
                 for record in self.records[1:]:
@@ -421,6 +431,20 @@ class Cluster:
             if _current and _current[0] is self:
                 _current.clear()
             _agent.set_active(False)
+
+    def _wait_for_calls_in_flight(self, timeout: float) -> None:
+        """Graceful: the kernel's calls still running finish first (bounded by ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if _agent.calls_in_flight() == 0:
+                    return
+            except Exception:
+                return
+            if self.dead_workers():  # a dead worker's calls fail by themselves
+                return
+            time.sleep(0.05)
+        log.warning("shutdown: calls still running after %.0f s; leaving anyway", timeout)
 
     def __enter__(self) -> Cluster:
         return self
@@ -511,6 +535,7 @@ def init(
     profile: str | None = None,
     cluster_id: str | None = None,
     progress: str | bool = "auto",
+    listen: str | None = None,
 ) -> Cluster:
     """Start ``n`` workers (or attach to a running ipyparallel cluster) and join them.
 
@@ -518,6 +543,11 @@ def init(
     ``workerN`` unless ``names`` is given. ``profile`` / ``cluster_id`` attach to an
     ipyparallel cluster that already runs (engines on other hosts included) instead of
     starting engines here; ``n`` then picks how many of its engines join (default: all).
+
+    Everything listens on loopback unless ``listen`` names one of this host's addresses:
+    then the kernel's RPC endpoint, its membership store and the ipyparallel controller
+    it starts listen there, for workers on other hosts. torch RPC has no authentication:
+    whoever reaches those ports can run code here (docs/security.md).
     """
     if (profile is not None or cluster_id is not None) and n == 2 and names is None:
         n = None  # attach: all engines unless asked otherwise
@@ -531,6 +561,7 @@ def init(
         profile=profile,
         cluster_id=cluster_id,
         progress=progress,
+        listen=listen,
     )
     if _current:
         running = ", ".join(r.name for r in _current[0].records)

@@ -27,8 +27,9 @@ import socket
 import tempfile
 import threading
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
+from typing import Any
 from urllib.parse import urlparse
 
 import torch.distributed as dist
@@ -60,6 +61,7 @@ class StoreSpec:
     path: str = ""
     host: str = ""
     port: int = 0
+    listen: str = ""  # --listen ADDR: the kernel's address that other hosts reach
 
     def open(self, *, is_master: bool, timeout_s: float) -> dist.Store:
         if self.kind == "file":
@@ -74,24 +76,68 @@ class StoreSpec:
 
     @property
     def loopback_only(self) -> bool:
-        return self.kind == "file" or self.host in ("127.0.0.1", "localhost", "::1")
+        if self.listen:
+            return self.listen in _LOOPBACK
+        return self.kind == "file" or self.host in _LOOPBACK
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def interface_for(address: str, if_addrs: dict[str, list[Any]] | None = None) -> str:
+    """The name of this host's network interface that holds ``address``.
+
+    ``if_addrs``: ``psutil.net_if_addrs()``-shaped (injectable for tests). Raises
+    ``ValueError`` naming the addresses this host has, so a typo in ``--listen`` is
+    caught before anything starts.
+    """
+    if if_addrs is None:
+        import psutil
+
+        if_addrs = psutil.net_if_addrs()
+    held = []
+    for name, addrs in if_addrs.items():
+        for a in addrs:
+            if a.family in (socket.AF_INET, socket.AF_INET6):
+                if a.address.split("%")[0] == address:
+                    return name
+                held.append(f"{name} {a.address}")
+    raise ValueError(
+        f"--listen {address}: no network interface of this host ({socket.gethostname()}) has "
+        f"that address. It has: {', '.join(held) or 'none'}. Give the address that the other "
+        "hosts reach this one at."
+    )
+
+
+def interface_toward(peer: str) -> str:
+    """The interface this host uses to reach ``peer`` (the kernel's ``--listen`` address).
+
+    On the kernel's host that is the interface holding ``peer`` itself; on a worker's
+    host, the one its routing table picks. No packet is sent (a UDP "connect" only
+    selects the route).
+    """
+    family = socket.AF_INET6 if ":" in peer else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((peer, 9))
+        local = s.getsockname()[0]
+    return interface_for(local)
+
+
 @contextlib.contextmanager
-def _tensorpipe_on_loopback(enabled: bool) -> Iterator[None]:
-    """Make TensorPipe's socket transport listen on the loopback interface only.
+def _tensorpipe_interface(ifname: str | None) -> Iterator[None]:
+    """Make TensorPipe's socket transport listen on one interface (``None``: its default).
 
     TensorPipe reads ``TP_SOCKET_IFNAME`` when the agent is created; the variable is set
     for that moment only, so the kernel's environment is left as it was.
     """
-    if not enabled:
+    if ifname is None:
         yield
         return
     old = os.environ.get("TP_SOCKET_IFNAME")
-    os.environ["TP_SOCKET_IFNAME"] = _loopback_ifname()
+    os.environ["TP_SOCKET_IFNAME"] = ifname
     try:
         yield
     finally:
@@ -144,7 +190,11 @@ def join(
         if store is None:
             store = spec.open(is_master=(rank == 0), timeout_s=rpc_timeout)
         _handed_store.append(store)
-        with _tensorpipe_on_loopback(spec.loopback_only):
+        if spec.loopback_only:
+            ifname: str | None = _loopback_ifname()
+        else:
+            ifname = interface_toward(spec.listen) if spec.listen else None
+        with _tensorpipe_interface(ifname):
             rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=options)
     _joined["name"] = name
 
@@ -252,6 +302,7 @@ def kernel_membership(
     init_method: str | None,
     rpc_timeout: float,
     num_worker_threads: int,
+    listen: str | None = None,
 ) -> KernelMembership:
     """Join the kernel to the group on first use; later calls return the same membership.
 
@@ -266,6 +317,13 @@ def kernel_membership(
                 f"process in a group, so --self {name} needs a kernel restart. "
                 f"Leave --self out (or use --self {member.name})."
             )
+        if (listen or "") != member.spec.listen:
+            now = f"--listen {member.spec.listen}" if member.spec.listen else "loopback only"
+            raise ValueError(
+                f"this kernel's RPC endpoint already listens {now}; torch fixes where a "
+                "process listens for its lifetime, so a different --listen needs a kernel "
+                "restart."
+            )
         if init_method and not _same_rendezvous(spec_from_init_method(init_method), member.spec):
             raise ValueError(
                 f"this kernel's RPC group already uses {describe(member.spec)}; torch "
@@ -274,13 +332,19 @@ def kernel_membership(
             )
         rpc._set_rpc_timeout(rpc_timeout)
         return member
+    _raise_open_file_limit()
     owned_dir = None
     store = None
+    if listen:
+        interface_for(listen)  # refuse an address this host does not have, before binding
+        init_method = init_method or f"tcp://{listen}:0"  # other hosts cannot see a file
     if init_method:
         spec = spec_from_init_method(init_method)
         if spec.kind == "tcp":  # the store binds first; port 0 lets it pick a free port
             store = spec.open(is_master=True, timeout_s=rpc_timeout)
             spec = StoreSpec(kind="tcp", host=spec.host, port=store.port)
+        if listen:
+            spec = replace(spec, listen=listen)
     else:
         owned_dir = tempfile.mkdtemp(prefix="nbrpc-")  # mode 0700: this user only
         spec = StoreSpec(kind="file", path=os.path.join(owned_dir, "store"))
@@ -295,6 +359,23 @@ def kernel_membership(
     member = KernelMembership(name, spec, owned_dir)
     _kernel.append(member)
     return member
+
+
+def _raise_open_file_limit() -> None:
+    """Lift the kernel's soft limit on open files to its hard limit (capped at 65536).
+
+    torch 2.13's TensorPipe agent keeps its pipe to every worker that left a dynamic group
+    (it never erases them), and a same-host pipe holds 24 shared-memory descriptors. Each
+    %rpc_init generation therefore costs the kernel 24 descriptors per worker it called;
+    under a common soft limit of 1024 that would end in "too many open files" after some
+    twenty re-runs. nbrpc cannot close torch's pipes, so it makes room.
+    """
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
 def current_kernel_membership() -> KernelMembership | None:
@@ -314,6 +395,7 @@ def spec_from_init_method(init_method: str) -> StoreSpec:
 
 
 def _same_rendezvous(asked: StoreSpec, actual: StoreSpec) -> bool:
+    actual = replace(actual, listen="")
     if asked.kind == "tcp" and asked.port == 0:  # "any port" matches the one picked
         return actual.kind == "tcp" and asked.host == actual.host
     return asked == actual

@@ -28,6 +28,13 @@ class RpcMagics(Magics):
     @argument("--init-method", default=None, help="tcp://HOST:PORT for groups across hosts")
     @argument("--profile", default=None, help="attach to the ipyparallel cluster of this profile")
     @argument("--cluster-id", default=None, help="attach to the ipyparallel cluster with this id")
+    @argument(
+        "--listen",
+        default=None,
+        metavar="ADDR",
+        help="this host's address for workers on other hosts (default: loopback only; "
+        "anyone who reaches it can run code: see docs/security.md)",
+    )
     @argument("--quiet", action="store_true", help="no progress display and no summary")
     @line_magic
     def rpc_init(self, line: str) -> None:
@@ -45,6 +52,7 @@ class RpcMagics(Magics):
                 num_worker_threads=args.threads,
                 rpc_timeout=args.timeout,
                 init_method=args.init_method,
+                listen=args.listen,
                 profile=args.profile,
                 cluster_id=args.cluster_id,
                 progress="off" if args.quiet else "auto",

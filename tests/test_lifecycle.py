@@ -1,5 +1,6 @@
 """Shutdown, re-init in the same process, torch's own shutdown, attaching to ipyparallel."""
 
+import socket
 import subprocess
 import sys
 import time
@@ -109,6 +110,53 @@ def test_tcp_rendezvous_on_a_free_port(tmp_path):
     assert "result over tcp" in out.stdout
     assert "refused:" in out.stdout
     assert "already uses a TCP store" in out.stdout
+
+
+def test_listen_on_an_explicit_address(tmp_path):
+    """--listen ADDR: store, TensorPipe and controller on that address; a typo is refused."""
+    script = tmp_path / "listen.py"
+    script.write_text(
+        "import psutil, nbrpc\n"
+        "from nbrpc import _group\n"
+        "c = nbrpc.init(n=1, listen='127.0.0.1', progress=False)\n"
+        "spec = _group.current_kernel_membership().spec\n"
+        "assert spec.kind == 'tcp' and spec.listen == '127.0.0.1' and spec.port > 0, spec\n"
+        "print('result', nbrpc.rpc_sync('worker1', lambda: 'reached'))\n"
+        "me = psutil.Process()\n"
+        "procs = [me] + me.children(recursive=True)\n"
+        "ours = {p.pid for p in procs}\n"
+        "addrs = {(c.laddr.ip, c.laddr.port) for c in psutil.net_connections('inet')\n"
+        "         if c.status == 'LISTEN' and c.pid in ours}\n"
+        "# torch's TCPStore binds every interface whatever host it is given (docs/security.md)\n"
+        "others = {a for a in addrs if a[1] != spec.port}\n"
+        "print('listening', sorted(others))\n"
+        "assert others and all(ip == '127.0.0.1' for ip, _ in others), others\n"
+        "nbrpc.shutdown()\n"
+        "try:\n"
+        "    nbrpc.init(n=1, progress=False)\n"
+        "except ValueError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "result reached" in out.stdout
+    assert "refused:" in out.stdout
+    assert "needs a kernel restart" in out.stdout
+
+
+def test_listen_address_checks_are_pure():
+    from types import SimpleNamespace
+
+    from nbrpc import _group
+
+    fake = {
+        "lo": [SimpleNamespace(family=socket.AF_INET, address="127.0.0.1")],
+        "eth0": [SimpleNamespace(family=socket.AF_INET, address="10.0.0.5")],
+    }
+    assert _group.interface_for("10.0.0.5", fake) == "eth0"
+    with pytest.raises(ValueError, match=r"It has: lo 127\.0\.0\.1, eth0 10\.0\.0\.5"):
+        _group.interface_for("10.0.0.6", fake)
+    assert _group.interface_toward("127.0.0.1").startswith("lo")
 
 
 def test_workers_exit_when_the_kernel_is_killed(tmp_path):

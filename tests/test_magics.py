@@ -33,6 +33,7 @@ def test_status_prints_every_process(shell, cluster, capsys):
         ("--names a,a", "unique"),
         ("-n 3 --names a,b", "does not match"),
         ("--init-method udp://x:1", "unsupported --init-method"),
+        ("--listen 10.254.254.254", "no network interface of this host"),
         ("-n 2", "already running"),
     ],
 )

@@ -1,0 +1,42 @@
+"""Bad input that docs/errors.md lists and no other test file covers: each a clear error."""
+
+import sys
+
+import pytest
+import torch
+from conftest import notebook_code
+
+import nbrpc
+
+pytestmark = pytest.mark.usefixtures("cluster")
+
+
+def test_wrong_arguments_raise_the_workers_type_error_with_the_notebook_line():
+    nb = notebook_code("def scale(x, factor):\n    return x * factor\n")
+    with pytest.raises(TypeError, match="missing 1 required positional argument: 'factor'") as e:
+        nbrpc.rpc_sync("worker1", nb.scale, args=(torch.ones(1),))
+    assert e.value.worker == "worker1"
+
+
+def test_a_module_the_workers_cannot_import_names_the_fix(tmp_path, monkeypatch):
+    (tmp_path / "helpers_only_in_the_kernel.py").write_text("def double(x):\n    return 2 * x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import helpers_only_in_the_kernel as helpers
+
+    try:
+        with pytest.raises(
+            nbrpc.SerializationError,
+            match=r"worker2 cannot import module 'helpers_only_in_the_kernel'.*"
+            r"nbrpc.register_by_value\(helpers_only_in_the_kernel\)",
+        ):
+            nbrpc.rpc_sync("worker2", helpers.double, args=(2,))
+        nbrpc.register_by_value(helpers)  # the fix the message gives
+        assert nbrpc.rpc_sync("worker2", helpers.double, args=(2,)) == 4
+    finally:
+        sys.modules.pop("helpers_only_in_the_kernel", None)
+
+
+def test_a_cluster_handle_starts_once(cluster):
+    with pytest.raises(nbrpc.ClusterClosedError, match=r"starts once; call nbrpc\.init"):
+        cluster.start()
+    assert nbrpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), 1)).item() == 2

@@ -1,0 +1,171 @@
+"""Load, re-runs and shutdown with work in flight: nothing lost, nothing hung, nothing leaked."""
+
+import gc
+import os
+import time
+from collections import Counter
+
+import psutil
+import pytest
+import torch
+from conftest import ensure_cluster, notebook_code
+
+import nbrpc
+from nbrpc import _ledger
+
+CELL = """
+import time
+import torch
+
+def square(i):
+    return i, i * i
+
+def nap(seconds):
+    time.sleep(seconds)
+    return seconds
+
+def ledger_size():
+    from nbrpc import _ledger
+    import gc
+    gc.collect()
+    return len(_ledger._handles)
+"""
+
+ME = psutil.Process()
+
+
+def _rss_mb() -> float:
+    gc.collect()
+    return ME.memory_info().rss / 2**20
+
+
+def _owned() -> dict[str, int]:
+    return {r["name"]: r["rrefs_owned"] for r in nbrpc.status()}
+
+
+def _wait_until(predicate, timeout=20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_ten_thousand_rpc_async_calls_all_complete_once(cluster):
+    nb = notebook_code(CELL)
+    for i in range(200):  # warm both workers and the pickling caches
+        nbrpc.rpc_async(f"worker{1 + i % 2}", nb.square, args=(i,)).wait()
+    baseline = _rss_mb()
+    t0 = time.monotonic()
+    futs = [nbrpc.rpc_async(f"worker{1 + i % 2}", nb.square, args=(i,)) for i in range(10_000)]
+    results = [f.wait() for f in futs]
+    elapsed = time.monotonic() - t0
+    assert Counter(i for i, _ in results) == Counter(range(10_000))  # none lost or doubled
+    assert all(sq == i * i for i, sq in results)
+    del futs, results
+    grown = _rss_mb() - baseline
+    print(f"10,000 rpc_async: {elapsed:.1f} s, kernel RSS {grown:+.1f} MB after")
+    assert grown < 100, f"kernel memory grew {grown:.0f} MB after 10,000 calls"
+
+
+def test_ten_thousand_rrefs_created_and_dropped_do_not_leak_on_owners(cluster):
+    nb = notebook_code(CELL)
+    owned_before = _owned()
+    ledgers_before = {w: nbrpc.rpc_sync(w, nb.ledger_size) for w in ("worker1", "worker2")}
+    kernel_before = len(_ledger._handles)
+    t0 = time.monotonic()
+    checked = 0
+    for batch in range(100):
+        refs = [
+            nbrpc.remote(f"worker{1 + i % 2}", torch.add, args=(torch.full((2,), i), 1))
+            for i in range(100)
+        ]
+        if batch % 10 == 0:  # fetch some values: RRefs that were used, not only created
+            assert [r.to_here()[0].item() for r in refs[:10]] == [i + 1 for i in range(10)]
+            checked += 10
+        del refs
+    gc.collect()
+    elapsed = time.monotonic() - t0
+    assert _wait_until(lambda: _owned() == owned_before), (
+        f"owner-side RRef counts did not return: {_owned()} vs {owned_before}"
+    )
+    assert len(_ledger._handles) == kernel_before
+    assert {w: nbrpc.rpc_sync(w, nb.ledger_size) for w in ("worker1", "worker2")} == (
+        ledgers_before
+    )
+    print(f"10,000 RRefs created and dropped in {elapsed:.1f} s; owners back to {owned_before}")
+
+
+def test_graceful_shutdown_waits_for_calls_in_flight(cluster):
+    nb = notebook_code(CELL)
+    fut = nbrpc.rpc_async("worker1", nb.nap, args=(2.0,))
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    nbrpc.shutdown()
+    took = time.monotonic() - t0
+    assert fut.wait() == 2.0  # the call finished and its result arrived
+    assert took >= 1.5, f"shutdown returned after {took:.1f} s, before the call ended"
+    ensure_cluster()
+
+
+def test_non_graceful_shutdown_cancels_calls_in_flight(cluster):
+    nb = notebook_code(CELL)
+    fut = nbrpc.rpc_async("worker2", nb.nap, args=(60.0,))
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    nbrpc.shutdown(graceful=False)
+    with pytest.raises(nbrpc.ClusterClosedError, match="cancelled: the cluster was shut down"):
+        fut.wait()
+    took = time.monotonic() - t0
+    assert took < 15, f"non-graceful shutdown and cancellation took {took:.1f} s"
+    ensure_cluster()
+
+
+def _resources() -> dict[str, int]:
+    gc.collect()
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            continue
+    listening = [
+        c for c in psutil.net_connections("inet") if c.status == "LISTEN" and c.pid == ME.pid
+    ]
+    return {
+        "threads": ME.num_threads(),
+        "open files": sum(1 for f in fds if "tensorpipe_shm" not in f),
+        "tensorpipe shm segments": sum(1 for f in fds if "tensorpipe_shm" in f),
+        "listening ports": len(listening),
+        "child processes": len(ME.children(recursive=True)),
+    }
+
+
+#: torch 2.13's TensorPipe agent never drops its pipe to a worker that left a dynamic group
+#: (``connectedPipes_`` is not erased on leave), and a same-host pipe holds its shared-
+#: memory segments open. Measured: 24 per departed worker the kernel had called. nbrpc
+#: cannot close them from Python; the test bounds them so that anything more fails.
+SHM_SEGMENTS_PER_DEPARTED_WORKER = 24
+
+
+def test_twenty_init_shutdown_cycles_do_not_grow_resources():
+    nbrpc.shutdown()
+    rows = []
+    for _ in range(20):
+        t0 = time.monotonic()
+        nbrpc.init(n=1, progress=False)
+        ref = nbrpc.remote("worker1", torch.add, args=(torch.ones(2), 1))
+        assert ref.to_here().tolist() == [2.0, 2.0]
+        del ref
+        booted = time.monotonic() - t0
+        nbrpc.shutdown()
+        rows.append({"boot s": booted, "cycle s": time.monotonic() - t0, **_resources()})
+    first, last = rows[0], rows[-1]  # after cycle 1: lazy imports and caches are in place
+    for line in rows:
+        print({k: round(v, 1) if isinstance(v, float) else v for k, v in line.items()})
+    for key in ("threads", "open files", "listening ports", "child processes"):
+        assert last[key] <= first[key], f"{key} grew over 19 cycles: {first[key]} -> {last[key]}"
+    shm_growth = last["tensorpipe shm segments"] - first["tensorpipe shm segments"]
+    assert shm_growth <= 19 * SHM_SEGMENTS_PER_DEPARTED_WORKER, shm_growth
+    ensure_cluster()
