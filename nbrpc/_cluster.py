@@ -29,7 +29,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _agent, _group, _reaper, _worker
+from . import _agent, _devices, _group, _reaper, _worker
 from ._errors import AlreadyInitializedError, BootError, ClusterClosedError, NotInitializedError
 from ._progress import BootProgress, in_notebook
 from ._reaper import process_alive
@@ -108,6 +108,8 @@ class Cluster:
         cluster_id: str | None = None,
         progress: str | bool = "auto",
         listen: str | None = None,
+        gpus: str | None = None,
+        device_maps: dict[str, dict] | None = None,
     ) -> None:
         if names:
             names = [s.strip() for s in names]
@@ -127,6 +129,13 @@ class Cluster:
         self.init_method = init_method
         if init_method:
             _group.spec_from_init_method(init_method)  # refuse a bad URL before any start
+        if gpus not in (None, "auto"):
+            raise ValueError(f"--gpus {gpus!r}: only 'auto' is supported (one GPU per process)")
+        self.gpus = gpus
+        # the kernel's maps to workers, checked now for syntax, against devices at boot
+        self.requested_maps = {k: dict(v) for k, v in (device_maps or {}).items()}
+        _devices.merge(self_name, self.requested_maps.items())
+        self.device_maps: dict = {}  # every process's maps, once booted
         self.listen = listen
         if listen:
             _group.interface_for(listen)  # refuse an address this host lacks, before any start
@@ -165,19 +174,30 @@ class Cluster:
 
     def _boot(self) -> None:
         _route_torch_shutdown()
-        member = _group.kernel_membership(
-            self.self_name,
-            init_method=self.init_method,
-            listen=self.listen,
-            rpc_timeout=self.rpc_timeout,
-            num_worker_threads=self.num_worker_threads,
-        )
         placeholder = self.names or [f"worker{i}" for i in range(1, (self.n or 0) + 1)]
         progress = BootProgress(placeholder, self.progress_mode if self.n else "off")
+        member = None
+        kernel = _worker.describe_process()
+        if not self.wants_devices:  # join at once; device maps must wait for the workers
+            member = self._join_kernel({}, None)
+        else:  # the kernel's own side is known now: refuse before any engine starts
+            _devices.check_local(
+                self.self_name,
+                _devices.merge(self.self_name, self.requested_maps.items()),
+                self.gpus,
+                kernel["devices"],
+                kernel["host"],
+            )
         client = self._connect()
         engine_ids = self._wait_for_engines(client, progress, placeholder)
         names = self.names or [f"worker{i}" for i in range(1, len(engine_ids) + 1)]
         _validate_names(names, self.self_name)
+        maps: dict = {}
+        chosen: dict = {}
+        if self.wants_devices:
+            maps, chosen = self._plan_devices(client, engine_ids, names, kernel)
+            member = self._join_kernel(maps.get(self.self_name, {}), chosen.get(self.self_name))
+        assert member is not None
         ranks = member.allocate_ranks(len(engine_ids))
         pending = {}
         for name, rank, eid in zip(names, ranks, engine_ids, strict=True):
@@ -190,10 +210,12 @@ class Cluster:
                 member.name,
                 self.rpc_timeout,
                 self.num_worker_threads,
+                maps.get(name),
+                chosen.get(name),
             )
             self._engine_of[name] = eid
         infos = self._wait_for_joins(pending, progress)
-        kernel = _worker.describe_process()
+        self.device_maps = maps
         self.records = [
             WorkerRecord(member.name, 0, kernel["pid"], kernel["host"], "kernel", kernel["devices"])
         ]
@@ -210,6 +232,44 @@ class Cluster:
                     self._engine_of[name],
                 )
             )
+
+    @property
+    def wants_devices(self) -> bool:
+        return bool(self.gpus or self.requested_maps)
+
+    def _join_kernel(self, device_maps: dict, devices: list[str] | None) -> Any:
+        return _group.kernel_membership(
+            self.self_name,
+            init_method=self.init_method,
+            listen=self.listen,
+            rpc_timeout=self.rpc_timeout,
+            num_worker_threads=self.num_worker_threads,
+            device_maps=device_maps,
+            devices=devices,
+        )
+
+    def _plan_devices(
+        self, client: Any, engine_ids: list[int], names: list[str], kernel: dict
+    ) -> tuple[dict, dict]:
+        """Ask each engine for its devices, then plan and check every map before any join."""
+        asked = [client[eid].apply_async(_worker.describe_process) for eid in engine_ids]
+        described = {self.self_name: kernel}
+        for name, ar in zip(names, asked, strict=True):
+            try:
+                described[name] = ar.get(timeout=JOIN_TIMEOUT_S)
+            except Exception as exc:
+                raise BootError(f"{name} could not describe its devices: {exc}") from exc
+        devices = {name: info["devices"] for name, info in described.items()}
+        hosts = {name: info["host"] for name, info in described.items()}
+        chosen: dict = {}
+        maps: dict = {}
+        if self.gpus == "auto":
+            chosen, maps = _devices.plan_gpus(devices, hosts)
+        for src, by_dest in _devices.merge(self.self_name, self.requested_maps.items()).items():
+            for dest, mapping in by_dest.items():
+                maps.setdefault(src, {})[dest] = mapping  # given by hand: wins over the plan
+        _devices.validate(maps, devices, hosts)
+        return maps, chosen
 
     def _connect(self) -> Any:
         import ipyparallel as ipp
@@ -479,6 +539,7 @@ class Cluster:
             row["calls_done"] = snap["calls_done"] if snap else None
             row["rrefs_owned"] = snap["owned"] if snap else None
             row["rrefs_held"] = len(snap["handles"]) if snap else None
+            row["device_maps"] = self.device_maps.get(record.name, {})
             rows.append(row)
         return rows
 
@@ -494,6 +555,9 @@ class Cluster:
             lines.append(
                 f"  {r.name:<12}{r.rank:>5}  {r.pid:>8}  {r.host:<20}{r.role:<10}{r.state}"
             )
+        if self.device_maps:
+            lines.append("  device maps (and where replies go):")
+            lines.extend(f"    {line}" for line in _devices.describe(self.device_maps))
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -536,6 +600,8 @@ def init(
     cluster_id: str | None = None,
     progress: str | bool = "auto",
     listen: str | None = None,
+    gpus: str | None = None,
+    device_maps: dict[str, dict] | None = None,
 ) -> Cluster:
     """Start ``n`` workers (or attach to a running ipyparallel cluster) and join them.
 
@@ -548,6 +614,10 @@ def init(
     then the kernel's RPC endpoint, its membership store and the ipyparallel controller
     it starts listen there, for workers on other hosts. torch RPC has no authentication:
     whoever reaches those ports can run code here (docs/security.md).
+
+    CUDA: ``gpus="auto"`` gives each process one GPU (round-robin per host) and maps every
+    pair; ``device_maps={"worker1": {"cuda:0": "cuda:1"}}`` sets the kernel's maps by hand.
+    Both are checked against the devices each process reports, before any ``init_rpc``.
     """
     if (profile is not None or cluster_id is not None) and n == 2 and names is None:
         n = None  # attach: all engines unless asked otherwise
@@ -562,6 +632,8 @@ def init(
         cluster_id=cluster_id,
         progress=progress,
         listen=listen,
+        gpus=gpus,
+        device_maps=device_maps,
     )
     if _current:
         running = ", ".join(r.name for r in _current[0].records)

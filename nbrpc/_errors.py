@@ -10,6 +10,7 @@ for deadlines, ``RuntimeError`` for lifecycle mistakes)::
     ├── ClusterClosedError       (RuntimeError)   a handle used after its cluster shut down
     ├── BootError                (RuntimeError)   workers did not start or join in time
     ├── UnknownWorkerError       (ValueError)     a worker name that is not in the group
+    ├── DeviceMapError           (ValueError)     a device map names a device a process lacks
     ├── RpcTimeoutError          (TimeoutError)   a call outlived its timeout
     ├── SerializationError       (TypeError)      an argument or result cannot be pickled
     ├── WorkerDiedError          (ConnectionError) the worker's process is gone
@@ -28,6 +29,7 @@ __all__ = [
     "AlreadyInitializedError",
     "BootError",
     "ClusterClosedError",
+    "DeviceMapError",
     "NbrpcError",
     "NotInitializedError",
     "RemoteError",
@@ -79,6 +81,10 @@ class RpcTimeoutError(NbrpcError, TimeoutError):
 
 class SerializationError(NbrpcError, TypeError):
     pass
+
+
+class DeviceMapError(NbrpcError, ValueError):
+    """A device map or ``--gpus`` plan that the processes' devices cannot satisfy."""
 
 
 class WorkerDiedError(NbrpcError, ConnectionError):

@@ -271,9 +271,12 @@ def member_names() -> list[str]:
 class KernelMembership:
     """The kernel's one membership, kept for the kernel's lifetime (see module doc)."""
 
-    def __init__(self, name: str, spec: StoreSpec, owned_dir: str | None) -> None:
+    def __init__(
+        self, name: str, spec: StoreSpec, owned_dir: str | None, device_maps: dict | None = None
+    ) -> None:
         self.name = name
         self.spec = spec
+        self.device_maps = device_maps or {}  # fixed with the kernel's agent
         self._owned_dir = owned_dir
         self._next_rank = 1
         self._lock = threading.Lock()
@@ -303,6 +306,8 @@ def kernel_membership(
     rpc_timeout: float,
     num_worker_threads: int,
     listen: str | None = None,
+    device_maps: dict | None = None,
+    devices: list[str] | None = None,
 ) -> KernelMembership:
     """Join the kernel to the group on first use; later calls return the same membership.
 
@@ -316,6 +321,13 @@ def kernel_membership(
                 f"this kernel joined torch RPC as {member.name!r}; torch cannot rename a "
                 f"process in a group, so --self {name} needs a kernel restart. "
                 f"Leave --self out (or use --self {member.name})."
+            )
+        if (device_maps or {}) != member.device_maps:
+            raise ValueError(
+                f"this kernel's device maps are {member.device_maps or 'none'}; torch fixes a "
+                "process's device maps when it joins, so new maps "
+                f"({device_maps or 'none'}) need a kernel restart. Start the cluster with the "
+                "same --gpus / --device-map as the first time, or restart the kernel."
             )
         if (listen or "") != member.spec.listen:
             now = f"--listen {member.spec.listen}" if member.spec.listen else "loopback only"
@@ -354,9 +366,11 @@ def kernel_membership(
         spec,
         rpc_timeout=rpc_timeout,
         num_worker_threads=num_worker_threads,
+        device_maps=device_maps,
+        devices=devices,
         store=store,
     )
-    member = KernelMembership(name, spec, owned_dir)
+    member = KernelMembership(name, spec, owned_dir, device_maps)
     _kernel.append(member)
     return member
 

@@ -11,6 +11,7 @@ from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from . import _cluster
+from ._devices import parse_device_map
 from ._errors import NbrpcError
 from ._progress import in_notebook
 
@@ -35,6 +36,14 @@ class RpcMagics(Magics):
         help="this host's address for workers on other hosts (default: loopback only; "
         "anyone who reaches it can run code: see docs/security.md)",
     )
+    @argument("--gpus", default=None, help="'auto': one GPU per process, device maps for all pairs")
+    @argument(
+        "--device-map",
+        action="append",
+        default=[],
+        metavar="WORKER=LOCAL->REMOTE",
+        help="the kernel's device map to WORKER, e.g. worker1=cuda:0->cuda:1 (repeatable)",
+    )
     @argument("--quiet", action="store_true", help="no progress display and no summary")
     @line_magic
     def rpc_init(self, line: str) -> None:
@@ -45,6 +54,7 @@ class RpcMagics(Magics):
         if n is None and names is None and args.profile is None and args.cluster_id is None:
             n = 2
         try:
+            maps = dict(parse_device_map(text) for text in args.device_map)
             cluster = _cluster.init(
                 n,
                 names=names,
@@ -53,6 +63,8 @@ class RpcMagics(Magics):
                 rpc_timeout=args.timeout,
                 init_method=args.init_method,
                 listen=args.listen,
+                gpus=args.gpus,
+                device_maps=maps or None,
                 profile=args.profile,
                 cluster_id=args.cluster_id,
                 progress="off" if args.quiet else "auto",

@@ -74,7 +74,7 @@ def cluster_html(rows: list[dict[str, Any]], state: str) -> str:
             f'<div style="font-size:12px">calls: <b>{_figure(r.get("calls_in_flight"))}</b> '
             f"running, {_figure(r.get('calls_done'))} done</div>"
             f'<div style="font-size:12px">RRefs: {_figure(r.get("rrefs_owned"))} owned, '
-            f"{_figure(r.get('rrefs_held'))} held</div></div>"
+            f"{_figure(r.get('rrefs_held'))} held</div>{_maps_html(r.get('device_maps'))}</div>"
         )
     return (
         f'<div class="nbrpc-cluster" data-state="{escape(state)}" style="{_FONT}">'
@@ -82,6 +82,18 @@ def cluster_html(rows: list[dict[str, Any]], state: str) -> str:
         f"{escape(state)}</div>"
         f'<div style="display:flex;flex-wrap:wrap;gap:8px">{"".join(cards)}</div></div>'
     )
+
+
+def _maps_html(maps: dict | None) -> str:
+    if not maps:
+        return ""
+    lines = "".join(
+        f"<div>→ {escape(dest)}: "
+        + escape(", ".join(f"{a}→{b}" for a, b in pairs.items()))
+        + "</div>"
+        for dest, pairs in maps.items()
+    )
+    return f'<div class="device-maps" style="font-size:11px;color:#6a1b9a">{lines}</div>'
 
 
 def cluster_text(rows: list[dict[str, Any]], state: str) -> str:

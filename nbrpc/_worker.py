@@ -35,6 +35,8 @@ def join(
     kernel: str,
     rpc_timeout: float,
     num_worker_threads: int,
+    device_maps: dict | None = None,
+    devices: list[str] | None = None,
 ) -> dict[str, Any]:
     """Join the notebook's RPC group as ``name``; return this process's description."""
     from . import _group, _remote
@@ -47,7 +49,15 @@ def join(
             "--init-method tcp://KERNEL_HOST:PORT so workers on other hosts can join."
         )
     _remote.forward_output_to(kernel, name)
-    _group.join(name, rank, spec, rpc_timeout=rpc_timeout, num_worker_threads=num_worker_threads)
+    _group.join(
+        name,
+        rank,
+        spec,
+        rpc_timeout=rpc_timeout,
+        num_worker_threads=num_worker_threads,
+        device_maps=device_maps,
+        devices=devices,
+    )
     info = describe_process()
     info.update(name=name, rank=rank)
     return info
