@@ -24,7 +24,8 @@ rpc.shutdown()
 
 
 def main() -> int:
-    small_n, big_n = int(sys.argv[1]), int(sys.argv[2])
+    small_n = int(sys.argv[1])
+    sizes = [tuple(int(v) for v in arg.split(":")) for arg in sys.argv[2:]]  # MB:repeats
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, root)
     import torch
@@ -48,22 +49,22 @@ def main() -> int:
             out.append(time.perf_counter() - t)
         return sorted(out)
 
-    tiny, big = torch.ones(1), torch.randn(16 * 1024 * 1024)
-    timed(lambda: rpc.rpc_sync("worker1", echo, args=(tiny,)), 20)
-    small = timed(lambda: rpc.rpc_sync("worker1", echo, args=(tiny,)), small_n)
-    builtin = timed(lambda: rpc.rpc_sync("worker1", torch.add, args=(tiny, 1)), small_n)
-    large = timed(lambda: rpc.rpc_sync("worker1", echo, args=(big,)), big_n)
+    tiny = torch.ones(1)
+    timed(lambda: rpc.rpc_sync("worker1", echo, args=(tiny,)), 50)
+    calls = {"small": timed(lambda: rpc.rpc_sync("worker1", echo, args=(tiny,)), small_n)}
+    for mb, repeats in sizes:
+        big = torch.randn(mb * 1024 * 1024 // 4)
+        rpc.rpc_sync("worker1", echo, args=(big,))
+        calls[f"{mb}MB"] = timed(
+            lambda big=big: rpc.rpc_sync("worker1", echo, args=(big,)), repeats
+        )
     rpc.shutdown()
     worker.wait(timeout=60)
 
     def row(s):
         return {"median": statistics.median(s), "p90": s[int(0.9 * (len(s) - 1))], "n": len(s)}
 
-    print(
-        json.dumps(
-            {"boot_s": boot, "small": row(small), "builtin": row(builtin), "large": row(large)}
-        )
-    )
+    print(json.dumps({"boot_s": boot, "calls": {k: row(v) for k, v in calls.items()}}))
     return 0
 
 

@@ -1,21 +1,28 @@
-"""nbrpc against raw torch RPC, measured in the same run, interleaved.
+"""nbrpc against its baselines, measured in the same run, interleaved.
 
-    python benchmarks/run.py [--quick]
+    python benchmarks/run.py [--quick]      (make bench)
 
-Figures (medians and p90 over repeats):
-- boot: ``nbrpc.init(n=2)`` until the first call returns (3 boots, each shut down after).
-- small call: round trip of a 1-element tensor; nbrpc with a notebook-defined function vs
-  ``torch.distributed.rpc.rpc_sync`` with an importable one.
-- 64 MB: round trip of a 64 MB float32 tensor, the same two peers.
-- bare torch: the same calls between two bare processes with no nbrpc at all
-  (``raw_torch.py``, run first as a subprocess: nbrpc's hooks are process-wide).
-Ratios are nbrpc / torch (1.00 = as fast as torch itself).
+Figures (medians and p90 over interleaved repeats):
+- small call: round trip of a 1-element tensor. nbrpc with a notebook-defined function;
+  torch RPC with an importable function and with a builtin (``torch.add``), in the same
+  processes; ipyparallel ``apply_sync`` to the same engine; the floor, a pipe ping-pong
+  between two processes; torch RPC between bare processes (``raw_torch.py``).
+- tensor round trips of 4, 64 and 256 MB float32: nbrpc (its shared-memory fast path on,
+  the default) and nbrpc with TensorPipe only, torch RPC, ipyparallel, bare torch; the
+  floor is one in-process copy (``clone``) of that size. The fast path is switched per
+  call in every process, so the torch RPC row is torch's own transport.
+- boot, nothing to first call, 2 workers: ``nbrpc.init(n=2)`` against ipyparallel's own
+  start-and-connect plus a first ``apply``.
+- 04's model split over 3 processes against the same model in one process.
+Ratios are against torch RPC in the same processes (the baseline a user would otherwise
+write). Results: ``benchmarks/results/latest.json`` and the plot ``docs/benchmarks.png``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
 import subprocess
 import sys
@@ -30,6 +37,9 @@ import torch.distributed.rpc as rpc  # noqa: E402
 
 import nbrpc  # noqa: E402
 from benchmarks.peers import Shard, echo  # noqa: E402
+from nbrpc import _shm  # noqa: E402
+
+SIZES_MB = (4, 64, 256)
 
 
 def notebook_echo():
@@ -58,15 +68,63 @@ def interleaved(calls: dict, repeats: int) -> dict:
     return {name: stats(samples) for name, samples in times.items()}
 
 
-def bench_boot(boots: int) -> dict:
+def _pipe_echo(conn) -> None:
+    while True:
+        msg = conn.recv_bytes()
+        if not msg:
+            return
+        conn.send_bytes(msg)
+
+
+def floor_small(n: int) -> dict:
+    """The physical floor of a round trip here: a pipe ping-pong between two processes."""
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_pipe_echo, args=(child,), daemon=True)
+    proc.start()
+    payload = b"x" * 64
     samples = []
+    for i in range(n + 100):
+        t0 = time.perf_counter()
+        parent.send_bytes(payload)
+        parent.recv_bytes()
+        if i >= 100:
+            samples.append(time.perf_counter() - t0)
+    parent.send_bytes(b"")
+    proc.join(5)
+    return stats(samples)
+
+
+def _boot_nbrpc() -> None:
+    nbrpc.init(n=2, progress=False)
+    nbrpc.rpc_sync("worker1", min, args=(1, 2))
+
+
+def _boot_ipyparallel() -> None:
+    import logging
+
+    import ipyparallel as ipp
+
+    cluster = ipp.Cluster(n=2, controller_ip="127.0.0.1", log_level=logging.ERROR)
+    client = cluster.start_and_connect_sync()
+    client.wait_for_engines(2, timeout=120)
+    client[0].apply_sync(min, 1, 2)
+    _boot_ipyparallel.last = cluster  # stopped outside the timing
+
+
+def bench_boot(boots: int) -> dict:
+    """Nothing to first call, 2 workers: nbrpc against ipyparallel's own start."""
+    samples: dict[str, list[float]] = {"nbrpc.init(n=2)": [], "ipyparallel start + apply": []}
     for _ in range(boots):
         t0 = time.perf_counter()
-        nbrpc.init(n=2, progress=False)
-        nbrpc.rpc_sync("worker1", min, args=(1, 2))
-        samples.append(time.perf_counter() - t0)
+        _boot_nbrpc()
+        samples["nbrpc.init(n=2)"].append(time.perf_counter() - t0)
         nbrpc.shutdown()
-    return stats(samples)
+        t0 = time.perf_counter()
+        _boot_ipyparallel()
+        samples["ipyparallel start + apply"].append(time.perf_counter() - t0)
+        _boot_ipyparallel.last.stop_cluster_sync()
+    return {name: stats(v) for name, v in samples.items()}
 
 
 def bench_model_split(steps: int) -> dict:
@@ -102,83 +160,166 @@ def bench_model_split(steps: int) -> dict:
     return interleaved({"split over 3 processes": split_step, "one process": local_step}, steps)
 
 
+def bench_calls(small_n: int, big_n: dict[int, int]) -> dict:
+    """Small calls and tensor round trips, every peer interleaved, on one running cluster."""
+    cluster = nbrpc.current()
+    engine = cluster._client[cluster.records[1].engine_id]  # worker1's ipyparallel engine
+    nb_echo = notebook_echo()
+    tiny = torch.ones(1)
+    for _ in range(50):  # warm up pipes and caches
+        nbrpc.rpc_sync("worker1", nb_echo, args=(tiny,))
+        rpc.rpc_sync("worker1", echo, args=(tiny,))
+        engine.apply_sync(echo, tiny)
+    results = {
+        "small": interleaved(
+            {
+                "nbrpc": lambda: nbrpc.rpc_sync("worker1", nb_echo, args=(tiny,)),
+                "torch rpc": lambda: rpc.rpc_sync("worker1", echo, args=(tiny,)),
+                "torch rpc builtin": lambda: rpc.rpc_sync("worker1", torch.add, args=(tiny, 0)),
+                "ipyparallel apply": lambda: engine.apply_sync(echo, tiny),
+            },
+            small_n,
+        )
+    }
+    prefix, threshold = _shm._state["prefix"], cluster.shm_threshold
+
+    def fast_path(on: bool) -> None:  # every process: shared memory on, or TensorPipe only
+        for worker in ("worker1", "worker2"):
+            rpc.rpc_sync(worker, _shm.configure, args=(prefix, threshold if on else None))
+        _shm.configure(prefix, threshold if on else None)
+
+    for mb, repeats in big_n.items():
+        big = torch.randn(mb * 1024 * 1024 // 4)
+        peers = {
+            "nbrpc": (True, lambda big=big: nbrpc.rpc_sync("worker1", nb_echo, args=(big,))),
+            "nbrpc, TensorPipe only": (
+                False,
+                lambda big=big: nbrpc.rpc_sync("worker1", nb_echo, args=(big,)),
+            ),
+            "torch rpc": (False, lambda big=big: rpc.rpc_sync("worker1", echo, args=(big,))),
+            "ipyparallel apply": (False, lambda big=big: engine.apply_sync(echo, big)),
+            "floor": (False, lambda big=big: big.clone()),
+        }
+        times: dict[str, list[float]] = {name: [] for name in peers}
+        for i in range(repeats + 1):  # the first round warms up (recycled segments, pipes)
+            for name, (on, call) in peers.items():
+                fast_path(on)
+                t0 = time.perf_counter()
+                call()
+                if i:
+                    times[name].append(time.perf_counter() - t0)
+        fast_path(True)
+        results[f"{mb}MB"] = {name: stats(v) for name, v in times.items()}
+        del big
+    return results
+
+
+def report(results: dict) -> None:
+    def fmt(seconds: float) -> str:
+        if seconds < 1e-3:
+            return f"{seconds * 1e6:7.0f} µs"
+        if seconds < 1:
+            return f"{seconds * 1e3:7.1f} ms"
+        return f"{seconds:7.2f} s "
+
+    for figure, rows in results["calls"].items():
+        base = rows["torch rpc"]["median"]
+        floor = rows["floor"]["median"]
+        print(f"{figure} round trip               median        p90   vs torch rpc   vs floor")
+        for name, row in rows.items():
+            print(
+                f"  {name:<28}{fmt(row['median'])} {fmt(row['p90'])}   "
+                f"{row['median'] / base:8.2f}x   {row['median'] / floor:8.1f}x"
+            )
+    boot = results["boot"]
+    ours, theirs = boot["nbrpc.init(n=2)"], boot["ipyparallel start + apply"]
+    print("boot, 2 workers, nothing to first call      median        p90")
+    for name, row in boot.items():
+        print(f"  {name:<28}{fmt(row['median'])} {fmt(row['p90'])}")
+    print(f"  ratio nbrpc / ipyparallel: {ours['median'] / theirs['median']:.2f}x")
+    split = results["model_split_step_s"]
+    print("04's model, one forward+backward+SGD step (64x512 -> 1024 -> 1024 -> 16, float32):")
+    for name, row in split.items():
+        print(f"  {name:<28}{fmt(row['median'])} {fmt(row['p90'])}")
+    ratio = split["split over 3 processes"]["median"] / split["one process"]["median"]
+    print(f"  ratio split / one process (median): {ratio:.2f}")
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures = list(results["calls"])
+    peers = [
+        "nbrpc",
+        "nbrpc, TensorPipe only",
+        "torch rpc",
+        "torch rpc, bare processes",
+        "ipyparallel apply",
+        "floor",
+    ]
+    colors = ["#e65100", "#ffb74d", "#37474f", "#90a4ae", "#6a1b9a", "#2e7d32"]
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    width = 0.13
+    for i, (peer, color) in enumerate(zip(peers, colors, strict=True)):
+        values = []
+        for figure in figures:
+            row = results["calls"][figure].get(peer)
+            base = results["calls"][figure]["torch rpc"]["median"]
+            values.append(row["median"] / base if row else float("nan"))
+        ax.bar(
+            [j + (i - 2) * width for j in range(len(figures))],
+            values,
+            width,
+            label=peer,
+            color=color,
+        )
+    ax.axhline(1.0, color="#37474f", linewidth=0.8, linestyle="--")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(figures)), [f"{f} round trip" for f in figures])
+    ax.set_ylabel("time / torch RPC (same processes)")
+    ax.set_title("nbrpc and its baselines, medians (lower is faster)")
+    ax.legend(fontsize=8, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.12))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     args = parser.parse_args()
-    small_n, big_n, boots = (200, 5, 1) if args.quick else (2000, 20, 3)
+    small_n, boots = (200, 1) if args.quick else (2000, 3)
+    big_n = {4: 10, 64: 4, 256: 2} if args.quick else {4: 40, 64: 15, 256: 5}
 
+    small_floor = floor_small(small_n)
     bare = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "raw_torch.py"), str(small_n), str(big_n)],
+        [sys.executable, str(ROOT / "benchmarks" / "raw_torch.py"), str(small_n)]
+        + [f"{mb}:{n}" for mb, n in big_n.items()],
         capture_output=True,
         text=True,
         check=True,
-        timeout=600,
+        timeout=900,
     )
     raw = json.loads(bare.stdout.strip().splitlines()[-1])
-    results: dict = {"boot_s": bench_boot(boots), "bare_torch": raw}
+    results: dict = {"boot": bench_boot(boots)}
+    results["boot"]["bare torch processes (1 worker)"] = stats([raw["boot_s"]])
     nbrpc.init(n=2, progress=False)
-    nb_echo = notebook_echo()
-    tiny = torch.ones(1)
-    big = torch.randn(16 * 1024 * 1024)  # 64 MB float32
-    for _ in range(20):  # warm up pipes and caches
-        nbrpc.rpc_sync("worker1", nb_echo, args=(tiny,))
-        rpc.rpc_sync("worker1", echo, args=(tiny,))
-    results["small_call_s"] = interleaved(
-        {
-            "nbrpc, notebook-defined": lambda: nbrpc.rpc_sync("worker1", nb_echo, args=(tiny,)),
-            "torch rpc, importable": lambda: rpc.rpc_sync("worker1", echo, args=(tiny,)),
-        },
-        small_n,
-    )
-    results["64MB_round_trip_s"] = interleaved(
-        {
-            "nbrpc, notebook-defined": lambda: nbrpc.rpc_sync("worker1", nb_echo, args=(big,)),
-            "torch rpc, importable": lambda: rpc.rpc_sync("worker1", echo, args=(big,)),
-        },
-        big_n,
-    )
+    results["calls"] = bench_calls(small_n, big_n)
     results["model_split_step_s"] = bench_model_split(10 if args.quick else 50)
     nbrpc.shutdown()
 
-    results["small_call_s"]["torch rpc, bare processes"] = raw["small"]
-    results["small_call_s"]["torch rpc builtin, bare"] = raw["builtin"]
-    results["64MB_round_trip_s"]["torch rpc, bare processes"] = raw["large"]
-    boot = results["boot_s"]
-    print(
-        f"boot of nbrpc.init(n=2) to first call: median {boot['median']:.2f} s "
-        f"(p90 {boot['p90']:.2f} s, n={boot['n']})"
-    )
-    for key, unit, scale in (("small_call_s", "us", 1e6), ("64MB_round_trip_s", "ms", 1e3)):
-        rows = results[key]
-        ours, base = rows["nbrpc, notebook-defined"], rows["torch rpc, importable"]
-        print(f"{key}:")
-        for name, row in rows.items():
-            print(
-                f"  {name:<26} median {row['median'] * scale:8.1f} {unit}   "
-                f"p90 {row['p90'] * scale:8.1f} {unit}   n={row['n']}"
-            )
-        bare_row = rows["torch rpc, bare processes"]
-        print(
-            f"  ratio nbrpc / torch in the same processes (median): "
-            f"{ours['median'] / base['median']:.2f}"
-        )
-        print(
-            f"  ratio nbrpc / torch in bare processes (median):     "
-            f"{ours['median'] / bare_row['median']:.2f}"
-        )
-    split = results["model_split_step_s"]
-    print("04's model, one forward+backward+SGD step (64x512 -> 1024 -> 1024 -> 16, float32):")
-    for name, row in split.items():
-        print(
-            f"  {name:<26} median {row['median'] * 1e3:8.2f} ms   "
-            f"p90 {row['p90'] * 1e3:8.2f} ms   n={row['n']}"
-        )
-    ratio = split["split over 3 processes"]["median"] / split["one process"]["median"]
-    print(f"  ratio split / one process (median): {ratio:.2f}")
+    results["calls"]["small"]["floor"] = small_floor
+    for figure, row in raw["calls"].items():
+        results["calls"][figure]["torch rpc, bare processes"] = row
+    report(results)
     out = ROOT / "benchmarks" / "results"
     out.mkdir(exist_ok=True)
     (out / "latest.json").write_text(json.dumps(results, indent=2))
+    plot(results, ROOT / "docs" / "benchmarks.png")
+    print(f"wrote {out / 'latest.json'} and docs/benchmarks.png")
     return 0
 
 

@@ -19,8 +19,9 @@ import torch.distributed.rpc as rpc
 import torch.distributed.rpc.api as rpc_api
 from torch.distributed.rpc import RRef, WorkerInfo
 from torch.distributed.rpc.constants import UNSET_RPC_TIMEOUT
+from torch.jit._builtins import _find_builtin
 
-from . import _group, _ledger, _remote
+from . import _group, _ledger, _remote, _shm
 from ._errors import (
     ClusterClosedError,
     NotInitializedError,
@@ -177,7 +178,9 @@ def _start(
     what: str, to: Any, func: Any, args: tuple, kwargs: dict | None, timeout: float | None
 ) -> torch.futures.Future:
     dest = _destination(to, what)
-    raw = rpc.rpc_async(dest, func, args=tuple(args), kwargs=kwargs, timeout=_timeout(timeout))
+    func, args, kwargs, shown = _fast_builtin(func, tuple(args), kwargs)
+    raw = rpc.rpc_async(dest, func, args=args, kwargs=kwargs, timeout=_timeout(timeout))
+    func = shown
     out = Future()
 
     def translate(exc: BaseException) -> BaseException:
@@ -203,6 +206,17 @@ def _start(
 
     raw.add_done_callback(lambda done: _remote.settle(done, out, translate))
     return out
+
+
+def _fast_builtin(func: Any, args: tuple, kwargs: dict | None) -> tuple:
+    """torch sends builtin operators (``torch.add``) through TorchScript's pickler, around
+    nbrpc's: wrap one in a Python call when a large tensor could take the fast path."""
+    if not _shm.enabled() or _find_builtin(func) is None:
+        return func, args, kwargs, func
+    values = [*args, *(kwargs or {}).values()]
+    if not any(isinstance(v, torch.Tensor) and _shm.eligible(v) for v in values):
+        return func, args, kwargs, func
+    return _remote.call_builtin, (func, args, kwargs), None, func
 
 
 def remote(

@@ -29,7 +29,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _agent, _devices, _group, _reaper, _worker
+from . import _agent, _devices, _group, _reaper, _shm, _worker
 from ._errors import AlreadyInitializedError, BootError, ClusterClosedError, NotInitializedError
 from ._progress import BootProgress, in_notebook
 from ._reaper import process_alive
@@ -110,6 +110,7 @@ class Cluster:
         listen: str | None = None,
         gpus: str | None = None,
         device_maps: dict[str, dict] | None = None,
+        shm_threshold: int | None = _shm.DEFAULT_THRESHOLD,
     ) -> None:
         if names:
             names = [s.strip() for s in names]
@@ -136,6 +137,12 @@ class Cluster:
         self.requested_maps = {k: dict(v) for k, v in (device_maps or {}).items()}
         _devices.merge(self_name, self.requested_maps.items())
         self.device_maps: dict = {}  # every process's maps, once booted
+        if shm_threshold is not None and shm_threshold < 1:
+            raise ValueError(
+                f"shm_threshold must be a positive number of bytes or None, got {shm_threshold}"
+            )
+        self.shm_threshold = shm_threshold
+        self.fast_path = False  # large CPU tensors through shared memory (decided at boot)
         self.listen = listen
         if listen:
             _group.interface_for(listen)  # refuse an address this host lacks, before any start
@@ -215,6 +222,7 @@ class Cluster:
             )
             self._engine_of[name] = eid
         infos = self._wait_for_joins(pending, progress)
+        self.fast_path = self._configure_fast_path(client, member.spec.loopback_only)
         self.device_maps = maps
         self.records = [
             WorkerRecord(member.name, 0, kernel["pid"], kernel["host"], "kernel", kernel["devices"])
@@ -232,6 +240,36 @@ class Cluster:
                     self._engine_of[name],
                 )
             )
+
+    def _configure_fast_path(self, client: Any, local: bool) -> bool:
+        """Shared memory for large tensors, if every worker sees this kernel's /dev/shm.
+
+        All or none: a process that sent a segment name to one that cannot open it would
+        break the call. A probe segment tells "same host and same /dev/shm" apart from
+        "same hostname".
+        """
+        prefix = _reaper.segment_prefix(os.getpid())
+        if self.shm_threshold is None or not local:
+            _shm.configure(prefix, None)
+            return False
+        probe = os.path.join(_shm.SHM_DIR, f"{prefix}-probe")
+        try:
+            with open(probe, "w"):
+                pass
+        except OSError:
+            _shm.configure(prefix, None)
+            return False
+        try:
+            eids = [self._engine_of[r] for r in self._engine_of]
+            on = client[eids].apply_sync(
+                _worker.configure_fast_path, prefix, self.shm_threshold, probe
+            )
+            if not all(on):
+                client[eids].apply_sync(_worker.configure_fast_path, prefix, None, probe)
+        finally:
+            os.unlink(probe)
+        _shm.configure(prefix, self.shm_threshold if all(on) else None)
+        return _shm.enabled()
 
     @property
     def wants_devices(self) -> bool:
@@ -484,6 +522,7 @@ class Cluster:
         finally:
             self._stop_engines()
             self._stop_reaper()
+            _shm.sweep(_reaper.segment_prefix(os.getpid()))
             for record in self.records[1:]:
                 if record.state == "ready":
                     record.state = "stopped"
@@ -555,6 +594,13 @@ class Cluster:
             lines.append(
                 f"  {r.name:<12}{r.rank:>5}  {r.pid:>8}  {r.host:<20}{r.role:<10}{r.state}"
             )
+        if self.state is ClusterState.READY or self.fast_path:
+            lines.append(
+                f"  CPU tensors of {(self.shm_threshold or 0) / 2**20:g} MB and more travel "
+                "through shared memory"
+                if self.fast_path
+                else "  CPU tensors travel through TensorPipe only"
+            )
         if self.device_maps:
             lines.append("  device maps (and where replies go):")
             lines.extend(f"    {line}" for line in _devices.describe(self.device_maps))
@@ -602,6 +648,7 @@ def init(
     listen: str | None = None,
     gpus: str | None = None,
     device_maps: dict[str, dict] | None = None,
+    shm_threshold: int | None = _shm.DEFAULT_THRESHOLD,
 ) -> Cluster:
     """Start ``n`` workers (or attach to a running ipyparallel cluster) and join them.
 
@@ -618,6 +665,10 @@ def init(
     CUDA: ``gpus="auto"`` gives each process one GPU (round-robin per host) and maps every
     pair; ``device_maps={"worker1": {"cuda:0": "cuda:1"}}`` sets the kernel's maps by hand.
     Both are checked against the devices each process reports, before any ``init_rpc``.
+
+    ``shm_threshold``: CPU tensors whose storage has at least this many bytes travel
+    through shared memory when every process is on this host (``None``: never); see
+    :mod:`nbrpc._shm`.
     """
     if (profile is not None or cluster_id is not None) and n == 2 and names is None:
         n = None  # attach: all engines unless asked otherwise
@@ -634,6 +685,7 @@ def init(
         listen=listen,
         gpus=gpus,
         device_maps=device_maps,
+        shm_threshold=shm_threshold,
     )
     if _current:
         running = ", ".join(r.name for r in _current[0].records)

@@ -147,6 +147,20 @@ def _tensorpipe_interface(ifname: str | None) -> Iterator[None]:
             os.environ["TP_SOCKET_IFNAME"] = old
 
 
+#: TensorPipe transports nbrpc asks for. Not torch's default ("shm" first): its shared-memory
+#: reactor thread polls without sleeping, one core per process, idle or not. Measured here
+#: with a kernel and 2 workers on 2 cores: 60–70 % CPU per idle process with "shm", 0 % with
+#: "uv"; small calls took the same time either way (914 vs 943 µs), large tensors go by the
+#: "cma" channel (one copy) or nbrpc's own shared memory. Experts on many-core hosts can ask
+#: for torch's choice with NBRPC_TENSORPIPE_TRANSPORTS=shm,uv in every process's environment.
+DEFAULT_TRANSPORTS = ("uv",)
+
+
+def transports() -> list[str]:
+    chosen = os.environ.get("NBRPC_TENSORPIPE_TRANSPORTS", "")
+    return [t.strip() for t in chosen.split(",") if t.strip()] or list(DEFAULT_TRANSPORTS)
+
+
 def _loopback_ifname() -> str:
     for _, name in socket.if_nameindex():
         if name == "lo" or name.startswith("lo"):
@@ -185,6 +199,7 @@ def join(
         num_worker_threads=num_worker_threads,
         device_maps=device_maps or {},
         devices=devices or None,
+        _transports=transports(),
     )
     with _handed_lock:
         if store is None:
@@ -379,10 +394,10 @@ def _raise_open_file_limit() -> None:
     """Lift the kernel's soft limit on open files to its hard limit (capped at 65536).
 
     torch 2.13's TensorPipe agent keeps its pipe to every worker that left a dynamic group
-    (it never erases them), and a same-host pipe holds 24 shared-memory descriptors. Each
-    %rpc_init generation therefore costs the kernel 24 descriptors per worker it called;
-    under a common soft limit of 1024 that would end in "too many open files" after some
-    twenty re-runs. nbrpc cannot close torch's pipes, so it makes room.
+    (it never erases them): 4 sockets with the "uv" transport, 24 shared-memory descriptors
+    with "shm". Each %rpc_init generation therefore costs the kernel descriptors per worker
+    it called; under a common soft limit of 1024 that would end in "too many open files"
+    after enough re-runs. nbrpc cannot close torch's pipes, so it makes room.
     """
     import resource
 

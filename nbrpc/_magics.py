@@ -10,7 +10,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from . import _cluster
+from . import _cluster, _shm
 from ._devices import parse_device_map
 from ._errors import NbrpcError
 from ._progress import in_notebook
@@ -44,6 +44,11 @@ class RpcMagics(Magics):
         metavar="WORKER=LOCAL->REMOTE",
         help="the kernel's device map to WORKER, e.g. worker1=cuda:0->cuda:1 (repeatable)",
     )
+    @argument(
+        "--no-shm",
+        action="store_true",
+        help="send large CPU tensors through TensorPipe, not shared memory",
+    )
     @argument("--quiet", action="store_true", help="no progress display and no summary")
     @line_magic
     def rpc_init(self, line: str) -> None:
@@ -65,6 +70,7 @@ class RpcMagics(Magics):
                 listen=args.listen,
                 gpus=args.gpus,
                 device_maps=maps or None,
+                shm_threshold=None if args.no_shm else _shm.DEFAULT_THRESHOLD,
                 profile=args.profile,
                 cluster_id=args.cluster_id,
                 progress="off" if args.quiet else "auto",

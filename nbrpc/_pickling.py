@@ -24,11 +24,12 @@ from types import MethodType, ModuleType
 from typing import Any
 
 import cloudpickle
+import torch
 import torch.distributed.rpc.api as rpc_api
 import torch.distributed.rpc.internal as _rpc_internal
 from torch._C._distributed_rpc import PyRRef
 
-from . import _ledger, _remote
+from . import _ledger, _remote, _shm
 from ._errors import SerializationError
 
 __all__ = ["RpcPickler", "install", "register_by_value", "serialize"]
@@ -111,7 +112,10 @@ class RpcPickler(cloudpickle.Pickler):
         # A flat merged dict, not a ChainMap: the C pickler looks every object's type up
         # in this table, and a plain dict lookup is far cheaper. torch's entries win,
         # except for RRefs, which the ledger reduces (the same fork data, plus a label).
-        _C_DISPATCH_TABLE.__set__(self, _DispatchTable({**_BASE_TABLE, **table, **_RREF_TABLE}))
+        merged = {**_BASE_TABLE, **table, **_RREF_TABLE}
+        if _shm.enabled() and torch.Tensor in merged:  # large CPU tensors: shared memory
+            merged[torch.Tensor] = _shm.make_reducer(merged[torch.Tensor])
+        _C_DISPATCH_TABLE.__set__(self, _DispatchTable(merged))
 
 
 _original: dict[str, Any] = {}

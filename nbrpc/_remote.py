@@ -36,6 +36,7 @@ from torch.distributed.rpc.internal import RemoteException
 from ._errors import RemoteError
 
 __all__ = [
+    "call_builtin",
     "call_counts",
     "forward_output_to",
     "handle_exception",
@@ -111,6 +112,12 @@ _NOT_USER_CALLS = (
 _counts_lock = threading.Lock()
 
 
+def call_builtin(op: Any, args: tuple, kwargs: dict | None) -> Any:
+    """Run a torch builtin operator sent as a Python call (so large tensors can take the
+    shared-memory fast path, which torch's TorchScript path for builtins bypasses)."""
+    return op(*args, **(kwargs or {}))
+
+
 def call_counts() -> dict[str, int]:
     """User calls served by this process: running now, and finished (ok or not)."""
     with _counts_lock:
@@ -123,7 +130,9 @@ def run_function(python_udf: Any) -> Any:
     previous = getattr(_call, "output", None)
     _call.output = output
     func = getattr(python_udf, "func", None)
-    counted = not (getattr(func, "__module__", None) or "").startswith(_NOT_USER_CALLS)
+    counted = func is call_builtin or not (getattr(func, "__module__", "") or "").startswith(
+        _NOT_USER_CALLS
+    )
     if counted:
         with _counts_lock:
             _counts["in_flight"] += 1

@@ -10,7 +10,7 @@ import socket
 import sys
 from typing import Any
 
-__all__ = ["describe_process", "join", "leave"]
+__all__ = ["configure_fast_path", "describe_process", "join", "leave"]
 
 
 def describe_process() -> dict[str, Any]:
@@ -61,6 +61,16 @@ def join(
     info = describe_process()
     info.update(name=name, rank=rank)
     return info
+
+
+def configure_fast_path(prefix: str, threshold: int | None, probe: str) -> bool:
+    """Use shared memory for large tensors if this process sees the kernel's ``probe``
+    segment (the same host and the same ``/dev/shm``); returns whether it is on."""
+    from . import _shm
+
+    same_memory = threshold is not None and os.path.exists(probe)
+    _shm.configure(prefix, threshold if same_memory else None)
+    return _shm.enabled()
 
 
 def leave(timeout: float = 0) -> None:

@@ -1,5 +1,6 @@
 """Shutdown, re-init in the same process, torch's own shutdown, attaching to ipyparallel."""
 
+import os
 import socket
 import subprocess
 import sys
@@ -163,19 +164,27 @@ def test_workers_exit_when_the_kernel_is_killed(tmp_path):
     """kill -9 of the kernel: no atexit runs, yet its engines and controller go away."""
     script = tmp_path / "doomed_kernel.py"
     script.write_text(
-        "import os, sys, time, nbrpc\n"
+        "import os, sys, time, torch, nbrpc\n"
+        "from nbrpc import _shm\n"
         "c = nbrpc.init(n=2, progress=False)\n"
-        "print(' '.join(str(r.pid) for r in c.workers[1:]), flush=True)\n"
+        "left = _shm._export(torch.ones(1 << 20).untyped_storage())  # never received\n"
+        "print(' '.join(str(r.pid) for r in c.workers[1:]), left, flush=True)\n"
         "time.sleep(600)\n"
     )
     kernel = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
-        pids = [int(p) for p in kernel.stdout.readline().split()]
+        *pids, segment = kernel.stdout.readline().split()
+        pids = [int(p) for p in pids]
         assert len(pids) == 2
+        assert os.path.exists(f"/dev/shm/{segment}")
         kernel.kill()
         kernel.wait(timeout=10)
         t0 = time.monotonic()
         assert wait_for_exit(pids, timeout=20) == [], "engines outlived their kernel"
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/dev/shm/{segment}") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not os.path.exists(f"/dev/shm/{segment}"), "a shared-memory segment outlived it"
         print(f"engines gone {time.monotonic() - t0:.1f} s after the kernel was killed")
     finally:
         if kernel.poll() is None:

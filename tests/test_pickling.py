@@ -7,7 +7,7 @@ import torch
 import torch.distributed.rpc.internal as rpc_internal
 from torch.distributed.rpc.internal import PythonUDF
 
-from nbrpc import SerializationError, _pickling
+from nbrpc import SerializationError, _pickling, _shm
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +52,8 @@ def test_lambda_and_closure_travel(nb):
     assert pickle.loads(data).func(3) == 21
 
 
-def test_tensors_stay_out_of_band():
+def test_tensors_stay_out_of_band(monkeypatch):
+    monkeypatch.setitem(_shm._state, "threshold", None)  # torch's own path (no fast path)
     big = torch.randn(1_000_000)  # 4 MB
     view = big[::2]  # non-contiguous
     data, tensors = _pickling.serialize(PythonUDF(len, (big, view, {"x": big}), {}))

@@ -1,6 +1,8 @@
 """Safe by default: a local cluster listens on loopback only; the stop button works."""
 
+import contextlib
 import ipaddress
+import os
 import subprocess
 import sys
 
@@ -68,3 +70,14 @@ def test_keyboard_interrupt_returns_control_promptly():
         assert "interrupted after" in line, line
         assert float(line.split("after ")[1].split()[0]) < 3.0, line
     assert "still usable: 0" in out.stdout
+
+
+def test_no_process_spins_a_shared_memory_reactor(cluster):
+    """TensorPipe's "shm" reactor polls a core per process, idle or not (see architecture)."""
+    for record in cluster.records:
+        names = []
+        for tid in os.listdir(f"/proc/{record.pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{record.pid}/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        assert "TP_SHM_reactor" not in names, f"{record.name} runs TensorPipe's shm reactor"
+        assert names, record
