@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import random
 import statistics
 import subprocess
 import sys
@@ -59,9 +60,14 @@ def stats(samples: list[float]) -> dict:
 
 
 def interleaved(calls: dict, repeats: int) -> dict:
+    """Every peer once per round, in a fresh random order each round: no peer always runs
+    right after a noisy one (an ipyparallel apply leaves its engine busy for a moment)."""
     times: dict[str, list[float]] = {name: [] for name in calls}
+    order = list(calls.items())
+    shuffle = random.Random(0).shuffle
     for _ in range(repeats):
-        for name, call in calls.items():
+        shuffle(order)
+        for name, call in order:
             t0 = time.perf_counter()
             call()
             times[name].append(time.perf_counter() - t0)
@@ -201,8 +207,10 @@ def bench_calls(small_n: int, big_n: dict[int, int]) -> dict:
             "floor": (False, lambda big=big: big.clone()),
         }
         times: dict[str, list[float]] = {name: [] for name in peers}
+        order = list(peers.items())
         for i in range(repeats + 1):  # the first round warms up (recycled segments, pipes)
-            for name, (on, call) in peers.items():
+            random.Random(i).shuffle(order)
+            for name, (on, call) in order:
                 fast_path(on)
                 t0 = time.perf_counter()
                 call()

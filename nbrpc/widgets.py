@@ -109,17 +109,21 @@ class _View(anywidget.AnyWidget):
         return self._text(self.data) if self.data is not None else type(self).__name__ + "()"
 
 
-class ClusterView(_View):
-    """One card per process: state, pid@host, devices, calls running/done, RRefs.
-
-    ``%rpc_status`` shows one. ``live=True`` redraws every ``interval`` seconds.
-    """
+class _LiveView(_View):
+    """A view that redraws by itself every ``interval`` seconds while ``live``."""
 
     def __init__(self, *, live: bool = True, interval: float = 1.0) -> None:
         super().__init__()
         self.refresh()
         if live:
             self._start(interval)
+
+
+class ClusterView(_LiveView):
+    """One card per process: state, pid@host, devices, calls running/done, RRefs.
+
+    ``%rpc_status`` shows one. ``live=True`` redraws every ``interval`` seconds.
+    """
 
     def _compute(self) -> dict[str, Any]:
         try:
@@ -139,17 +143,11 @@ class ClusterView(_View):
         return _views.cluster_text(data["workers"], data["state"])
 
 
-class OwnershipView(_View):
+class OwnershipView(_LiveView):
     """Every live RRef drawn inside its owner's lane, with an edge to each holder.
 
     Redraws when RRefs are created or released (``live=True``), from ``nbrpc.ownership()``.
     """
-
-    def __init__(self, *, live: bool = True, interval: float = 1.0) -> None:
-        super().__init__()
-        self.refresh()
-        if live:
-            self._start(interval)
 
     def _compute(self) -> dict[str, Any]:
         try:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import itertools
 import linecache
 import os
+import subprocess
+import sys
 import time
 from types import SimpleNamespace
 
@@ -66,6 +68,30 @@ def ensure_cluster() -> nbrpc.Cluster:
         return nbrpc.current()
     except nbrpc.NotInitializedError:
         return nbrpc.init(n=2, progress=False)
+
+
+def wait_until(predicate, timeout: float = 10.0) -> bool:
+    """Poll ``predicate`` until it holds (True) or ``timeout`` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def run_script(path, source: str, timeout: float = 180) -> str:
+    """Run ``source`` as a fresh Python process (a kernel of its own); return its stdout.
+
+    For what must happen in a process whose RPC state is new: torch fixes a process's
+    rendezvous, listen address and device maps at its first join.
+    """
+    path.write_text(source)
+    out = subprocess.run(
+        [sys.executable, str(path)], capture_output=True, text=True, timeout=timeout
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
 
 
 def _our_children() -> list[psutil.Process]:

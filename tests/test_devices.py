@@ -1,13 +1,11 @@
 """Device maps: parsing, planning and checking (pure), and the CPU-only refusal for real."""
 
-import subprocess
-import sys
 import time
 
 import psutil
 import pytest
 import torch
-from conftest import ensure_cluster
+from conftest import ensure_cluster, run_script
 
 import nbrpc
 from nbrpc import _devices
@@ -134,8 +132,8 @@ def test_a_device_map_on_a_cpu_only_machine_fails_before_init_rpc():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_gpus_auto_moves_cuda_tensors_device_to_device(tmp_path):
-    script = tmp_path / "cuda_group.py"
-    script.write_text(
+    out = run_script(
+        tmp_path / "cuda_group.py",
         "import torch, nbrpc\n"
         "c = nbrpc.init(n=1, gpus='auto', progress=False)\n"
         "print(c.summary())\n"
@@ -143,8 +141,7 @@ def test_gpus_auto_moves_cuda_tensors_device_to_device(tmp_path):
         "y = nbrpc.rpc_sync('worker1', torch.add, args=(x, 1))\n"
         "assert y.is_cuda and y.tolist() == [2.0] * 4, y\n"
         "print('cuda round trip ok', y.device)\n"
-        "nbrpc.shutdown()\n"
+        "nbrpc.shutdown()\n",
+        timeout=300,
     )
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "cuda round trip ok" in out.stdout
+    assert "cuda round trip ok" in out

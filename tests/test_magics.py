@@ -34,6 +34,9 @@ def test_status_prints_every_process(shell, cluster, capsys):
         ("-n 3 --names a,b", "does not match"),
         ("--init-method udp://x:1", "unsupported --init-method"),
         ("--listen 10.254.254.254", "no network interface of this host"),
+        ("--device-map worker1=cuda:0", "is not LOCAL->REMOTE"),
+        ("--device-map worker1=cpu->cuda:0", "CPU tensors need no device map"),
+        ("--gpus all", "only 'auto' is supported"),
         ("-n 2", "already running"),
     ],
 )

@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from conftest import notebook_code
+from conftest import notebook_code, wait_until
 
 import nbrpc
 
@@ -50,15 +50,6 @@ def _by_id(rows):
     return {r["id"]: r for r in rows}
 
 
-def _wait_until(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return False
-
-
 def _new_rows(before):
     return [r for r in nbrpc.ownership() if r["id"] not in before]
 
@@ -96,12 +87,12 @@ def test_ownership_follows_creation_and_release_across_workers():
     # release: the kernel drops its handles; worker2 still holds the server
     del third, local
     gc.collect()
-    assert _wait_until(lambda: set(_by_id(_new_rows(before))) == {ps_id})
+    assert wait_until(lambda: set(_by_id(_new_rows(before))) == {ps_id})
     del ps
     gc.collect()
-    assert _wait_until(lambda: _by_id(nbrpc.ownership())[ps_id]["holders"] == ["worker2"])
+    assert wait_until(lambda: _by_id(nbrpc.ownership())[ps_id]["holders"] == ["worker2"])
     nbrpc.rpc_sync("worker2", nb.drop)
-    assert _wait_until(lambda: ps_id not in _by_id(nbrpc.ownership()))
+    assert wait_until(lambda: ps_id not in _by_id(nbrpc.ownership()))
 
 
 def test_owner_side_counts_follow_the_ledger():
@@ -115,7 +106,7 @@ def test_owner_side_counts_follow_the_ledger():
     assert now["worker0"]["rrefs_held"] >= 3
     del refs, r
     gc.collect()
-    assert _wait_until(
+    assert wait_until(
         lambda: {r["name"]: r["rrefs_owned"] for r in nbrpc.status()}["worker2"] == owned["worker2"]
     )
 
@@ -124,7 +115,7 @@ def test_status_counts_calls_in_flight_and_done():
     nb = notebook_code(CELL)
     done_before = {r["name"]: r["calls_done"] for r in nbrpc.status()}
     fut = nbrpc.rpc_async("worker1", nb.nap, args=(1.5,))
-    assert _wait_until(
+    assert wait_until(
         lambda: {r["name"]: r for r in nbrpc.status()}["worker1"]["calls_in_flight"] == 1, 5
     )
     assert fut.wait() == 1.5
@@ -161,4 +152,4 @@ def test_ledger_is_thread_safe_under_concurrent_creation():
     assert len(_new_rows(before)) == 200
     made.clear()
     gc.collect()
-    assert _wait_until(lambda: not _new_rows(before))
+    assert wait_until(lambda: not _new_rows(before))

@@ -8,7 +8,7 @@ from collections import Counter
 import psutil
 import pytest
 import torch
-from conftest import ensure_cluster, notebook_code
+from conftest import ensure_cluster, notebook_code, wait_until
 
 import nbrpc
 from nbrpc import _ledger
@@ -41,15 +41,6 @@ def _rss_mb() -> float:
 
 def _owned() -> dict[str, int]:
     return {r["name"]: r["rrefs_owned"] for r in nbrpc.status()}
-
-
-def _wait_until(predicate, timeout=20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def test_ten_thousand_rpc_async_calls_all_complete_once(cluster):
@@ -87,7 +78,7 @@ def test_ten_thousand_rrefs_created_and_dropped_do_not_leak_on_owners(cluster):
         del refs
     gc.collect()
     elapsed = time.monotonic() - t0
-    assert _wait_until(lambda: _owned() == owned_before), (
+    assert wait_until(lambda: _owned() == owned_before, timeout=20), (
         f"owner-side RRef counts did not return: {_owned()} vs {owned_before}"
     )
     assert len(_ledger._handles) == kernel_before

@@ -5,6 +5,7 @@ import time
 
 import pytest
 import torch
+from conftest import wait_until
 
 import nbrpc
 from nbrpc import _views, autograd
@@ -34,15 +35,6 @@ TRACE = {
         {"src": "worker1/0", "dst": "worker1/1", "kind": "local"},
     ],
 }
-
-
-def _wait_until(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 # -- pure views -----------------------------------------------------------------------------
@@ -111,7 +103,7 @@ def test_cluster_view_is_live_and_has_a_text_repr():
         assert all(f'data-worker="{n}"' in view.html for n in names)
         version = view.version
         fut = nbrpc.rpc_async("worker2", time.sleep, args=(1.0,))
-        assert _wait_until(
+        assert wait_until(
             lambda: view.data["workers"][2]["calls_in_flight"] == 1 and view.version > version
         ), "the view did not update while a call was running"
         fut.wait()
@@ -133,11 +125,11 @@ def test_ownership_view_redraws_when_rrefs_come_and_go():
         rid = next(
             r["id"] for r in nbrpc.ownership() if r["created_by"] == "remote(worker1, torch.add)"
         )
-        assert _wait_until(lambda: f'data-rref="{rid}"' in view.html)
+        assert wait_until(lambda: f'data-rref="{rid}"' in view.html)
         assert any(r["id"] == rid and r["owner"] == "worker1" for r in view.data["rrefs"])
         del rref
         gc.collect()
-        assert _wait_until(lambda: f'data-rref="{rid}"' not in view.html)
+        assert wait_until(lambda: f'data-rref="{rid}"' not in view.html)
     finally:
         view.close()
 
