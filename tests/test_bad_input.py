@@ -40,3 +40,29 @@ def test_a_cluster_handle_starts_once(cluster):
     with pytest.raises(nbrpc.ClusterClosedError, match=r"starts once; call nbrpc\.init"):
         cluster.start()
     assert nbrpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), 1)).item() == 2
+
+
+def test_an_exception_that_cannot_be_rebuilt_arrives_as_remote_error():
+    nb = notebook_code(
+        "class Picky(Exception):\n"
+        "    def __init__(self, a, b):  # pickle rebuilds exceptions from args: (a,) fails\n"
+        "        super().__init__(a)\n"
+        "def fail():\n"
+        "    raise Picky('bad state', 'detail')\n"
+    )
+    with pytest.raises(nbrpc.RemoteError) as e:
+        nbrpc.rpc_sync("worker1", nb.fail)
+    assert e.value.worker == "worker1"
+    assert "Picky" in e.value.ename
+    assert "bad state" in e.value.evalue
+    assert "raise Picky" in e.value.remote_traceback
+
+
+def test_a_worker_on_another_host_with_the_local_store_is_told_the_fix():
+    from nbrpc import _worker
+
+    store = {"kind": "file", "path": "/nonexistent-nbrpc-dir/store"}
+    with pytest.raises(
+        RuntimeError, match=r"cannot see the kernel's store .* --init-method tcp://"
+    ):
+        _worker.join("worker9", 9, store, "worker0", 5.0, 4)
