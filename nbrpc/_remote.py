@@ -153,7 +153,8 @@ def run_function(python_udf: Any) -> Any:
 
 
 _CONNECTION_LOST = (
-    "eof (this error originated at tensorpipe",
+    "eof (this error originated at tensorpipe",  # the shm transport's wording
+    "EOF: end of file (this error originated at tensorpipe",  # the uv transport's
     "ECONNREFUSED",
     "ECONNRESET",
     "EPIPE",
