@@ -173,7 +173,6 @@ class Cluster:
             self._abandon()
             raise
         self.boot_seconds = time.monotonic() - t0
-        self._start_reaper()
         self.state = ClusterState.READY
         _agent.set_active(True)
         _live.add(self)
@@ -329,8 +328,11 @@ class Cluster:
             log_level=logging.ERROR,  # nbrpc reports failures itself, with advice
             shutdown_atexit=True,
         )
+        # A watchdog from the first process on: a kernel killed mid-boot leaves nothing.
         self._ipp_cluster.start_controller_sync()
+        self._start_reaper()
         self._ipp_cluster.start_engines_sync(self.n)
+        self._start_reaper()  # again, now watching the engines too
         self._client = self._ipp_cluster.connect_client_sync()
         return self._client
 
@@ -382,9 +384,15 @@ class Cluster:
 
     def _start_reaper(self) -> None:
         """Engines and controller we started stop if this process dies (see _reaper)."""
+        self._stop_reaper()
         if self._ipp_cluster is None:
             return
-        pids = [r.pid for r in self.records[1:]]
+        pids = [  # the engine launchers' pids are the engine processes
+            launcher.pid
+            for engine_set in (self._ipp_cluster.engines or {}).values()
+            for launcher in getattr(engine_set, "launchers", {}).values()
+            if getattr(launcher, "pid", None)
+        ]
         controller = getattr(self._ipp_cluster.controller, "pid", None)
         if controller:
             pids.append(controller)
@@ -410,6 +418,7 @@ class Cluster:
             self._leave_workers(graceful=False)
         finally:
             self._stop_engines()
+            self._stop_reaper()
             self.state = ClusterState.CLOSED
             _agent.set_active(False)
 

@@ -1,5 +1,6 @@
 """Shutdown, re-init in the same process, torch's own shutdown, attaching to ipyparallel."""
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -7,6 +8,7 @@ import sys
 import time
 
 import ipyparallel as ipp
+import psutil
 import pytest
 import torch
 import torch.distributed.rpc as rpc
@@ -182,6 +184,31 @@ def test_workers_exit_when_the_kernel_is_killed(tmp_path):
             time.sleep(0.2)
         assert not os.path.exists(f"/dev/shm/{segment}"), "a shared-memory segment outlived it"
         print(f"engines gone {time.monotonic() - t0:.1f} s after the kernel was killed")
+    finally:
+        if kernel.poll() is None:
+            kernel.kill()
+
+
+@pytest.mark.parametrize("after_s", [2.5, 5.0])
+def test_a_kernel_killed_mid_boot_leaves_nothing_behind(tmp_path, after_s):
+    """kill -9 while %rpc_init is still starting the controller or the engines."""
+    script = tmp_path / "dies_booting.py"
+    script.write_text(
+        "import nbrpc\nnbrpc.init(n=2, progress=False)\nimport time\ntime.sleep(600)\n"
+    )
+    kernel = subprocess.Popen([sys.executable, str(script)])
+    seen: set[int] = set()
+    try:
+        deadline = time.monotonic() + after_s
+        while time.monotonic() < deadline:  # everything it started, as it starts it
+            with contextlib.suppress(psutil.NoSuchProcess):
+                seen |= {p.pid for p in psutil.Process(kernel.pid).children(recursive=True)}
+            time.sleep(0.05)
+        kernel.kill()
+        kernel.wait(timeout=10)
+        assert seen, "the kernel had started nothing yet"
+        left = wait_for_exit(list(seen), timeout=20)
+        assert left == [], f"processes outlived a kernel killed mid-boot: {left}"
     finally:
         if kernel.poll() is None:
             kernel.kill()
