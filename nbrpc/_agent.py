@@ -178,9 +178,8 @@ def _start(
     what: str, to: Any, func: Any, args: tuple, kwargs: dict | None, timeout: float | None
 ) -> torch.futures.Future:
     dest = _destination(to, what)
-    func, args, kwargs, shown = _fast_builtin(func, tuple(args), kwargs)
-    raw = rpc.rpc_async(dest, func, args=args, kwargs=kwargs, timeout=_timeout(timeout))
-    func = shown
+    sent, args, kwargs = _fast_builtin(func, tuple(args), kwargs)
+    raw = rpc.rpc_async(dest, sent, args=args, kwargs=kwargs, timeout=_timeout(timeout))
     out = Future()
 
     def translate(exc: BaseException) -> BaseException:
@@ -212,11 +211,11 @@ def _fast_builtin(func: Any, args: tuple, kwargs: dict | None) -> tuple:
     """torch sends builtin operators (``torch.add``) through TorchScript's pickler, around
     nbrpc's: wrap one in a Python call when a large tensor could take the fast path."""
     if not _shm.enabled() or _find_builtin(func) is None:
-        return func, args, kwargs, func
+        return func, args, kwargs
     values = [*args, *(kwargs or {}).values()]
     if not any(isinstance(v, torch.Tensor) and _shm.eligible(v) for v in values):
-        return func, args, kwargs, func
-    return _remote.call_builtin, (func, args, kwargs), None, func
+        return func, args, kwargs
+    return _remote.call_builtin, (func, args, kwargs), None
 
 
 def remote(

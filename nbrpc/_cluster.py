@@ -258,16 +258,16 @@ class Cluster:
         except OSError:
             _shm.configure(prefix, None)
             return False
+        engines = client[list(self._engine_of.values())]
         try:
-            eids = [self._engine_of[r] for r in self._engine_of]
-            on = client[eids].apply_sync(
-                _worker.configure_fast_path, prefix, self.shm_threshold, probe
+            on = all(
+                engines.apply_sync(_worker.configure_fast_path, prefix, self.shm_threshold, probe)
             )
-            if not all(on):
-                client[eids].apply_sync(_worker.configure_fast_path, prefix, None, probe)
+            if not on:
+                engines.apply_sync(_worker.configure_fast_path, prefix, None, probe)
         finally:
             os.unlink(probe)
-        _shm.configure(prefix, self.shm_threshold if all(on) else None)
+        _shm.configure(prefix, self.shm_threshold if on else None)
         return _shm.enabled()
 
     @property
