@@ -841,6 +841,8 @@ NOTEBOOKS = {
 def main() -> int:
     for name, cells in NOTEBOOKS.items():
         nb = nbformat.v4.new_notebook(cells=cells)
+        for i, cell in enumerate(nb.cells):  # stable ids: regenerating changes nothing
+            cell.id = f"cell-{i:02d}"
         nb.metadata["kernelspec"] = {
             "name": "python3",
             "display_name": "Python 3",
