@@ -50,10 +50,15 @@ def _figure(value: Any) -> str:
 def cluster_html(rows: list[dict[str, Any]], state: str) -> str:
     """One card per process: state, pid@host, devices, calls, RRefs."""
     if not rows:
+        what = (
+            "booting: starting workers and joining them (progress is shown where "
+            "<code>%rpc_init</code> runs)"
+            if state == "booting"
+            else f"no cluster ({escape(state)}). Start one with <code>%rpc_init -n 2</code>"
+        )
         return (
             f'<div class="nbrpc-cluster" data-state="{escape(state)}" style="{_FONT}">'
-            f"<b>nbrpc</b>: no cluster ({escape(state)}). Start one with "
-            "<code>%rpc_init -n 2</code>.</div>"
+            f"<b>nbrpc</b>: {what}.</div>"
         )
     cards = []
     for r in rows:
@@ -98,7 +103,7 @@ def _maps_html(maps: dict | None) -> str:
 
 def cluster_text(rows: list[dict[str, Any]], state: str) -> str:
     if not rows:
-        return f"nbrpc: no cluster ({state})"
+        return "nbrpc: booting" if state == "booting" else f"nbrpc: no cluster ({state})"
     lines = [f"nbrpc cluster: {len(rows)} processes, {state}"]
     for r in rows:
         lines.append(

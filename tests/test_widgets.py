@@ -88,6 +88,8 @@ def test_cluster_html_shows_each_process_and_its_state():
     assert 'data-worker="worker1" data-state="dead"' in html
     assert "calls: <b>–</b>" in html  # unknown figures are shown as unknown, not zero
     assert "no cluster" in _views.cluster_html([], "closed")
+    assert "booting: starting workers" in _views.cluster_html([], "booting")
+    assert _views.cluster_text([], "booting") == "nbrpc: booting"
 
 
 # -- widgets on the real cluster ------------------------------------------------------------
