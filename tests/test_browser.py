@@ -160,6 +160,12 @@ def _wait(page, condition: str, what: str, timeout_s: float = 120, arg=None) -> 
         _fail_with_page(page, f"timed out after {timeout_s} s waiting for {what}")
 
 
+def _view(page, content: str):
+    """A view's root element: it stays in the DOM while a live view redraws its content
+    (a screenshot of the content itself can lose it half-way)."""
+    return page.locator(".nbrpc-view", has=page.locator(content)).first
+
+
 def test_views_render_and_update_in_jupyterlab(lab):
     from playwright.sync_api import sync_playwright
 
@@ -212,8 +218,8 @@ def test_views_render_and_update_in_jupyterlab(lab):
                 ".nbrpc-ownership path.hold-edge", "els => els.map(e => e.dataset.holder)"
             )
             assert "worker2" in holders  # worker2 holds the parameter server
-            page.locator(".nbrpc-cluster").first.screenshot(path=str(ARTIFACTS / "cluster.png"))
-            page.locator(".nbrpc-ownership").first.screenshot(path=str(ARTIFACTS / "ownership.png"))
+            _view(page, ".nbrpc-cluster").screenshot(path=str(ARTIFACTS / "cluster.png"))
+            _view(page, ".nbrpc-ownership").screenshot(path=str(ARTIFACTS / "ownership.png"))
 
             backward_lanes = page.eval_on_selector_all(
                 ".nbrpc-backward g.lane", "els => els.map(e => e.dataset.worker)"
@@ -225,7 +231,7 @@ def test_views_render_and_update_in_jupyterlab(lab):
             )
             assert len(hops) == 3
             assert all(src != dst for src, dst in hops)  # every hop crosses processes
-            page.locator(".nbrpc-backward").first.screenshot(path=str(ARTIFACTS / "backward.png"))
+            _view(page, ".nbrpc-backward").screenshot(path=str(ARTIFACTS / "backward.png"))
 
             # Release one RRef: the open ownership view must redraw without it.
             version = page.eval_on_selector(
