@@ -134,8 +134,7 @@ class Cluster:
             raise ValueError(f"--gpus {gpus!r}: only 'auto' is supported (one GPU per process)")
         self.gpus = gpus
         # the kernel's maps to workers, checked now for syntax, against devices at boot
-        self.requested_maps = {k: dict(v) for k, v in (device_maps or {}).items()}
-        _devices.merge(self_name, self.requested_maps.items())
+        self.requested_maps = _devices.merge(self_name, (device_maps or {}).items())
         self.device_maps: dict = {}  # every process's maps, once booted
         if shm_threshold is not None and shm_threshold < 1:
             raise ValueError(
@@ -189,7 +188,7 @@ class Cluster:
         else:  # the kernel's own side is known now: refuse before any engine starts
             _devices.check_local(
                 self.self_name,
-                _devices.merge(self.self_name, self.requested_maps.items()),
+                self.requested_maps,
                 self.gpus,
                 kernel["devices"],
                 kernel["host"],
@@ -302,7 +301,7 @@ class Cluster:
         maps: dict = {}
         if self.gpus == "auto":
             chosen, maps = _devices.plan_gpus(devices, hosts)
-        for src, by_dest in _devices.merge(self.self_name, self.requested_maps.items()).items():
+        for src, by_dest in self.requested_maps.items():
             for dest, mapping in by_dest.items():
                 maps.setdefault(src, {})[dest] = mapping  # given by hand: wins over the plan
         _devices.validate(maps, devices, hosts)
@@ -531,7 +530,7 @@ class Cluster:
         finally:
             self._stop_engines()
             self._stop_reaper()
-            _shm.sweep(_reaper.segment_prefix(os.getpid()))
+            _reaper.sweep_segments(_reaper.segment_prefix(os.getpid()))
             for record in self.records[1:]:
                 if record.state == "ready":
                     record.state = "stopped"

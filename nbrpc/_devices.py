@@ -155,14 +155,10 @@ def check_local(name: str, maps: Maps, gpus: str | None, devices: list[str], hos
     """What this process can check about its own side before any worker starts."""
     if gpus == "auto":
         plan_gpus({name: devices}, {name: host})
-    for dest, mapping in maps.get(name, {}).items():
-        for local in mapping:
-            if local not in devices:
-                validate(
-                    {name: {dest: mapping}},
-                    {name: devices, dest: [*mapping.values()]},
-                    {name: host},
-                )
+    own = maps.get(name, {})
+    # the workers' devices are not known yet: take their side of each map as given
+    assumed = {dest: [*mapping.values()] for dest, mapping in own.items()}
+    validate({name: own}, {**assumed, name: devices}, {name: host})
 
 
 def inverse(maps: Maps) -> Maps:

@@ -152,7 +152,6 @@ def snapshot() -> dict[str, Any]:
         "name": _remote.worker_name(),
         "handles": rows,
         "owned": int(debug.get("num_owner_rrefs", 0)),
-        "forks": int(debug.get("num_forks", 0)),
         "calls_in_flight": calls["in_flight"],
         "calls_done": calls["done"],
     }

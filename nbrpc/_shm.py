@@ -24,7 +24,7 @@ sparse and quantized tensors, tensor subclasses, and anything below the threshol
 
 Segments are named ``nbrpc-<kernel pid>-...``. A segment whose message never arrived
 (the receiver died) is removed when the cluster shuts down, or by the kernel's watchdog
-if the kernel dies (:func:`sweep`).
+if the kernel dies (:func:`nbrpc._reaper.sweep_segments`).
 """
 
 from __future__ import annotations
@@ -41,9 +41,7 @@ from typing import Any
 
 import torch
 
-from ._reaper import sweep_segments
-
-__all__ = ["DEFAULT_THRESHOLD", "configure", "eligible", "enabled", "make_reducer", "sweep"]
+__all__ = ["DEFAULT_THRESHOLD", "configure", "eligible", "enabled", "make_reducer"]
 
 #: Tensors whose storage is at least this large take the fast path (bytes). Measured on the
 #: dev machine (round trips, nbrpc fast path vs TensorPipe's uv transport + cma channel):
@@ -194,8 +192,3 @@ def make_reducer(torch_reducer: Callable[[torch.Tensor], Any]) -> Callable[[torc
         )
 
     return reduce
-
-
-def sweep(prefix: str) -> int:
-    """Remove segments left by messages that never arrived; returns how many."""
-    return sweep_segments(prefix)
