@@ -22,14 +22,13 @@ import enum
 import logging
 import os
 import socket
-import subprocess
 import sys
 import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _agent, _devices, _group, _reaper, _shm, _worker
+from . import _agent, _devices, _group, _launch, _reaper, _shm, _worker
 from ._errors import AlreadyInitializedError, BootError, ClusterClosedError, NotInitializedError
 from ._progress import BootProgress, in_notebook
 from ._reaper import process_alive
@@ -43,7 +42,6 @@ DEFAULT_THREADS = 16
 ENGINE_START_TIMEOUT_S = 90.0
 JOIN_TIMEOUT_S = 90.0
 LEAVE_TIMEOUT_S = 30.0
-ENGINE_EXIT_WAIT_S = 5.0
 DEAD_RELEASE_TIMEOUT_S = 2.0  # RRefs owned by a dead worker are never confirmed: do not wait
 # Releasing the kernel's RRefs takes milliseconds when every owner answers; one that died
 # in an earlier cluster leaves torch waiting for the whole timeout, so bound it.
@@ -111,6 +109,7 @@ class Cluster:
         gpus: str | None = None,
         device_maps: dict[str, dict] | None = None,
         shm_threshold: int | None = _shm.DEFAULT_THRESHOLD,
+        python: str | None = None,
     ) -> None:
         if names:
             names = [s.strip() for s in names]
@@ -147,17 +146,20 @@ class Cluster:
             _group.interface_for(listen)  # refuse an address this host lacks, before any start
         self.profile = profile
         self.cluster_id = cluster_id
+        self.python = python or sys.executable
         if progress == "auto":
             progress = "widget" if in_notebook() else "off"
         self.progress_mode = {True: "text", False: "off"}.get(progress, progress)  # type: ignore[arg-type]
         _validate_names(names or [], self_name)
         self.state = ClusterState.CLOSED
         self.records: list[WorkerRecord] = []
-        self.boot_seconds: float | None = None
-        self._ipp_cluster: Any = None
+        #: where the boot's time went: "controller", "engines" (start to registered),
+        #: "torch import" (inside the engines, before they registered), "join", "total"
+        self.boot_seconds: dict[str, float] = {}
+        self._engines: _launch.LocalEngines | None = None  # None: attached, or not booted
         self._client: Any = None
         self._engine_of: dict[str, int] = {}
-        self._watchdog: subprocess.Popen | None = None
+        self._taken: list[int] = []  # engine ids handed to this cluster by the launcher
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -165,27 +167,25 @@ class Cluster:
         if self.state is not ClusterState.CLOSED or self.records:
             raise ClusterClosedError("a Cluster handle starts once; call nbrpc.init() again")
         self.state = ClusterState.BOOTING
-        t0 = time.monotonic()
         try:
             self._boot()
-        except BaseException:
-            self._abandon()
+        except BaseException as exc:
+            # an engine that failed to start: the others were started the same way
+            self._abandon(release=isinstance(exc, BootError))
             raise
-        self.boot_seconds = time.monotonic() - t0
         self.state = ClusterState.READY
         _agent.set_active(True)
         _live.add(self)
         return self
 
     def _boot(self) -> None:
+        t0 = time.monotonic()
         _route_torch_shutdown()
         placeholder = self.names or [f"worker{i}" for i in range(1, (self.n or 0) + 1)]
         progress = BootProgress(placeholder, self.progress_mode if self.n else "off")
-        member = None
+        phases = self.boot_seconds
         kernel = _worker.describe_process()
-        if not self.wants_devices:  # join at once; device maps must wait for the workers
-            member = self._join_kernel({}, None)
-        else:  # the kernel's own side is known now: refuse before any engine starts
+        if self.wants_devices:  # the kernel's own side is known now: refuse before any start
             _devices.check_local(
                 self.self_name,
                 self.requested_maps,
@@ -193,8 +193,27 @@ class Cluster:
                 kernel["devices"],
                 kernel["host"],
             )
+        reused = False
+        if not self.attached:  # engines start now and import torch while the kernel joins
+            kept = _launch.current()
+            reused = kept is not None and kept.key == (self.listen, self.python)
+            self._engines = _launch.local_engines(self.listen, self.python)
+            self._engines.reserve(self.n or 0)
+            if reused:
+                progress.phase("controller", 0.0, "kept from the last cluster")
+        member = None
+        if not self.wants_devices:  # join at once; device maps must wait for the workers
+            member = self._join_kernel({}, None)
         client = self._connect()
+        if self._engines is not None and not phases.get("controller"):
+            phases["controller"] = (
+                0.0 if reused else min(self._engines.controller_seconds or 0.0, _since(t0))
+            )
+            if not reused:
+                progress.phase("controller", phases["controller"])
         engine_ids = self._wait_for_engines(client, progress, placeholder)
+        phases["engines"] = _since(t0)
+        progress.phase("engines", phases["engines"], "registered")
         names = self.names or [f"worker{i}" for i in range(1, len(engine_ids) + 1)]
         _validate_names(names, self.self_name)
         maps: dict = {}
@@ -205,6 +224,7 @@ class Cluster:
         assert member is not None
         ranks = member.allocate_ranks(len(engine_ids))
         pending = {}
+        t_join = time.monotonic()
         for name, rank, eid in zip(names, ranks, engine_ids, strict=True):
             progress.update(name, 2)
             pending[name] = client[eid].apply_async(
@@ -220,6 +240,15 @@ class Cluster:
             )
             self._engine_of[name] = eid
         infos = self._wait_for_joins(pending, progress)
+        if self._engines is not None:
+            phases["torch import"] = 0.0 if reused else (self._engines.zygote.ready_seconds or 0)
+            progress.phase(
+                "torch import",
+                phases["torch import"],
+                "done before this cluster" if reused else "once, in the process engines fork from",
+            )
+        phases["join"] = _since(t_join)
+        progress.phase("join", phases["join"], "init_rpc")
         self.fast_path = self._configure_fast_path(client, member.spec.loopback_only)
         self.device_maps = maps
         self.records = [
@@ -238,6 +267,7 @@ class Cluster:
                     self._engine_of[name],
                 )
             )
+        phases["total"] = _since(t0)
 
     def _configure_fast_path(self, client: Any, local: bool) -> bool:
         """Shared memory for large tensors, if every worker sees this kernel's /dev/shm.
@@ -258,12 +288,15 @@ class Cluster:
             _shm.configure(prefix, None)
             return False
         engines = client[list(self._engine_of.values())]
+
+        def ask(threshold: int | None) -> list[bool]:  # bounded: an engine may have died
+            ar = engines.apply_async(_worker.configure_fast_path, prefix, threshold, probe)
+            return ar.get(timeout=JOIN_TIMEOUT_S)
+
         try:
-            on = all(
-                engines.apply_sync(_worker.configure_fast_path, prefix, self.shm_threshold, probe)
-            )
+            on = all(ask(self.shm_threshold))
             if not on:
-                engines.apply_sync(_worker.configure_fast_path, prefix, None, probe)
+                ask(None)
         finally:
             os.unlink(probe)
         _shm.configure(prefix, self.shm_threshold if on else None)
@@ -310,38 +343,33 @@ class Cluster:
     def _connect(self) -> Any:
         import ipyparallel as ipp
 
-        if self.attached:
-            try:
-                self._client = ipp.Client(profile=self.profile, cluster_id=self.cluster_id or "")
-            except Exception as exc:
-                raise BootError(
-                    f"could not attach to the ipyparallel cluster (profile={self.profile!r}, "
-                    f"cluster_id={self.cluster_id!r}): {exc}. Is it running? "
-                    "Start it with `ipcluster start -n N --profile NAME`."
-                ) from exc
+        if self._engines is not None:
+            self._client = self._engines.client()
             return self._client
-        self._ipp_cluster = ipp.Cluster(
-            n=self.n,
-            # a local cluster listens on loopback only; --listen ADDR opens it to other hosts
-            controller_ip=self.listen or "127.0.0.1",
-            log_level=logging.ERROR,  # nbrpc reports failures itself, with advice
-            shutdown_atexit=True,
-        )
-        # A watchdog from the first process on: a kernel killed mid-boot leaves nothing.
-        self._ipp_cluster.start_controller_sync()
-        self._start_reaper()
-        self._ipp_cluster.start_engines_sync(self.n)
-        self._start_reaper()  # again, now watching the engines too
-        self._client = self._ipp_cluster.connect_client_sync()
+        try:
+            self._client = ipp.Client(profile=self.profile, cluster_id=self.cluster_id or "")
+        except Exception as exc:
+            raise BootError(
+                f"could not attach to the ipyparallel cluster (profile={self.profile!r}, "
+                f"cluster_id={self.cluster_id!r}): {exc}. Is it running? "
+                "Start it with `ipcluster start -n N --profile NAME`."
+            ) from exc
         return self._client
 
     def _wait_for_engines(self, client: Any, progress: BootProgress, names: list[str]) -> list[int]:
+        def registered(count: int) -> None:
+            for name in names[:count]:
+                progress.update(name, 1)
+
+        if self._engines is not None:
+            assert self.n is not None
+            self._taken = self._engines.take(self.n, ENGINE_START_TIMEOUT_S, registered)
+            return self._taken
         want = self.n
         deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
         while True:
             ids = sorted(client.ids)
-            for name, _eid in zip(names, ids, strict=False):
-                progress.update(name, 1)
+            registered(len(ids))
             if want is None and ids:
                 return ids
             if want is not None and len(ids) >= want:
@@ -349,12 +377,8 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise BootError(
                     f"only {len(ids)} of {want} ipyparallel engines registered within "
-                    f"{ENGINE_START_TIMEOUT_S:.0f} s. "
-                    + (
-                        "Start more engines in the attached cluster, or ask for fewer with -n."
-                        if self.attached
-                        else "Look at the engine logs under ~/.ipython/profile_default/log/."
-                    )
+                    f"{ENGINE_START_TIMEOUT_S:.0f} s. Start more engines in the attached "
+                    "cluster, or ask for fewer with -n."
                 )
             time.sleep(0.05)
 
@@ -381,43 +405,18 @@ class Cluster:
             time.sleep(0.02)
         return infos
 
-    def _start_reaper(self) -> None:
-        """Engines and controller we started stop if this process dies (see _reaper)."""
-        self._stop_reaper()
-        if self._ipp_cluster is None:
-            return
-        pids = [  # the engine launchers' pids are the engine processes
-            launcher.pid
-            for engine_set in (self._ipp_cluster.engines or {}).values()
-            for launcher in getattr(engine_set, "launchers", {}).values()
-            if getattr(launcher, "pid", None)
-        ]
-        controller = getattr(self._ipp_cluster.controller, "pid", None)
-        if controller:
-            pids.append(controller)
-        self._watchdog = subprocess.Popen(
-            [sys.executable, _reaper.__file__, str(os.getpid()), *map(str, pids)],
-            start_new_session=True,  # not hit by the signal that kills the kernel's group
-            stdin=subprocess.DEVNULL,
-        )
+    def _abandon(self, release: bool) -> None:
+        """After a failed boot: stop what was started, leave the kernel usable.
 
-    def _stop_reaper(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.terminate()
-            try:
-                self._watchdog.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self._watchdog.kill()
-            self._watchdog = None
-
-    def _abandon(self) -> None:
-        """After a failed boot: stop what was started, leave the kernel usable."""
+        ``release``: stop the controller and spare engines too (start afresh next time).
+        """
         self.state = ClusterState.SHUTTING_DOWN
         try:
             self._leave_workers(graceful=False)
         finally:
-            self._stop_engines()
-            self._stop_reaper()
+            self._stop_engines(keep_spares=False)
+            if release and self._engines is not None:
+                _launch.release()
             self.state = ClusterState.CLOSED
             _agent.set_active(False)
 
@@ -464,33 +463,28 @@ class Cluster:
                 if graceful:
                     log.warning("a worker did not leave the RPC group cleanly: %s", exc)
 
-    def _stop_engines(self) -> None:
-        asked = []  # engines asked to exit cleanly; the rest are stopped by signal
-        if self._client is not None:
-            try:
-                live = [r for r in self.records[1:] if r.state == "ready"]
-                if self._ipp_cluster is not None and live:  # ours: ask engines to exit first
-                    self._client.shutdown(
-                        targets=[r.engine_id for r in live], hub=False, block=True
-                    )
-                    asked = [r.pid for r in live]
-            except Exception as exc:
-                log.warning("asking engines to exit: %s", exc)
+    def _stop_engines(self, keep_spares: bool = True) -> None:
+        """Stop the engines this cluster used (never reusable: torch joins once per
+        process) and warm as many spares for the next ``init``; attached engines run on."""
+        if self._engines is not None:
+            self._engines.retire([r.pid for r in self.records[1:]], self._taken)
+            if keep_spares and self._taken:
+                self._engines.warm(len(self._taken))
+            self._taken = []
+        elif self._client is not None:
             try:
                 self._client.close()
             except Exception as exc:
                 log.warning("closing the ipyparallel client: %s", exc)
-            self._client = None
-        if self._ipp_cluster is not None:
-            _wait_for_exit(asked, ENGINE_EXIT_WAIT_S)
-            try:
-                self._ipp_cluster.stop_cluster_sync()
-            except Exception as exc:
-                log.warning("stopping ipyparallel engines: %s", exc)
-            self._ipp_cluster = None
+        self._client = None
 
-    def shutdown(self, graceful: bool = True, timeout: float = LEAVE_TIMEOUT_S) -> None:
+    def shutdown(
+        self, graceful: bool = True, timeout: float = LEAVE_TIMEOUT_S, release: bool = False
+    ) -> None:
         """Workers leave the group; engines this cluster started are stopped.
+
+        ``release``: also stop the controller and the warm spare engines that make the
+        next ``init`` fast (see :mod:`nbrpc._launch`); interpreter exit does it anyway.
 
         ``graceful``: workers finish their calls in flight (bounded by ``timeout``) and
         leave. Otherwise the kernel drops them from the group at once and the engines are
@@ -499,6 +493,8 @@ class Cluster:
         group, alone, so that a later ``init`` can bring new workers (see ``_group``).
         """
         if self.state is ClusterState.CLOSED:
+            if release:
+                _launch.release()
             return
         self.state = ClusterState.SHUTTING_DOWN
         try:
@@ -528,8 +524,9 @@ class Cluster:
             if dead:
                 _group.release_stale_token()
         finally:
-            self._stop_engines()
-            self._stop_reaper()
+            self._stop_engines(keep_spares=not release)
+            if release:
+                _launch.release()
             _reaper.sweep_segments(_reaper.segment_prefix(os.getpid()))
             for record in self.records[1:]:
                 if record.state == "ready":
@@ -595,7 +592,7 @@ class Cluster:
             self.dead_workers()
         lines = [
             f"nbrpc: {len(self.records)} processes in the RPC group, {self.state.value}"
-            + (f" (booted in {self.boot_seconds:.1f} s)" if self.boot_seconds else "")
+            + (f" (booted in {self.boot_seconds['total']:.1f} s)" if self.boot_seconds else "")
         ]
         lines.append(f"  {'name':<12}{'rank':>5}  {'pid':>8}  {'host':<20}{'role':<10}state")
         for r in self.records:
@@ -630,11 +627,8 @@ class Cluster:
         )
 
 
-def _wait_for_exit(pids: list[int], timeout: float) -> None:
-    """Give engines asked to shut down a moment to exit on their own (bounded)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(process_alive(p) for p in pids):
-        time.sleep(0.05)
+def _since(t0: float) -> float:
+    return time.monotonic() - t0
 
 
 def _remote_message(exc: BaseException) -> str:
@@ -657,6 +651,7 @@ def init(
     gpus: str | None = None,
     device_maps: dict[str, dict] | None = None,
     shm_threshold: int | None = _shm.DEFAULT_THRESHOLD,
+    python: str | None = None,
 ) -> Cluster:
     """Start ``n`` workers (or attach to a running ipyparallel cluster) and join them.
 
@@ -694,6 +689,7 @@ def init(
         gpus=gpus,
         device_maps=device_maps,
         shm_threshold=shm_threshold,
+        python=python,
     )
     if _current:
         running = ", ".join(r.name for r in _current[0].records)
@@ -717,10 +713,18 @@ def current() -> Cluster:
     return _current[0]
 
 
-def shutdown(graceful: bool = True, timeout: float = LEAVE_TIMEOUT_S) -> None:
-    """Shut the current cluster down (no-op when none runs)."""
+def shutdown(
+    graceful: bool = True, timeout: float = LEAVE_TIMEOUT_S, release: bool = False
+) -> None:
+    """Shut the current cluster down (no-op when none runs).
+
+    ``release=True`` also stops the controller and the warm spare engines kept for a fast
+    next ``init`` (``%rpc_shutdown --release``).
+    """
     if _current:
-        _current[0].shutdown(graceful=graceful, timeout=timeout)
+        _current[0].shutdown(graceful=graceful, timeout=timeout, release=release)
+    elif release:
+        _launch.release()
 
 
 def status(timeout: float = _agent.SNAPSHOT_TIMEOUT_S) -> list[dict[str, Any]]:
@@ -735,6 +739,7 @@ def _at_exit() -> None:
             cluster.shutdown(graceful=False, timeout=5)
         except Exception as exc:
             log.warning("at exit: %s", exc)
+    _launch.release()
     member = _group.current_kernel_membership()
     if member is not None:
         member.close()

@@ -49,6 +49,12 @@ class RpcMagics(Magics):
         action="store_true",
         help="send large CPU tensors through TensorPipe, not shared memory",
     )
+    @argument(
+        "--python",
+        default=None,
+        metavar="PATH",
+        help="the interpreter workers run (default: the kernel's); it needs torch and nbrpc",
+    )
     @argument("--quiet", action="store_true", help="no progress display and no summary")
     @line_magic
     def rpc_init(self, line: str) -> None:
@@ -74,23 +80,36 @@ class RpcMagics(Magics):
                 profile=args.profile,
                 cluster_id=args.cluster_id,
                 progress="off" if args.quiet else "auto",
+                python=args.python,
             )
         except (NbrpcError, ValueError) as exc:
             raise UsageError(str(exc)) from None
         if not args.quiet:
             print(cluster.summary())
 
+    @magic_arguments()
+    @argument(
+        "--release",
+        action="store_true",
+        help="also stop the controller and the warm spare engines kept for a fast next %%rpc_init",
+    )
     @line_magic
     def rpc_shutdown(self, line: str) -> None:
         """Workers leave gracefully; engines started by %rpc_init stop."""
-        if line.strip():
-            raise UsageError("%rpc_shutdown takes no arguments")
+        args = parse_argstring(self.rpc_shutdown, line)
         if not _cluster._current:
-            print("nbrpc: no cluster is running")
+            _cluster.shutdown(release=args.release)
+            print(
+                "nbrpc: no cluster is running"
+                + ("; released the controller and spare engines" if args.release else "")
+            )
             return
         cluster = _cluster.current()
-        cluster.shutdown()
-        print(f"nbrpc: shut down ({', '.join(r.name for r in cluster.records[1:])} left)")
+        cluster.shutdown(release=args.release)
+        print(
+            f"nbrpc: shut down ({', '.join(r.name for r in cluster.records[1:])} left)"
+            + ("; controller and spare engines released" if args.release else "")
+        )
 
     @line_magic
     def rpc_status(self, line: str) -> None:

@@ -1,8 +1,9 @@
-"""Per-worker progress while a cluster boots.
+"""Per-worker progress while a cluster boots, and the boot's phases with their times.
 
-In a notebook: one row per worker (name, a progress bar, the current step), drawn with
-ipywidgets and updated in place. Elsewhere (scripts, plain IPython): one line per step on
-stderr when asked for, silent otherwise.
+In a notebook: a line of phases (controller, engines, torch import, join) above one row
+per worker (name, a progress bar, the current step), drawn with ipywidgets and updated in
+place. Elsewhere (scripts, plain IPython): one line per step on stderr when asked for,
+silent otherwise.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class BootProgress:
         self.steps = dict.fromkeys(self.names, 0)
         self.details = dict.fromkeys(self.names, "")
         self._rows: dict = {}
+        self.phases: dict[str, str] = {}
         if mode == "widget":
             self._build_widgets()
 
@@ -41,7 +43,8 @@ class BootProgress:
         import ipywidgets as w
         from IPython.display import display
 
-        rows = []
+        self._phases = w.HTML(value="<small>starting the controller and engines</small>")
+        rows = [self._phases]
         for name in self.names:
             bar = w.IntProgress(value=0, min=0, max=len(STEPS) - 1, layout={"width": "12em"})
             label = w.HTML(value=STEPS[0])
@@ -65,6 +68,15 @@ class BootProgress:
         elif self.mode == "text":
             elapsed = time.monotonic() - self.started
             print(f"nbrpc [{elapsed:5.1f}s] {name}: {text}", file=sys.stderr, flush=True)
+
+    def phase(self, name: str, seconds: float, note: str = "") -> None:
+        """A boot phase ended: ``name`` took ``seconds`` (``note`` says more)."""
+        self.phases[name] = f"{name} {seconds:.1f} s" + (f" ({note})" if note else "")
+        if self.mode == "widget":
+            self._phases.value = "<small>" + " · ".join(self.phases.values()) + "</small>"
+        elif self.mode == "text":
+            elapsed = time.monotonic() - self.started
+            print(f"nbrpc [{elapsed:5.1f}s] {self.phases[name]}", file=sys.stderr, flush=True)
 
     def fail(self, name: str, reason: str) -> None:
         if self.mode == "widget" and name in self._rows:

@@ -1,14 +1,18 @@
-"""Stops a cluster's processes when the kernel that started them dies without stopping them.
+"""Stops a kernel's engines and controller when the kernel dies without stopping them.
 
 A kernel killed by the OS (out of memory, ``kill -9``, a CI timeout) runs no ``atexit``
-hook, and ipyparallel's controller and engines would run on, holding memory and ports.
-The cluster starts this watchdog (``python .../nbrpc/_reaper.py KERNEL_PID PID ...``) in
-its own session, as a file rather than with ``-m``: ``-m`` would import the ``nbrpc``
-package and with it torch (225 MB and 1.8 s measured, against 11 MB and 0.02 s). So this
-module imports nothing but the standard library. Once a second it checks the kernel;
-when the kernel is gone it terminates the listed processes (then kills what is left after
-a grace period) and removes the kernel's leftover shared-memory segments (``_shm``). It
-exits by itself when they are all gone, and the cluster terminates it on a normal shutdown.
+hook, and ipyparallel's controller and engines (warm spares included) would run on,
+holding memory and ports. The launcher (:mod:`nbrpc._launch`) starts this watchdog once,
+as ``python .../nbrpc/_reaper.py KERNEL_PID PIDFILE``, in its own session, and rewrites
+PIDFILE (one pid a line, replaced atomically) whenever it starts or stops a process. It
+runs as a file rather than with ``-m``: ``-m`` would import the ``nbrpc`` package and with
+it torch (225 MB and 1.8 s measured, against 11 MB and 0.02 s). So this module imports
+nothing but the standard library.
+
+Once a second it checks the kernel. When the kernel is gone it terminates the listed
+processes (then kills what is left after a grace period) and removes the kernel's
+leftover shared-memory segments (``_shm``). It exits by itself when PIDFILE is removed:
+the launcher does that when it releases everything.
 """
 
 from __future__ import annotations
@@ -71,14 +75,39 @@ def segment_prefix(kernel_pid: int) -> str:
     return f"nbrpc-{kernel_pid}"
 
 
+def read_pids(pidfile: str) -> list[int] | None:
+    """The pids listed in ``pidfile``; ``None`` when it is gone (nothing left to watch)."""
+    try:
+        with open(pidfile) as f:
+            return [int(line) for line in f.read().split() if line.strip().isdigit()]
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return []
+
+
+def write_pids(pidfile: str, pids: list[int]) -> None:
+    """Replace ``pidfile`` atomically, so the watchdog never reads half a list."""
+    tmp = f"{pidfile}.tmp"
+    with open(tmp, "w") as f:
+        f.write("".join(f"{pid}\n" for pid in pids))
+    os.replace(tmp, pidfile)
+
+
 def main(argv: list[str]) -> int:
-    kernel, pids = int(argv[1]), [int(p) for p in argv[2:]]
+    kernel, pidfile = int(argv[1]), argv[2]
+    pids: list[int] = []
     while process_alive(kernel):
-        if not any(process_alive(p) for p in pids):
+        listed = read_pids(pidfile)
+        if listed is None:
             return 0
+        pids = listed
         time.sleep(POLL_S)
+    pids = read_pids(pidfile) or pids
     reap(pids)
     sweep_segments(segment_prefix(kernel))
+    with contextlib.suppress(OSError):
+        os.unlink(pidfile)
     return 0
 
 

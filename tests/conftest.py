@@ -8,6 +8,7 @@ behind through :func:`ensure_cluster`.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import linecache
 import os
@@ -118,12 +119,15 @@ def _running(pid: int) -> bool:
 @pytest.fixture(scope="session")
 def _cluster_session():
     yield
-    nbrpc.shutdown()
+    nbrpc.shutdown(release=True)  # the controller and warm spares too
     children = [p.pid for p in _our_children()]
     alive = wait_for_exit(children)
+    described = []
     for pid in alive:  # only processes this test session started
-        psutil.Process(pid).kill()
-    assert not alive, f"processes left behind after the test session: {alive}"
+        with contextlib.suppress(psutil.Error):
+            described.append(f"{pid} {' '.join(psutil.Process(pid).cmdline()[:4])}")
+            psutil.Process(pid).kill()
+    assert not alive, f"processes left behind after the test session: {described}"
 
 
 @pytest.fixture

@@ -41,7 +41,9 @@ def quickstart():
 
 def test_rpc_init_cell_shows_progress_and_summary(quickstart):
     out = quickstart["%load_ext nbrpc"]
-    assert "IntProgress" in out  # the per-worker progress widget (text/plain of its view)
+    # the progress widget (text/plain of its view): the phases line, then a row per worker
+    assert "VBox(children=(HTML(value='<small>starting the controller and engines" in out
+    assert "HBox(children=" in out
     assert "3 processes in the RPC group, ready" in out
     for name in ("worker0", "worker1", "worker2"):
         assert name in out

@@ -1,0 +1,136 @@
+"""Where engines come from: one process imports torch once, then forks every engine.
+
+``python -m nbrpc._engine`` is the *zygote* that :mod:`nbrpc._launch` starts next to the
+controller. It imports torch, nbrpc's worker side and ipyparallel's engine (about 2.6 s
+of CPU here, most of it torch), then waits on stdin for requests, one JSON line each::
+
+    {"argv": [...ipengine options], "env": {...}, "cwd": "...", "output": "LOGFILE"}
+
+and answers each with ``{"pid": PID}`` on stdout after forking a child that becomes that
+ipyparallel engine. A cluster of N workers then pays for one import instead of N (on 2
+cores: first boot 4.25 s -> about 3 s), and a spare engine costs a fork instead of a
+whole interpreter start. The zygote idles blocked on stdin (no CPU) and exits when stdin
+closes: when the kernel releases it, or dies. Each engine also exits within a second of
+its kernel's death (a kernel killed while a fork was under way never learnt that pid).
+
+Why forking is safe here: the zygote has created no RPC agent, CUDA context, zmq context
+or event loop; each child creates its own after the fork. Each child re-seeds Python's
+and torch's random generators, which it would otherwise share with its siblings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+from nbrpc._launch import KERNEL_ENV, MARKS_ENV
+from nbrpc._reaper import process_alive
+
+#: Modules each engine would otherwise import after the fork, when its IPython kernel
+#: starts (ipykernel's debugger brings debugpy and pydevd: 145 modules measured).
+_ENGINE_MODULES = (
+    "ipyparallel.engine.app",
+    "ipykernel.debugger",
+    "IPython.core.completerlib",
+    "IPython.extensions.storemagic",
+    "sqlite3",
+    "tornado.queues",
+    "torch.distributed.rpc.rref_proxy",
+)
+
+
+def _imports() -> None:
+    """Import what every engine needs (``-m`` already imported the nbrpc package)."""
+    import importlib
+
+    # ipyparallel's engine sets this too; debugpy (imported below) warns without it
+    os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+
+    import torch  # noqa: F401  (the point: pay for it once, before any engine exists)
+
+    from nbrpc import _group, _remote, _worker  # noqa: F401
+
+    for name in _ENGINE_MODULES:
+        importlib.import_module(name)
+
+
+def _become_engine(request: dict) -> None:
+    """In a forked child: turn into the ipyparallel engine the request describes."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the zygote ignores it; user code must not
+    os.setsid()  # like ipyparallel's launchers: the kernel's signals are not the engine's
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    out = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+
+    import random
+
+    import torch
+
+    random.seed()
+    torch.seed()
+    kernel = int(os.environ.get(KERNEL_ENV) or 0)
+    if kernel:  # a kernel killed before it learnt this pid cannot have it stopped
+        threading.Thread(target=_exit_with, args=(kernel,), daemon=True).start()
+    marks = os.environ.get(MARKS_ENV)
+    if marks:
+        with open(os.path.join(marks, str(os.getpid())), "w"):
+            pass
+    from ipyparallel.engine.app import main as ipengine
+
+    sys.argv = ["ipengine", *request["argv"]]
+    code = 0
+    try:
+        ipengine()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    if code and marks:  # it never ran as an engine: say so to the launcher
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(marks, str(os.getpid())))
+    os._exit(code)
+
+
+def _exit_with(kernel: int) -> None:
+    """Exit this engine once its kernel is gone (checked every second)."""
+    while process_alive(kernel):
+        time.sleep(1.0)
+    os._exit(0)
+
+
+def main() -> None:
+    kernel = os.getppid()
+    _imports()
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel watches engines by pid
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        if os.getppid() != kernel:  # the kernel died while this process was importing
+            return
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            replies.close()
+            _become_engine(request)
+        replies.write(json.dumps({"pid": pid}) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,434 @@
+"""The kernel's own ipyparallel: one controller, engines that boot with torch imported,
+warm spares, and the watchdog. Attached clusters (``--profile``/``--cluster-id``) use none
+of this: their engines belong to whoever started them.
+
+Where ipyparallel's defaults put a notebook user's 8–9 s per ``%rpc_init`` (measured on 2
+cores, ipyparallel 9) and what this module does instead:
+
+- An engine counts as registered only after the controller's heart monitor has seen its
+  first heartbeat, and ``HeartMonitor.period`` is 3000 ms. Here it is
+  :data:`HEARTBEAT_MS` (500). The engine's heart is a zmq device thread that echoes pings
+  in C without the GIL, so a worker busy in Python or in a long C++ op still answers
+  (tested); a killed engine is declared dead after :data:`HEARTBEAT_MISSES` silent periods.
+- ``Cluster.delay`` sleeps 1 s between controller and engines, and by default engines
+  start only once the controller wrote its connection file. Here both start at once.
+- Every engine would import torch itself (1.8 s of CPU each here, on 2 cores). Here one
+  process, the zygote (:mod:`nbrpc._engine`), imports it once while the controller comes
+  up, and every engine is a fork of it: ipyparallel still launches, watches and stops each
+  engine, through :class:`ForkedEngineSetLauncher`.
+- The controller forks about 8 processes (queues, schedulers, broadcast tree);
+  ``IPController.use_threads`` runs them as threads. Engines run without ipyparallel's
+  nanny process: nbrpc never signals engines through ipyparallel. A cluster of N workers
+  is N engines, the controller, its heart monitor, the zygote and the watchdog: N + 4
+  processes (ipyparallel's defaults: 2N + 10).
+- torch cannot ``init_rpc`` twice in one process, so a worker's engine is never reused.
+  After a shutdown the controller stays, and up to :data:`SPARES_MAX` fresh engines are
+  started in the background (torch imported, registered, idle: blocked in zmq, no CPU),
+  so the next ``%rpc_init`` only joins them. ``nbrpc.shutdown(release=True)`` (``%rpc_shutdown
+  --release``) stops the controller and the spares at once; so does interpreter exit, and
+  the watchdog does it when the kernel dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psutil
+from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
+from traitlets import Any as AnyTrait
+
+from . import _reaper
+from ._errors import BootError
+from ._reaper import process_alive
+
+__all__ = ["HEARTBEAT_MISSES", "HEARTBEAT_MS", "SPARES_MAX", "LocalEngines"]
+
+log = logging.getLogger("nbrpc")
+
+#: The controller's heartbeat period. ipyparallel's 3000 ms makes every engine wait up to
+#: two periods to count as registered. 500 ms measured here: idle CPU 0.3 % of a core for
+#: the heart monitor and 0.1 % per engine (200 ms: 0.8 % and 0.4 %).
+HEARTBEAT_MS = 500
+#: The controller declares an engine dead after HEARTBEAT_MISSES + 1 silent periods (2 s;
+#: measured 2.3 s from kill -9 to the client's notice). The engine's heart echoes pings
+#: from a zmq thread in C, without the GIL: busy workers still answer (tested).
+HEARTBEAT_MISSES = 3
+#: An engine stops by itself after this many checks, every HEARTBEAT_MS + 500 ms, without
+#: hearing the controller (10 s): engines do not outlive a controller that died.
+ENGINE_ORPHAN_MISSES = 10
+SPARES_MAX = 8
+CONTROLLER_TIMEOUT_S = 60.0
+ENGINE_EXIT_WAIT_S = 5.0
+#: Set for every engine: a folder where it leaves a mark once it is running, so that an
+#: engine that exits without one failed to start (rather than died later).
+MARKS_ENV = "NBRPC_ENGINE_MARKS"
+#: Set for every engine: the kernel's pid; the engine exits when that process is gone.
+KERNEL_ENV = "NBRPC_KERNEL_PID"
+ZYGOTE_TIMEOUT_S = 120.0  # its imports; minutes only on a machine far slower than this one
+
+
+class Zygote:
+    """The process every engine is forked from (see :mod:`nbrpc._engine`)."""
+
+    def __init__(self, python: str, workdir: str) -> None:
+        self.python = python
+        self.log = os.path.join(workdir, "zygote.log")
+        with open(self.log, "wb") as errors:
+            try:
+                self.proc = subprocess.Popen(
+                    [python, "-m", "nbrpc._engine"],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=errors,
+                    bufsize=0,
+                    start_new_session=True,  # not hit by the signals sent to the kernel
+                )
+            except OSError as exc:
+                raise BootError(
+                    f"could not start engines with {python!r}: {exc}. Give a Python that "
+                    "has torch and nbrpc installed (python=... / --python; default: the "
+                    "kernel's)."
+                ) from exc
+        self._lock = threading.Lock()
+        self._started = time.monotonic()
+        #: seconds from start to its first engine: its imports (torch's, mostly)
+        self.ready_seconds: float | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def fork(self, argv: list[str], env: dict[str, str], cwd: str, output: str) -> int:
+        """Ask for one engine; returns its pid (waits for the zygote's imports once)."""
+        request = {"argv": argv, "env": env, "cwd": cwd, "output": output}
+        with self._lock:
+            try:
+                self.proc.stdin.write((json.dumps(request) + "\n").encode())
+                ready, _, _ = select.select([self.proc.stdout], [], [], ZYGOTE_TIMEOUT_S)
+                line = self.proc.stdout.readline() if ready else b""
+            except (BrokenPipeError, ValueError):
+                line = b""
+        if not line:
+            with open(self.log, errors="replace") as f:
+                output = _tail(f.read())
+            raise BootError(
+                f"engines could not start: {self.python} -m nbrpc._engine "
+                + ("exited" if self.proc.poll() is not None else "did not answer")
+                + f". Its output:\n{output}\nUse a Python that has torch and nbrpc "
+                "installed (python=... / --python; default: the kernel's)."
+            )
+        if self.ready_seconds is None:
+            self.ready_seconds = time.monotonic() - self._started
+        return int(json.loads(line)["pid"])
+
+    def close(self) -> None:
+        """Stop it now: it holds no state, and its engines are stopped separately."""
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        self.proc.kill()
+        self.proc.wait()
+        with contextlib.suppress(OSError):
+            self.proc.stdout.close()
+
+
+class ForkedEngineLauncher(LocalEngineLauncher):
+    """ipyparallel's local engine launcher, with a fork of the zygote for a new process.
+
+    Everything else is ipyparallel's: the engine's arguments, environment, log file, and
+    how it is watched (by pid) and stopped (signals).
+    """
+
+    def start(self) -> None:
+        zygote: Zygote = self.parent.zygote
+        env = os.environ.copy()
+        env.update(self.get_env())
+        argv = self.cluster_args + self.engine_args
+        self.pid = zygote.fork(argv, env, os.path.abspath(self.work_dir), self.output_file)
+        self.process = psutil.Process(self.pid)
+        self.notify_start(self.pid)
+        self._start_waiting()
+
+
+class ForkedEngineSetLauncher(LocalEngineSetLauncher):
+    """A set of :class:`ForkedEngineLauncher` engines, all forked from ``zygote``."""
+
+    launcher_class = ForkedEngineLauncher
+    zygote = AnyTrait()
+
+
+class LocalEngines:
+    """A controller on this host and the engines it runs; kept between clusters.
+
+    ``listen``: the controller's address (loopback unless the cluster opens to other
+    hosts). ``python``: the interpreter engines run. A cluster asking for either one
+    differently gets a new :class:`LocalEngines` (the old one is released).
+    """
+
+    def __init__(self, listen: str | None, python: str) -> None:
+        import ipyparallel as ipp
+
+        self.listen = listen
+        self.python = python
+        self._ipp = ipp.Cluster(
+            controller_ip=listen or "127.0.0.1",  # loopback unless --listen opens it
+            log_level=logging.ERROR,  # nbrpc reports failures itself, with advice
+            shutdown_atexit=False,  # nbrpc's own atexit hook releases it (quietly)
+            delay=0,
+            send_engines_connection_env=False,  # engines wait for the file themselves
+            engine_launcher_class=ForkedEngineSetLauncher,
+            controller_args=[
+                "--IPController.use_threads=True",
+                f"--HeartMonitor.period={HEARTBEAT_MS}",
+                f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
+            ],
+        )
+        self._client: Any = None
+        self._launchers: dict[int, Any] = {}  # pid -> launcher of every engine still ours
+        self._handed_out: set[int] = set()  # engine ids given to a cluster: never again
+        self._workdir = tempfile.mkdtemp(prefix="nbrpc-launch-")
+        self._pidfile = os.path.join(self._workdir, "pids")
+        self._watchdog: subprocess.Popen | None = None
+        self.controller_seconds: float | None = None
+        self._started = time.monotonic()
+        # the zygote first: a bad interpreter fails here, before anything else runs
+        self.zygote = Zygote(python, self._workdir)  # imports torch while the controller starts
+        try:
+            self._ipp.start_controller_sync()
+            self._watch()
+        except BaseException:
+            self.release()
+            raise
+
+    @property
+    def key(self) -> tuple[str | None, str]:
+        return (self.listen, self.python)
+
+    @property
+    def controller_pid(self) -> int | None:
+        return getattr(self._ipp.controller, "pid", None)
+
+    # -- engines ---------------------------------------------------------------------
+
+    def spawn(self, n: int) -> None:
+        """Start ``n`` engines now; they register in the background."""
+        if n <= 0:
+            return
+        try:
+            set_id = self._ipp.start_engines_sync(
+                n,
+                zygote=self.zygote,
+                engine_args=[
+                    "--IPEngine.enable_nanny=False",
+                    f"--IPEngine.wait_for_url_file={CONTROLLER_TIMEOUT_S:.0f}",
+                    f"--IPEngine.max_heartbeat_misses={ENGINE_ORPHAN_MISSES}",
+                ],
+                delay=0,
+                environment={MARKS_ENV: self._workdir, KERNEL_ENV: str(os.getpid())},
+            )
+        except OSError as exc:
+            raise BootError(f"could not start an engine: {exc}") from exc
+        for launcher in self._ipp.engines[set_id].launchers.values():
+            self._launchers[launcher.pid] = launcher
+        self._watch()
+
+    def client(self) -> Any:
+        """The ipyparallel client, connected once the controller is up."""
+        if self._client is None:
+            self._client = self._ipp.connect_client_sync()
+            self.controller_seconds = time.monotonic() - self._started
+        return self._client
+
+    def _spare_ids(self) -> list[int]:
+        return [i for i in sorted(self.client().ids) if i not in self._handed_out]
+
+    def _starting(self) -> int:
+        """Engines launched and running that the controller has not registered yet."""
+        running = sum(1 for la in self._launchers.values() if la.state == "running")
+        registered = len(self.client().ids)
+        return max(0, running - registered)
+
+    def reserve(self, n: int) -> None:
+        """Make sure ``n`` unused engines are registered or on their way."""
+        if self._client is None:
+            have = sum(1 for la in self._launchers.values() if la.state == "running")
+        else:
+            have = len(self._spare_ids()) + self._starting()
+        self.spawn(n - have)
+
+    def take(
+        self, n: int, timeout: float, on_registered: Callable[[int], None] | None = None
+    ) -> list[int]:
+        """Wait for ``n`` unused registered engines and hand them out (never again).
+
+        An engine that exits before it registers (a bad interpreter, an import error) is
+        a :class:`BootError` at once, with the end of the engine's own output.
+        """
+        self.reserve(n)
+        deadline = time.monotonic() + timeout
+        while True:
+            spare = self._spare_ids()
+            if on_registered is not None:
+                on_registered(len(spare))
+            if len(spare) >= n:
+                ids = spare[:n]
+                self._handed_out.update(ids)
+                return ids
+            if self._raise_if_an_engine_failed():
+                self.reserve(n)  # a spare died while idle: start another
+            if time.monotonic() > deadline:
+                raise BootError(
+                    f"only {len(spare)} of {n} engines registered with the controller "
+                    f"within {timeout:.0f} s. Engine logs: {self.log_dir}"
+                )
+            time.sleep(0.02)
+
+    @property
+    def log_dir(self) -> str:
+        return os.path.join(self._ipp.profile_dir, "log")
+
+    def _raise_if_an_engine_failed(self) -> bool:
+        """Drop engines that exited; raise if one never got through its imports.
+
+        Returns whether any was dropped (a spare that died is replaced by the caller).
+        """
+        dropped = False
+        for pid, launcher in list(self._launchers.items()):
+            if launcher.state != "after" and process_alive(pid):
+                continue
+            del self._launchers[pid]
+            dropped = True
+            if os.path.exists(os.path.join(self._workdir, str(pid))):
+                continue  # it had started: a spare that was killed, not a bad start
+            self._watch()
+            raise BootError(
+                f"an engine failed to start (pid {pid}, forked from {self.python} -m "
+                f"nbrpc._engine). Its output:\n{_tail(launcher.get_output())}"
+            )
+        if dropped:
+            self._watch()
+        return dropped
+
+    def retire(self, pids: list[int], engine_ids: list[int]) -> None:
+        """Stop engines a cluster used: ask them to exit, then signal what is left."""
+        if not engine_ids and not pids:
+            return
+        if self._client is not None and engine_ids:
+            live = [i for i in engine_ids if i in self._client.ids]
+            if live:
+                try:  # not block=True: it would wait forever for a dead engine's reply
+                    self._client.shutdown(targets=live, hub=False, block=False)
+                except Exception as exc:
+                    log.warning("asking engines to exit: %s", exc)
+        deadline = time.monotonic() + ENGINE_EXIT_WAIT_S
+        while time.monotonic() < deadline and any(process_alive(p) for p in pids):
+            time.sleep(0.02)
+        for pid in pids:
+            launcher = self._launchers.pop(pid, None)
+            if process_alive(pid) and launcher is not None:
+                _reaper.reap([pid])
+        self._forget_stopped_sets()
+        self._watch()
+
+    def warm(self, n: int) -> None:
+        """Keep up to ``n`` spare engines (at most :data:`SPARES_MAX`), started now."""
+        self.reserve(min(n, SPARES_MAX))
+
+    def registered_spares(self) -> int:
+        """Spare engines that are registered and idle: the next ``init`` only joins them."""
+        return len(self._spare_ids()) if self._client is not None else 0
+
+    def spares(self) -> int:
+        """Spare engines registered or starting (for tests and the summary)."""
+        if self._client is None:
+            return sum(1 for la in self._launchers.values() if la.state == "running")
+        return len(self._spare_ids()) + self._starting()
+
+    def pids(self) -> list[int]:
+        """Every process of this controller and its engines that is still alive."""
+        pids = [p for p in self._launchers if process_alive(p)]
+        if self.zygote.proc.poll() is None:
+            pids.append(self.zygote.pid)
+        if self.controller_pid:
+            pids.append(self.controller_pid)
+            with contextlib.suppress(psutil.Error):
+                pids += [c.pid for c in psutil.Process(self.controller_pid).children()]
+        return pids
+
+    def _forget_stopped_sets(self) -> None:
+        for set_id, engine_set in list(self._ipp.engines.items()):
+            if all(la.state == "after" for la in engine_set.launchers.values()):
+                self._ipp.engines.pop(set_id, None)
+
+    # -- the watchdog and release ---------------------------------------------------------
+
+    def _watch(self) -> None:
+        """Tell the watchdog which pids to stop should this kernel die (start it once)."""
+        _reaper.write_pids(self._pidfile, self.pids())
+        if self._watchdog is None:
+            self._watchdog = subprocess.Popen(
+                [sys.executable, _reaper.__file__, str(os.getpid()), self._pidfile],
+                start_new_session=True,  # not hit by the signal that kills the kernel's group
+                stdin=subprocess.DEVNULL,
+            )
+
+    def release(self) -> None:
+        """Stop every engine (spares included), the controller and the watchdog."""
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                self._client.close()
+            self._client = None
+        self.zygote.close()
+        # every process at once (ipyparallel stops them one after another, ~4 s here)
+        _reaper.reap([p for p in self.pids() if p != os.getpid()])
+        try:
+            self._ipp.stop_cluster_sync()  # finds them stopped; removes its files
+        except Exception as exc:
+            log.warning("stopping ipyparallel's controller and engines: %s", exc)
+        self._launchers.clear()
+        shutil.rmtree(self._workdir, ignore_errors=True)  # the watchdog exits on its own
+        if self._watchdog is not None:
+            try:
+                self._watchdog.wait(timeout=_reaper.POLL_S * 3)
+            except subprocess.TimeoutExpired:
+                self._watchdog.kill()
+                self._watchdog.wait()
+            self._watchdog = None
+
+
+def _tail(text: str, lines: int = 25) -> str:
+    kept = [line for line in text.splitlines() if line.strip()][-lines:]
+    return "\n".join(f"    {line}" for line in kept) or "    (no output)"
+
+
+_current: list[LocalEngines] = []
+
+
+def local_engines(listen: str | None, python: str) -> LocalEngines:
+    """This kernel's controller for ``(listen, python)``, started on first use."""
+    if _current and _current[0].key != (listen, python):
+        release()
+    if not _current:
+        _current.append(LocalEngines(listen, python))
+    return _current[0]
+
+
+def current() -> LocalEngines | None:
+    return _current[0] if _current else None
+
+
+def release() -> None:
+    """Stop this kernel's controller and every engine it runs (spares included)."""
+    while _current:
+        _current.pop().release()

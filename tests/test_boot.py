@@ -1,0 +1,199 @@
+"""Boot: few processes, idle at 0 % CPU, warm spares for re-runs, fast heartbeats that
+spare busy workers, phases that explain the time, and engines that fail fast and clearly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from conftest import ensure_cluster, notebook_code, wait_for_exit, wait_until
+
+import nbrpc
+from nbrpc import _launch
+
+BUSY = """
+import ctypes
+import time
+
+def python_loop(seconds):
+    # pure Python: holds the GIL the whole time, between bytecodes only
+    end = time.monotonic() + seconds
+    n = 0
+    while time.monotonic() < end:
+        n += 1
+    return n > 0
+
+def c_call_holding_the_gil(seconds):
+    # libc sleep() called through PyDLL, which keeps the GIL for the whole C call
+    ctypes.PyDLL(None).sleep(int(seconds))
+    return True
+"""
+
+
+def _cluster_processes(cluster: nbrpc.Cluster) -> dict[str, list[int]]:
+    engines = _launch.current()
+    assert engines is not None
+    workers = [r.pid for r in cluster.workers[1:]]
+    controller = [engines.controller_pid]
+    helpers = [p.pid for p in psutil.Process(engines.controller_pid).children()]
+    return {
+        "workers": workers,
+        "controller": controller,
+        "its helpers": helpers,
+        "zygote": [engines.zygote.pid],
+        "watchdog": [engines._watchdog.pid],
+    }
+
+
+def test_a_cluster_is_its_workers_plus_four_processes(cluster):
+    """n workers + controller + its heart monitor + the zygote + the watchdog (+ spares)."""
+    parts = _cluster_processes(cluster)
+    spares = _launch.current().spares()
+    children = {p.pid for p in psutil.Process().children(recursive=True) if p.is_running()}
+    counted = {pid for pids in parts.values() for pid in pids}
+    assert counted <= children, f"not children of this kernel: {counted - children}"
+    assert len(parts["its helpers"]) == 1, f"the controller forked {parts['its helpers']}"
+    assert len(children) == len(cluster.workers[1:]) + 4 + spares, (
+        f"{len(children)} processes under the kernel: {parts}, {spares} spares"
+    )
+
+
+def test_an_idle_cluster_uses_no_cpu(cluster):
+    procs = [psutil.Process(pid) for pids in _cluster_processes(cluster).values() for pid in pids]
+    before = [sum(p.cpu_times()[:2]) for p in procs]
+    time.sleep(3.0)
+    used = [sum(p.cpu_times()[:2]) - b for p, b in zip(procs, before, strict=True)]
+    for proc, seconds in zip(procs, used, strict=True):
+        # 1 % of a core; measured: 0.3 % for the heart monitor, 0.1 % per engine
+        assert seconds < 0.03, f"{proc.pid} {proc.name()} used {seconds / 3:.1%} of a core idle"
+
+
+def test_busy_workers_keep_their_heartbeat(cluster):
+    """30 s in a GIL-holding Python loop, and 30 s inside one C call that holds the GIL:
+    the controller's heartbeats (every 500 ms, 3 misses allowed) still reach both."""
+    cell = notebook_code(BUSY)
+    client = cluster._client
+    engines = {r.name: r.engine_id for r in cluster.workers[1:]}
+    loop = nbrpc.rpc_async("worker1", cell.python_loop, args=(30,))
+    c_call = nbrpc.rpc_async("worker2", cell.c_call_holding_the_gil, args=(30,))
+    t0 = time.monotonic()
+    seen_dead: list[str] = []
+    while time.monotonic() - t0 < 31 and not (loop.done() and c_call.done()):
+        seen_dead += [n for n, eid in engines.items() if eid not in client.ids]
+        seen_dead += cluster.dead_workers()
+        time.sleep(0.5)
+    assert loop.wait() is True
+    assert c_call.wait() is True
+    assert not seen_dead, f"declared dead while busy: {sorted(set(seen_dead))}"
+    assert cluster.dead_workers() == []
+    assert [nbrpc.rpc_sync(n, min, args=(1, 2)) for n in engines] == [1, 1]
+
+
+def test_re_run_joins_warm_spares(cluster):
+    """After a shutdown the controller stays and fresh engines (torch imported) wait."""
+    controller = _launch.current().controller_pid
+    nbrpc.shutdown()
+    assert wait_until(lambda: _launch.current().registered_spares() >= 2, timeout=60)
+    spare_pids = {p.pid for p in psutil.Process().children(recursive=True)}
+    again = nbrpc.init(n=2, progress=False)
+    workers = {r.pid for r in again.workers[1:]}
+    assert workers <= spare_pids, "the re-run started new engines instead of the spares"
+    assert _launch.current().controller_pid == controller
+    assert again.boot_seconds["controller"] == 0.0
+    assert set(again.boot_seconds) == {"controller", "engines", "torch import", "join", "total"}
+    print(f"re-run with warm spares: {again.boot_seconds}")
+    assert [nbrpc.rpc_sync(w, min, args=(1, 2)) for w in ("worker1", "worker2")] == [1, 1]
+
+
+def test_release_stops_the_controller_and_the_spares():
+    ensure_cluster()
+    engines = _launch.current()
+    nbrpc.shutdown()
+    assert wait_until(lambda: engines.spares() >= 2, timeout=10)
+    everything = [*engines.pids(), engines._watchdog.pid]
+    t0 = time.monotonic()
+    nbrpc.shutdown(release=True)
+    print(f"released in {time.monotonic() - t0:.1f} s")
+    assert _launch.current() is None
+    assert wait_for_exit(everything, timeout=10) == []
+    ensure_cluster()
+
+
+def test_boot_phases_are_shown_and_kept(tmp_path):
+    script = tmp_path / "phases.py"
+    script.write_text(
+        "import nbrpc\n"
+        "c = nbrpc.init(n=1, progress='text')\n"
+        "print(sorted(c.boot_seconds.items()))\n"
+        "nbrpc.shutdown(release=True)\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for phase in ("controller", "engines", "torch import", "join"):
+        assert f"] {phase} " in out.stderr, out.stderr
+    phases = dict(eval(out.stdout.strip().splitlines()[-1]))
+    assert 0 < phases["torch import"] < phases["engines"] <= phases["total"]
+    assert 0 < phases["join"] < phases["total"]
+
+
+def _broken_python(folder) -> str:
+    """An interpreter whose ``import torch`` fails, as a broken install would."""
+    fake = folder / "site" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('libtorch_cpu.so: cannot open')\n")
+    wrapper = folder / "python"
+    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={folder / "site"} exec {sys.executable} "$@"\n')
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
+    return str(wrapper)
+
+
+@pytest.mark.parametrize("case", ["missing", "broken torch"])
+def test_an_engine_that_cannot_start_is_a_boot_error_within_seconds(tmp_path, case):
+    nbrpc.shutdown()
+    python = "/nonexistent/bin/python3" if case == "missing" else _broken_python(tmp_path)
+    t0 = time.monotonic()
+    with pytest.raises(nbrpc.BootError) as caught:
+        nbrpc.init(n=2, python=python, progress=False)
+    took = time.monotonic() - t0
+    print(f"{case}: BootError after {took:.1f} s")
+    assert took < 15, f"an engine that cannot start took {took:.0f} s to report"
+    if case == "missing":
+        assert "No such file or directory" in str(caught.value)
+    else:
+        assert "ImportError: libtorch_cpu.so: cannot open" in str(caught.value)  # its own words
+        assert "engines could not start" in str(caught.value)
+    assert _launch.current() is None  # nothing of it left to reuse
+    ensure_cluster()
+
+
+def test_a_killed_worker_is_reported_dead_within_3_s():
+    cluster = ensure_cluster()
+    victim = cluster.workers[1]
+    client = cluster._client
+    os.kill(victim.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    assert wait_until(lambda: victim.name in cluster.dead_workers(), timeout=3)
+    local = time.monotonic() - t0
+
+    def ipyparallel_noticed() -> bool:
+        return victim.engine_id not in client.ids
+
+    # ipyparallel's own view, from the heartbeats alone (what a remote worker relies on)
+    assert wait_until(ipyparallel_noticed, timeout=3), "the heartbeat missed a dead engine"
+    print(f"dead: {local:.2f} s (pid), {time.monotonic() - t0:.2f} s (heartbeat)")
+    nbrpc.shutdown()
+    ensure_cluster()
+
+
+def test_spares_are_bounded(monkeypatch):
+    ensure_cluster()
+    engines = _launch.current()
+    monkeypatch.setattr(_launch, "SPARES_MAX", 1)
+    engines.warm(5)
+    assert engines.spares() == 1
