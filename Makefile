@@ -32,7 +32,7 @@ $(CHROMIUM):
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium
 
 test: $(STAMP) $(CHROMIUM) lint
-	$(PY) -m pytest tests --nbval-lax notebooks -v -rs
+	$(PY) -m pytest tests --nbval-lax notebooks -v -rs --durations=10
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py

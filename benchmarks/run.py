@@ -11,8 +11,9 @@ Figures (medians and p90 over interleaved repeats):
   the default) and nbrpc with TensorPipe only, torch RPC, ipyparallel, bare torch; the
   floor is one in-process copy (``clone``) of that size. The fast path is switched per
   call in every process, so the torch RPC row is torch's own transport.
-- boot, nothing to first call, 2 workers: ``nbrpc.init(n=2)`` against ipyparallel's own
-  start-and-connect plus a first ``apply``.
+- boot to a call answered by each of 2 workers, in fresh processes (``boot.py``): nbrpc's
+  first boot and its re-run, against a plain torch script (``mp.spawn``) and
+  ipyparallel's default start.
 - 04's model split over 3 processes against the same model in one process.
 Ratios are against torch RPC in the same processes (the baseline a user would otherwise
 write). Results: ``benchmarks/results/latest.json`` and the plot ``docs/benchmarks.png``.
@@ -101,36 +102,16 @@ def floor_small(n: int) -> dict:
     return stats(samples)
 
 
-def _boot_nbrpc() -> None:
-    nbrpc.init(n=2, progress=False)
-    nbrpc.rpc_sync("worker1", min, args=(1, 2))
-
-
-def _boot_ipyparallel() -> None:
-    import logging
-
-    import ipyparallel as ipp
-
-    cluster = ipp.Cluster(n=2, controller_ip="127.0.0.1", log_level=logging.ERROR)
-    client = cluster.start_and_connect_sync()
-    client.wait_for_engines(2, timeout=120)
-    client[0].apply_sync(min, 1, 2)
-    _boot_ipyparallel.last = cluster  # stopped outside the timing
-
-
-def bench_boot(boots: int) -> dict:
-    """Nothing to first call, 2 workers: nbrpc against ipyparallel's own start."""
-    samples: dict[str, list[float]] = {"nbrpc.init(n=2)": [], "ipyparallel start + apply": []}
-    for _ in range(boots):
-        t0 = time.perf_counter()
-        _boot_nbrpc()
-        samples["nbrpc.init(n=2)"].append(time.perf_counter() - t0)
-        nbrpc.shutdown()
-        t0 = time.perf_counter()
-        _boot_ipyparallel()
-        samples["ipyparallel start + apply"].append(time.perf_counter() - t0)
-        _boot_ipyparallel.last.stop_cluster_sync()
-    return {name: stats(v) for name, v in samples.items()}
+def bench_boot(rounds: int) -> dict:
+    """Boot to first calls, each peer in fresh processes (``benchmarks/boot.py``)."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "boot.py"), str(rounds)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=1800,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def bench_model_split(steps: int) -> dict:
@@ -240,11 +221,16 @@ def report(results: dict) -> None:
                 f"{row['median'] / base:8.2f}x   {row['median'] / floor:8.1f}x"
             )
     boot = results["boot"]
-    ours, theirs = boot["nbrpc.init(n=2)"], boot["ipyparallel start + apply"]
-    print("boot, 2 workers, nothing to first call      median        p90")
+    base = boot["plain torch script"]["median"]
+    print("boot, 2 workers, to a call answered by each   median   min..max   vs plain torch script")
     for name, row in boot.items():
-        print(f"  {name:<28}{fmt(row['median'])} {fmt(row['p90'])}")
-    print(f"  ratio nbrpc / ipyparallel: {ours['median'] / theirs['median']:.2f}x")
+        if name.startswith("phases"):
+            continue
+        spread = f"{row['min']:.2f}..{row['max']:.2f} s" if "min" in row else ""
+        print(f"  {name:<34}{row['median']:6.2f} s  {spread:<14}{row['median'] / base:6.2f}x")
+    for name in ("phases, first boot", "phases, re-run"):
+        phases = ", ".join(f"{k} {v:.2f} s" for k, v in boot[name].items())
+        print(f"  {name}: {phases}")
     split = results["model_split_step_s"]
     print("04's model, one forward+backward+SGD step (64x512 -> 1024 -> 1024 -> 16, float32):")
     for name, row in split.items():
@@ -299,7 +285,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     args = parser.parse_args()
-    small_n, boots = (200, 1) if args.quick else (2000, 3)
+    small_n, boots = (200, 1) if args.quick else (2000, 5)
     big_n = {4: 10, 64: 4, 256: 2} if args.quick else {4: 40, 64: 15, 256: 5}
 
     small_floor = floor_small(small_n)
@@ -313,7 +299,6 @@ def main() -> int:
     )
     raw = json.loads(bare.stdout.strip().splitlines()[-1])
     results: dict = {"boot": bench_boot(boots)}
-    results["boot"]["bare torch processes (1 worker)"] = stats([raw["boot_s"]])
     nbrpc.init(n=2, progress=False)
     results["calls"] = bench_calls(small_n, big_n)
     results["model_split_step_s"] = bench_model_split(10 if args.quick else 50)

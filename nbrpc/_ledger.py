@@ -106,6 +106,13 @@ def rref_id(rref: PyRRef) -> str:
     return f"{match.group(1)}:{match.group(2)}" if match else str(rref)
 
 
+def holds_user_rrefs() -> bool:
+    """Whether this process holds a live handle to an RRef another process owns."""
+    with _lock:
+        held = list(_handles)
+    return any(not rref.is_owner() for rref in held)
+
+
 def _type_of(rref: PyRRef, entry: _Entry, pending: list) -> None:
     if entry.type is not None:
         return
