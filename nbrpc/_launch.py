@@ -202,8 +202,13 @@ class LocalEngines:
         self._watchdog: subprocess.Popen | None = None
         self.controller_seconds: float | None = None
         self._started = time.monotonic()
-        # the zygote first: a bad interpreter fails here, before anything else runs
-        self.zygote = Zygote(python, self._workdir)  # imports torch while the controller starts
+        self._watch()  # the watchdog first: a kernel killed from here on leaves nothing
+        # then the zygote: a bad interpreter fails here, before the controller starts
+        try:
+            self.zygote = Zygote(python, self._workdir)  # imports torch meanwhile
+        except BaseException:
+            self._stop_watchdog()
+            raise
         try:
             self._ipp.start_controller_sync()
             self._watch()
@@ -358,7 +363,7 @@ class LocalEngines:
     def pids(self) -> list[int]:
         """Every process of this controller and its engines that is still alive."""
         pids = [p for p in self._launchers if process_alive(p)]
-        if self.zygote.proc.poll() is None:
+        if hasattr(self, "zygote") and self.zygote.proc.poll() is None:
             pids.append(self.zygote.pid)
         if self.controller_pid:
             pids.append(self.controller_pid)
@@ -377,8 +382,9 @@ class LocalEngines:
         """Tell the watchdog which pids to stop should this kernel die (start it once)."""
         _reaper.write_pids(self._pidfile, self.pids())
         if self._watchdog is None:
+            marker = f"--cluster-id={self._ipp.cluster_id}"
             self._watchdog = subprocess.Popen(
-                [sys.executable, _reaper.__file__, str(os.getpid()), self._pidfile],
+                [sys.executable, _reaper.__file__, str(os.getpid()), self._pidfile, marker],
                 start_new_session=True,  # not hit by the signal that kills the kernel's group
                 stdin=subprocess.DEVNULL,
             )
@@ -397,13 +403,13 @@ class LocalEngines:
         except Exception as exc:
             log.warning("stopping ipyparallel's controller and engines: %s", exc)
         self._launchers.clear()
-        shutil.rmtree(self._workdir, ignore_errors=True)  # the watchdog exits on its own
+        self._stop_watchdog()
+
+    def _stop_watchdog(self) -> None:
+        shutil.rmtree(self._workdir, ignore_errors=True)  # alone, it would exit within 1 s
         if self._watchdog is not None:
-            try:
-                self._watchdog.wait(timeout=_reaper.POLL_S * 3)
-            except subprocess.TimeoutExpired:
-                self._watchdog.kill()
-                self._watchdog.wait()
+            self._watchdog.terminate()
+            self._watchdog.wait()
             self._watchdog = None
 
 

@@ -3,14 +3,16 @@
 A kernel killed by the OS (out of memory, ``kill -9``, a CI timeout) runs no ``atexit``
 hook, and ipyparallel's controller and engines (warm spares included) would run on,
 holding memory and ports. The launcher (:mod:`nbrpc._launch`) starts this watchdog once,
-as ``python .../nbrpc/_reaper.py KERNEL_PID PIDFILE``, in its own session, and rewrites
+as ``python .../nbrpc/_reaper.py KERNEL_PID PIDFILE MARKER`` before it starts anything
+else, in its own session, and rewrites
 PIDFILE (one pid a line, replaced atomically) whenever it starts or stops a process. It
 runs as a file rather than with ``-m``: ``-m`` would import the ``nbrpc`` package and with
 it torch (225 MB and 1.8 s measured, against 11 MB and 0.02 s). So this module imports
 nothing but the standard library.
 
 Once a second it checks the kernel. When the kernel is gone it terminates the listed
-processes (then kills what is left after a grace period) and removes the kernel's
+processes and those whose command line holds MARKER (the controller's ``--cluster-id``)
+(then kills what is left after a grace period) and removes the kernel's
 leftover shared-memory segments (``_shm``). It exits by itself when PIDFILE is removed:
 the launcher does that when it releases everything.
 """
@@ -94,8 +96,28 @@ def write_pids(pidfile: str, pids: list[int]) -> None:
     os.replace(tmp, pidfile)
 
 
+def started_with(marker: str) -> list[int]:
+    """Pids of processes on this host whose command line contains ``marker``.
+
+    ipyparallel starts the controller with ``--cluster-id=ID``: a kernel killed between
+    that start and the launcher's next write of the pidfile still has it found.
+    """
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return [pid for pid in found if pid != os.getpid()]
+
+
 def main(argv: list[str]) -> int:
     kernel, pidfile = int(argv[1]), argv[2]
+    marker = argv[3] if len(argv) > 3 else None
     pids: list[int] = []
     while process_alive(kernel):
         listed = read_pids(pidfile)
@@ -104,6 +126,8 @@ def main(argv: list[str]) -> int:
         pids = listed
         time.sleep(POLL_S)
     pids = read_pids(pidfile) or pids
+    if marker:
+        pids += [p for p in started_with(marker) if p not in pids]
     reap(pids)
     sweep_segments(segment_prefix(kernel))
     with contextlib.suppress(OSError):
