@@ -69,6 +69,8 @@ def test_second_cluster_in_the_same_kernel(quickstart):
     out = quickstart["%rpc_shutdown"]
     assert "workers again: ['worker0', 'worker1', 'worker2']" in out
     assert "a call on the new cluster: 42" in out
+    assert "phases: controller 0.00 s, engines" in out  # the controller was kept
+    assert "controller and spare engines released" in out
 
 
 def test_no_cell_failed(quickstart):
