@@ -154,8 +154,9 @@ class Cluster:
         _validate_names(names or [], self_name)
         self.state = ClusterState.CLOSED
         self.records: list[WorkerRecord] = []
-        #: where the boot's time went: "controller", "engines" (start to registered),
-        #: "torch import" (inside the engines, before they registered), "join", "total"
+        #: where the boot's time went, in seconds from its start: "controller" (connected;
+        #: 0 when kept from the last cluster), "engines" (all registered), "torch import"
+        #: (the zygote's imports, 0 when it ran before), "join" (its own length), "total"
         self.boot_seconds: dict[str, float] = {}
         self._engines: _launch.LocalEngines | None = None  # None: attached, or not booted
         self._client: Any = None
@@ -198,13 +199,14 @@ class Cluster:
         if not self.attached:  # engines start now and import torch while the kernel joins
             kept = _launch.current()
             reused = kept is not None and kept.key == (self.listen, self.python)
-            self._engines = _launch.local_engines(self.listen, self.python)
-            self._engines.reserve(self.n or 0)
+            self._engines = _launch.local_engines(self.listen, self.python)  # does not wait
             if reused:
                 progress.phase("controller", 0.0, "kept from the last cluster")
         member = None
         if not self.wants_devices:  # join at once; device maps must wait for the workers
             member = self._join_kernel({}, None)
+        if self._engines is not None:  # waits for the zygote's imports, if it is new
+            self._engines.reserve(self.n or 0)
         client = self._connect()
         if self._engines is not None and not phases.get("controller"):
             phases["controller"] = (
