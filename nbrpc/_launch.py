@@ -382,7 +382,7 @@ class LocalEngines:
         """Tell the watchdog which pids to stop should this kernel die (start it once)."""
         _reaper.write_pids(self._pidfile, self.pids())
         if self._watchdog is None:
-            marker = f"--cluster-id={self._ipp.cluster_id}"
+            marker = f"IPP_CLUSTER_ID={self._ipp.cluster_id}"  # how ipyparallel passes it
             self._watchdog = subprocess.Popen(
                 [sys.executable, _reaper.__file__, str(os.getpid()), self._pidfile, marker],
                 start_new_session=True,  # not hit by the signal that kills the kernel's group

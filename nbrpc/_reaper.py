@@ -11,7 +11,7 @@ it torch (225 MB and 1.8 s measured, against 11 MB and 0.02 s). So this module i
 nothing but the standard library.
 
 Once a second it checks the kernel. When the kernel is gone it terminates the listed
-processes and those whose command line holds MARKER (the controller's ``--cluster-id``)
+processes and those whose environment holds MARKER (the controller's ``IPP_CLUSTER_ID``)
 (then kills what is left after a grace period) and removes the kernel's
 leftover shared-memory segments (``_shm``). It exits by itself when PIDFILE is removed:
 the launcher does that when it releases everything.
@@ -97,22 +97,24 @@ def write_pids(pidfile: str, pids: list[int]) -> None:
 
 
 def started_with(marker: str) -> list[int]:
-    """Pids of processes on this host whose command line contains ``marker``.
+    """Pids of this host's processes whose environment holds the entry ``marker``.
 
-    ipyparallel starts the controller with ``--cluster-id=ID``: a kernel killed between
-    that start and the launcher's next write of the pidfile still has it found.
+    ipyparallel gives the controller its cluster id as ``IPP_CLUSTER_ID=ID`` in its
+    environment (its heart monitor, a fork, inherits it): a kernel killed between that
+    start and the launcher's next write of the pidfile still has them found.
     """
+    entry = marker.encode()
     found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
             continue
         try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if marker.encode() in f.read():
-                    found.append(int(entry))
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if entry in f.read().split(b"\0"):
+                    found.append(int(name))
         except OSError:
             continue
-    return [pid for pid in found if pid != os.getpid()]
+    return found
 
 
 def main(argv: list[str]) -> int:

@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 
 import ipyparallel as ipp
 import psutil
@@ -15,6 +16,7 @@ import torch.distributed.rpc as rpc
 from conftest import ensure_cluster, run_script, wait_for_exit
 
 import nbrpc
+from nbrpc import _reaper
 
 
 def test_call_before_init_says_what_to_do():
@@ -197,7 +199,9 @@ def test_a_kernel_killed_mid_boot_leaves_nothing_behind(tmp_path, after_s):
     script.write_text(
         "import nbrpc\nnbrpc.init(n=2, progress=False)\nimport time\ntime.sleep(600)\n"
     )
-    kernel = subprocess.Popen([sys.executable, str(script)])
+    token = f"NBRPC_TEST_KERNEL={uuid.uuid4().hex}"  # inherited by all it starts
+    env = dict(os.environ, NBRPC_TEST_KERNEL=token.split("=")[1])
+    kernel = subprocess.Popen([sys.executable, str(script)], env=env)
     seen: set[int] = set()
     try:
         deadline = time.monotonic() + 120
@@ -210,7 +214,10 @@ def test_a_kernel_killed_mid_boot_leaves_nothing_behind(tmp_path, after_s):
         kernel.kill()
         kernel.wait(timeout=10)
         assert seen, "the kernel had started nothing yet"
+        time.sleep(0.5)  # a process started in the last instant shows up below too
+        seen |= set(_reaper.started_with(token))  # also those it started unseen
         left = wait_for_exit(list(seen), timeout=20)
+        left += [p for p in _reaper.started_with(token) if p not in left]
         described = []
         for pid in left:
             with contextlib.suppress(psutil.Error):
