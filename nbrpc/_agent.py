@@ -9,19 +9,15 @@ worker. Notebook-defined code travels because :mod:`nbrpc._pickling` is installe
 
 from __future__ import annotations
 
-import re
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed.rpc as rpc
-import torch.distributed.rpc.api as rpc_api
 from torch.distributed.rpc import RRef, WorkerInfo
-from torch.distributed.rpc.constants import UNSET_RPC_TIMEOUT
-from torch.jit._builtins import _find_builtin
 
-from . import _group, _ledger, _remote, _shm
+from . import _group, _ledger, _remote, _torch
 from ._errors import (
     ClusterClosedError,
     NotInitializedError,
@@ -78,7 +74,7 @@ def cancel_calls_in_flight() -> None:
 
 def calls_in_flight() -> int:
     """Calls this process started that have not finished (torch's own count)."""
-    metrics = rpc_api._get_current_rpc_agent().get_metrics()
+    metrics = _torch.agent().get_metrics()
     return int(metrics.get("agent.client_active_calls", 0))
 
 
@@ -99,7 +95,7 @@ def _destination(to: str | WorkerInfo | int, what: str) -> WorkerInfo:
         return to
     if isinstance(to, str):
         try:  # one lookup in the agent's table; the full list only for the error
-            return rpc_api._get_current_rpc_agent().get_worker_info(to)
+            return _torch.agent().get_worker_info(to)
         except RuntimeError:
             pass
     raise UnknownWorkerError(to, _group.member_names())
@@ -114,38 +110,19 @@ def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
 
 
 def _timeout(timeout: float | None) -> float:
-    return UNSET_RPC_TIMEOUT if timeout is None else float(timeout)
+    return _torch.UNSET_RPC_TIMEOUT if timeout is None else float(timeout)
 
 
 def _name_of(func: Any) -> str:
     return getattr(func, "__qualname__", None) or type(func).__name__
 
 
-def _is_timeout(exc: BaseException) -> bool:
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and ("timeout" in text.lower() or "timed out" in text)
-
-
-_NO_MODULE = re.compile(r"ModuleNotFoundError: No module named '([^']+)'")
-
-
-def _missing_module(exc: BaseException) -> str | None:
-    """The module a worker failed to import while unpickling a call (torch's wording)."""
-    if not isinstance(exc, RuntimeError) or "deserialize" not in str(exc):
-        return None
-    match = _NO_MODULE.search(str(exc))
-    return match.group(1) if match else None
-
-
-def _timeout_error(
-    exc: BaseException, func: Any, to: Any, timeout: float | None
-) -> RpcTimeoutError:
+def _timeout_error(exc: BaseException, what: str, dest: str, timeout: float | None) -> Any:
     limit = f"{timeout:g} s" if timeout is not None else f"{rpc.get_rpc_timeout():g} s (default)"
-    dest = to.name if isinstance(to, WorkerInfo) else to
     return RpcTimeoutError(
-        f"call of {_name_of(func)} on {dest} timed out after {limit}; it may still be running "
-        f"there. Pass timeout=SECONDS (0 waits forever) or start the cluster with a larger "
-        f"--timeout. torch said: {exc}"
+        f"{what} on {dest} timed out after {limit}; it may still be running there. Pass "
+        "timeout=SECONDS (0 waits forever) or start the cluster with a larger --timeout. "
+        f"torch said: {exc}"
     )
 
 
@@ -178,42 +155,51 @@ def _start(
     what: str, to: Any, func: Any, args: tuple, kwargs: dict | None, timeout: float | None
 ) -> torch.futures.Future:
     dest = _destination(to, what)
-    sent, args, kwargs = _fast_builtin(func, tuple(args), kwargs)
+    sent, args, kwargs = _as_python_call(func, tuple(args), kwargs)
     raw = rpc.rpc_async(dest, sent, args=args, kwargs=kwargs, timeout=_timeout(timeout))
     out = Future()
-
-    def translate(exc: BaseException) -> BaseException:
-        if _is_timeout(exc):
-            return _timeout_error(exc, func, dest, timeout)
-        missing = _missing_module(exc)
-        if missing:
-            return SerializationError(
-                f"{dest.name} cannot import module {missing!r}, which the call of "
-                f"{_name_of(func)} needs: code from an importable module travels by "
-                f"reference. Install {missing} on the workers, or send it by value with "
-                f"nbrpc.register_by_value({missing.split('.')[0]}) before the call."
-            )
-        if _remote.is_connection_loss(exc):
-            if _session["cancelled"]:
-                return ClusterClosedError(
-                    f"call of {_name_of(func)} on {dest.name} was cancelled: the cluster was "
-                    "shut down with graceful=False while it ran. Use a graceful shutdown "
-                    "(the default) to let calls in flight finish."
-                )
-            return WorkerDiedError(dest.name, str(exc).splitlines()[0])
-        return exc
-
-    raw.add_done_callback(lambda done: _remote.settle(done, out, translate))
+    raw.add_done_callback(
+        lambda done: _remote.settle(
+            done, out, lambda exc: _translate(exc, f"call of {_name_of(func)}", dest.name, timeout)
+        )
+    )
     return out
 
 
-def _fast_builtin(func: Any, args: tuple, kwargs: dict | None) -> tuple:
-    """torch sends builtin operators (``torch.add``) through TorchScript's pickler, around
-    nbrpc's: wrap one in a Python call when a large tensor could take the fast path."""
-    if not _shm.enabled() or _find_builtin(func) is None:
-        return func, args, kwargs
-    values = [*args, *(kwargs or {}).values()]
-    if not any(isinstance(v, torch.Tensor) and _shm.eligible(v) for v in values):
+def _translate(exc: BaseException, what: str, dest: str, timeout: float | None) -> Any:
+    """torch's error for ``what`` (``"call of f"``) on worker ``dest``, as the nbrpc error
+    that names the problem and the fix; other errors are returned as they are."""
+    if _torch.is_timeout(exc):
+        return _timeout_error(exc, what, dest, timeout)
+    missing = _torch.missing_module(exc)
+    if missing:
+        return SerializationError(
+            f"{dest} cannot import module {missing!r}, which the {what} needs: code from "
+            f"an importable module travels by reference. Install {missing} on the workers, "
+            "or send it by value with "
+            f"nbrpc.register_by_value({missing.split('.')[0]}) before the call."
+        )
+    if _torch.is_connection_loss(exc):
+        if _session["cancelled"]:
+            return ClusterClosedError(
+                f"{what} on {dest} was cancelled: the cluster was "
+                "shut down with graceful=False while it ran. Use a graceful shutdown "
+                "(the default) to let calls in flight finish."
+            )
+        return WorkerDiedError(dest, str(exc).splitlines()[0])
+    return exc
+
+
+def _as_python_call(func: Any, args: tuple, kwargs: dict | None) -> tuple:
+    """What works locally works remotely: a builtin runs as the Python call it is.
+
+    torch sends builtins (``torch.ones``, and Python's ``dict`` or ``len``) as TorchScript
+    operators, matched against a schema on the callee: ``torch.ones(3)`` or
+    ``dict(k=1)`` then fail with "failed to match any schema" although they work locally.
+    Sent as a Python call instead, they behave as in the notebook, and their tensors take
+    nbrpc's pickler (and the shared-memory fast path) like any other argument.
+    """
+    if not _torch.is_builtin(func):
         return func, args, kwargs
     return _remote.call_builtin, (func, args, kwargs), None
 
@@ -225,9 +211,44 @@ def remote(
     kwargs: dict | None = None,
     timeout: float | None = None,
 ) -> RRef[T]:
-    """Run ``func`` on ``to`` and keep the result there; return an ``RRef`` to it."""
+    """Run ``func`` on ``to`` and keep the result there; return an ``RRef`` to it.
+
+    Errors come as from :func:`rpc_sync`: ``to_here()`` on an RRef whose call failed
+    raises the worker's exception, a timeout is an :class:`~nbrpc.RpcTimeoutError`.
+    """
     dest = _destination(to, "remote")
-    return rpc.remote(dest, func, args=tuple(args), kwargs=kwargs, timeout=_timeout(timeout))
+    sent, args, kwargs = _as_python_call(func, tuple(args), kwargs)
+    try:
+        return rpc.remote(dest, sent, args=args, kwargs=kwargs, timeout=_timeout(timeout))
+    except Exception as exc:  # a lost connection at send time
+        error = _translate(exc, f"remote call of {_name_of(func)}", dest.name, timeout)
+        if error is exc:
+            raise
+        raise error from None
+
+
+def _to_here(rref: Any, timeout: float = _torch.UNSET_RPC_TIMEOUT) -> Any:
+    """``RRef.to_here`` with :func:`rpc_sync`'s errors (installed by :func:`install`).
+
+    The worker's own exception (the call behind the RRef failed) arrives as it is; torch's
+    errors (a timeout, the owner's death) become nbrpc's.
+    """
+    try:
+        return _torch.original_to_here(rref, timeout)
+    except Exception as exc:
+        if _remote.is_rebuilt(exc):
+            raise
+        owner = rref.owner().name
+        limit = None if timeout == _torch.UNSET_RPC_TIMEOUT else timeout
+        error = _translate(exc, "to_here() of an RRef", owner, limit)
+        if error is exc:
+            raise
+        raise error from None
+
+
+def install() -> None:
+    """Give every RRef's ``to_here`` nbrpc's error translation (idempotent)."""
+    _torch.patch_rref_method("to_here", _to_here)
 
 
 SNAPSHOT_TIMEOUT_S = 5.0

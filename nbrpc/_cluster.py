@@ -28,7 +28,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _agent, _devices, _group, _launch, _ledger, _reaper, _shm, _worker
+from . import _agent, _devices, _group, _launch, _ledger, _reaper, _shm, _torch, _worker
 from ._errors import AlreadyInitializedError, BootError, ClusterClosedError, NotInitializedError
 from ._progress import BootProgress, in_notebook
 from ._reaper import process_alive
@@ -770,7 +770,6 @@ def _torch_shutdown(graceful: bool = True, timeout: float = 0) -> None:
 
 
 def _route_torch_shutdown() -> None:
-    import torch.distributed.rpc as rpc
-
-    if rpc.shutdown is not _torch_shutdown:
-        rpc.shutdown = _torch_shutdown
+    _torch.route_user_shutdown(_torch_shutdown)
+    _torch.quiet_internal_deprecations()
+    _agent.install()

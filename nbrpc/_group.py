@@ -34,9 +34,8 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
-import torch.distributed.rpc.api as rpc_api
 
-from . import _pickling
+from . import _pickling, _torch
 
 __all__ = ["KernelMembership", "StoreSpec", "join", "leave"]
 
@@ -136,15 +135,15 @@ def _tensorpipe_interface(ifname: str | None) -> Iterator[None]:
     if ifname is None:
         yield
         return
-    old = os.environ.get("TP_SOCKET_IFNAME")
-    os.environ["TP_SOCKET_IFNAME"] = ifname
+    old = os.environ.get(_torch.TP_SOCKET_IFNAME)
+    os.environ[_torch.TP_SOCKET_IFNAME] = ifname
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop("TP_SOCKET_IFNAME", None)
+            os.environ.pop(_torch.TP_SOCKET_IFNAME, None)
         else:
-            os.environ["TP_SOCKET_IFNAME"] = old
+            os.environ[_torch.TP_SOCKET_IFNAME] = old
 
 
 #: TensorPipe transports nbrpc asks for. Not torch's default ("shm" first): its shared-memory
@@ -193,13 +192,13 @@ def join(
             "engines: restart the engines) and attach again."
         )
     _pickling.install()
-    options = rpc.TensorPipeRpcBackendOptions(
+    options = _torch.tensorpipe_options(
+        transports(),
         init_method=f"{SCHEME}://group",
         rpc_timeout=rpc_timeout,
         num_worker_threads=num_worker_threads,
         device_maps=device_maps or {},
         devices=devices or None,
-        _transports=transports(),
     )
     with _handed_lock:
         if store is None:
@@ -220,13 +219,7 @@ def release_user_rrefs(timeout_s: float) -> None:
     torch's static-group shutdown does this; its dynamic leave does not. Without it the
     kernel's RRefs to departed workers would log C++ errors when garbage-collected.
     """
-    from torch._C._distributed_rpc import _delete_all_user_and_unforked_owner_rrefs
-
-    _delete_all_user_and_unforked_owner_rrefs(timedelta(seconds=timeout_s))
-
-
-_TOKEN_KEY = "RpcGroupManagementToken"  # torch's key for the join/leave critical section
-_MEMBER_LIST_KEY = "_ALL_WORKER_INFOS"  # torch's list of a dynamic group's members
+    _torch.delete_user_rrefs(timeout_s)
 
 
 def forget(dead: list[str], live: list[str]) -> None:
@@ -237,17 +230,17 @@ def forget(dead: list[str], live: list[str]) -> None:
     release the group's join/leave token, blocking every later join. So nbrpc sends,
     on the dead worker's behalf, the message torch's own leave sends.
     """
-    from torch.distributed.rpc._utils import _update_group_membership
-
-    agent = rpc_api._get_current_rpc_agent()
+    agent = _torch.agent()
     infos = {w.name: w for w in agent.get_worker_infos()}
     for name in dead:
         info = infos.get(name)
         if info is None:
             continue
         for peer in live:
-            rpc.rpc_sync(peer, _update_group_membership, args=(info, [], {}, False), timeout=10)
-        agent._update_group_membership(info, [], {}, False)
+            rpc.rpc_sync(
+                peer, _torch.update_group_membership, args=(info, [], {}, False), timeout=10
+            )
+        _torch.forget_locally(info)
         _remove_from_member_list(agent.store, info.name, info.id)
 
 
@@ -259,27 +252,27 @@ def _remove_from_member_list(store: dist.Store, name: str, worker_id: int) -> No
     worker's entry would block a new worker of the same name.
     """
     names = dist.PrefixStore("names", store)
-    if not names.check([_MEMBER_LIST_KEY]):
+    if not names.check([_torch.MEMBER_LIST_KEY]):
         return
-    listed = names.get(_MEMBER_LIST_KEY).decode()
+    listed = names.get(_torch.MEMBER_LIST_KEY).decode()
     entry = f"{name}-{worker_id},"
     if entry in listed:
-        names.set(_MEMBER_LIST_KEY, listed.replace(entry, "", 1))
+        names.set(_torch.MEMBER_LIST_KEY, listed.replace(entry, "", 1))
 
 
 def release_stale_token() -> None:
     """After every worker is gone, free torch's join/leave token if a failed leave kept it."""
-    rpc_api._get_current_rpc_agent().store.set(_TOKEN_KEY, "")
+    _torch.agent().store.set(_torch.GROUP_TOKEN_KEY, "")
 
 
 def leave(timeout: float = 0) -> None:
     """Leave the group gracefully (torch's own dynamic-group shutdown)."""
-    rpc_api.shutdown(graceful=True, timeout=timeout)
+    _torch.leave_group(timeout)
 
 
 def member_names() -> list[str]:
     """Names of every process now in the group, this one included (rank order)."""
-    infos = rpc_api._get_current_rpc_agent().get_worker_infos()
+    infos = _torch.agent().get_worker_infos()
     return [w.name for w in sorted(infos, key=lambda w: w.id)]
 
 
@@ -305,8 +298,8 @@ class KernelMembership:
     def close(self) -> None:
         """At interpreter exit: leave (alone by then, so at once) and remove the store."""
         with contextlib.suppress(Exception):
-            if rpc_api._is_current_rpc_agent_set():
-                rpc_api.shutdown(graceful=True)
+            if _torch.agent_is_set():
+                _torch.leave_group()
         if self._owned_dir:
             shutil.rmtree(self._owned_dir, ignore_errors=True)
 
@@ -357,7 +350,7 @@ def kernel_membership(
                 "fixes the rendezvous for the process's lifetime, so a different "
                 "--init-method needs a kernel restart."
             )
-        rpc._set_rpc_timeout(rpc_timeout)
+        _torch.set_rpc_timeout(rpc_timeout)
         return member
     _raise_open_file_limit()
     owned_dir = None

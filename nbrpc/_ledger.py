@@ -18,18 +18,14 @@ one row per live RRef with its owner and the processes that hold a user referenc
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed.rpc as rpc
-import torch.distributed.rpc.api as rpc_api
-from torch._C._distributed_rpc import PyRRef, _rref_context_get_debug_info
-
-from . import _remote
+from . import _remote, _torch
+from ._torch import PyRRef
 
 __all__ = ["install", "merge", "reduce_rref", "snapshot"]
 
@@ -46,7 +42,6 @@ class _Entry:
 _handles: weakref.WeakKeyDictionary[PyRRef, _Entry] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 _original: dict[str, Any] = {}
-_ID = re.compile(r"created_on=(\d+), local_id=(\d+)")
 
 
 def _record(rref: PyRRef, created_by: str, type_name: str | None, creator: str) -> PyRRef:
@@ -68,6 +63,8 @@ def _destination_name(to: Any) -> str:
 
 def _patched_remote(to: Any, func: Any, *args: Any, **kwargs: Any) -> PyRRef:
     rref = _original["remote"](to, func, *args, **kwargs)
+    if func is _remote.call_builtin:  # a builtin sent as a Python call: label the builtin
+        func = (kwargs["args"] if "args" in kwargs else args[0])[0]
     type_name = func.__qualname__ if isinstance(func, type) else None
     label = f"remote({_destination_name(to)}, {_callable_name(func)})"
     return _record(rref, label, type_name, _remote.worker_name())
@@ -81,29 +78,24 @@ def _rref_init(self: PyRRef, value: Any, *args: Any, **kwargs: Any) -> None:
 
 def _receive(fork_data: tuple, created_by: str, type_name: str | None, creator: str) -> PyRRef:
     """Unpickling side of :func:`reduce_rref` (what torch's own receiver does, recorded)."""
-    return _record(PyRRef._deserialize(fork_data), created_by, type_name, creator)
+    return _record(_torch.rref_from_fork(fork_data), created_by, type_name, creator)
 
 
 def reduce_rref(rref: PyRRef) -> tuple:
     """Pickle an RRef as torch does (a fork of it), carrying its label and type along."""
     entry = _handles.get(rref) or _Entry("unknown", None, "?")
-    return (_receive, (rref._serialize(), entry.created_by, entry.type, entry.creator))
+    return (_receive, (_torch.rref_fork(rref), entry.created_by, entry.type, entry.creator))
 
 
 def install() -> None:
     """Patch the places where RRef handles are born (idempotent; every process)."""
     if _original:
         return
-    _original["remote"] = rpc_api.remote
-    _original["RRef.__init__"] = rpc_api.RRef.__init__
-    rpc_api.remote = rpc.remote = _patched_remote  # type: ignore[assignment]
-    rpc_api.RRef.__init__ = _rref_init  # type: ignore[method-assign]
+    _original["remote"] = _torch.patch_api("remote", _patched_remote)
+    _original["RRef.__init__"] = _torch.patch_api("RRef.__init__", _rref_init)
 
 
-def rref_id(rref: PyRRef) -> str:
-    """torch's globally unique RRef id, as ``"created_on:local_id"`` (ranks are unique)."""
-    match = _ID.search(str(rref))
-    return f"{match.group(1)}:{match.group(2)}" if match else str(rref)
+rref_id = _torch.rref_id
 
 
 def holds_user_rrefs() -> bool:
@@ -120,7 +112,7 @@ def _type_of(rref: PyRRef, entry: _Entry, pending: list) -> None:
         if rref.is_owner():
             entry.type = type(rref.local_value()).__qualname__
         else:  # asks the owner once; torch caches the answer in the handle
-            pending.append((entry, rref._get_type(blocking=False)))
+            pending.append((entry, _torch.rref_type_future(rref)))
     except Exception:
         entry.type = "?"
 
@@ -153,12 +145,11 @@ def snapshot() -> dict[str, Any]:
                 "creator": entry.creator,
             }
         )
-    debug = _rref_context_get_debug_info()
     calls = _remote.call_counts()
     return {
         "name": _remote.worker_name(),
         "handles": rows,
-        "owned": int(debug.get("num_owner_rrefs", 0)),
+        "owned": _torch.owned_rref_count(),
         "calls_in_flight": calls["in_flight"],
         "calls_done": calls["done"],
     }

@@ -11,10 +11,9 @@ cloudpickle Pickler that still honours torch's dispatch table. Functions and cla
 they stay out-of-band. The same hook makes plain ``torch.distributed.rpc`` calls work with
 notebook code once nbrpc is initialized.
 
-This module is the one place where nbrpc reaches torch through private names. They are
-listed in ``TORCH_PRIVATE_HOOKS`` and pinned by ``tests/test_pickling.py``, which fails
-loudly the day a torch release renames them. The RRef ledger (:mod:`nbrpc._ledger`) uses
-a few private RRef methods of its own; that test pins those too.
+The private torch names this relies on (the hooks in ``torch.distributed.rpc.internal``,
+the pickler torch instantiates) live in :mod:`nbrpc._torch`, pinned by
+``tests/test_torch_seam.py``.
 """
 
 from __future__ import annotations
@@ -25,19 +24,12 @@ from typing import Any
 
 import cloudpickle
 import torch
-import torch.distributed.rpc.api as rpc_api
-import torch.distributed.rpc.internal as _rpc_internal
-from torch._C._distributed_rpc import PyRRef
+from torch.distributed.rpc import RRef
 
-from . import _ledger, _remote, _shm
+from . import _ledger, _remote, _shm, _torch
 from ._errors import SerializationError
 
 __all__ = ["RpcPickler", "install", "register_by_value", "serialize"]
-
-#: The private attributes of ``torch.distributed.rpc.internal`` nbrpc replaces. torch's C++
-#: side (``PythonRpcHandler``) looks up ``_run_function`` and ``_handle_exception`` when the
-#: first RPC agent starts, so :func:`install` must run before ``init_rpc``.
-TORCH_PRIVATE_HOOKS = ("_pickler", "_run_function", "_handle_exception", "RemoteException")
 
 _C_DISPATCH_TABLE = pickle.Pickler.dispatch_table  # the C field behind ``dispatch_table``
 _CLOUDPICKLE_TABLE = cloudpickle.Pickler.dispatch_table
@@ -58,7 +50,7 @@ def _reduce_method(method: MethodType) -> Any:
 
 _BASE_TABLE = {**_CLOUDPICKLE_TABLE, MethodType: _reduce_method}
 # RRefs travel as torch's fork data plus their label, so the receiver's ledger knows them.
-_RREF_TABLE = {PyRRef: _ledger.reduce_rref, rpc_api.RRef: _ledger.reduce_rref}
+_RREF_TABLE = {_torch.PyRRef: _ledger.reduce_rref, RRef: _ledger.reduce_rref}
 
 
 class _DispatchTable(dict):
@@ -128,16 +120,8 @@ def install() -> None:
     """
     if _original:
         return
-    for name in TORCH_PRIVATE_HOOKS:
-        if not hasattr(_rpc_internal, name):
-            raise ImportError(
-                f"torch.distributed.rpc.internal.{name} is gone in torch {_torch_version()}: "
-                "nbrpc needs a release that supports this torch version."
-            )
-        _original[name] = getattr(_rpc_internal, name)
-    _rpc_internal._pickler = RpcPickler
-    _rpc_internal._run_function = _remote.run_function
-    _rpc_internal._handle_exception = _remote.handle_exception
+    _original["installed"] = True
+    _torch.install_rpc_hooks(RpcPickler, _remote.run_function, _remote.handle_exception)
     _ledger.install()
 
 
@@ -146,7 +130,7 @@ def serialize(obj: Any) -> tuple[bytes, list]:
 
     Tensors appear in the table, not in the bytes: the table travels beside the pickle.
     """
-    return rpc_api._default_pickler.serialize(obj)
+    return _torch.default_pickler().serialize(obj)
 
 
 def register_by_value(module: ModuleType) -> None:
@@ -158,13 +142,7 @@ def register_by_value(module: ModuleType) -> None:
 
 
 def _describe(obj: Any) -> str:
-    func = getattr(obj, "func", None)  # torch's PythonUDF: the call being sent
-    if func is not None and hasattr(obj, "args"):
+    func = _torch.udf_function(obj)  # torch's PythonUDF: the call being sent
+    if func is not None:
         return f"a call of {getattr(func, '__qualname__', type(func).__name__)}"
     return f"a {type(obj).__name__}"
-
-
-def _torch_version() -> str:
-    import torch
-
-    return torch.__version__

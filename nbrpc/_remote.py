@@ -31,9 +31,10 @@ from typing import Any
 
 import cloudpickle
 import torch.distributed.rpc as rpc
-from torch.distributed.rpc.internal import RemoteException
 
+from . import _torch
 from ._errors import RemoteError
+from ._torch import RemoteException
 
 __all__ = [
     "call_builtin",
@@ -103,12 +104,7 @@ def _failure(exc: BaseException) -> RemoteException:
 _counts = {"in_flight": 0, "done": 0}  # user calls this process has served
 # nbrpc's own RPCs (output, ledger, trace) and torch's (group membership, RRef type
 # queries, shutdown) are not user calls: not counted.
-_NOT_USER_CALLS = (
-    "nbrpc.",
-    "torch.distributed.rpc.api",
-    "torch.distributed.rpc._utils",
-    "torch.distributed.rpc.backend_registry",
-)
+_NOT_USER_CALLS = ("nbrpc.", *_torch.TORCH_OWN_CALL_MODULES)
 _counts_lock = threading.Lock()
 
 
@@ -129,7 +125,8 @@ def run_function(python_udf: Any) -> Any:
     output = _CallOutput() if _forward else None
     previous = getattr(_call, "output", None)
     _call.output = output
-    func = getattr(python_udf, "func", None)
+    _torch.quiet_optimizer_notice_if_loaded()  # DistributedOptimizer's, see there
+    func = _torch.udf_function(python_udf)
     counted = func is call_builtin or not (getattr(func, "__module__", "") or "").startswith(
         _NOT_USER_CALLS
     )
@@ -139,7 +136,7 @@ def run_function(python_udf: Any) -> Any:
     try:
         if isinstance(python_udf, AttributeError):
             raise python_udf
-        return python_udf.func(*python_udf.args, **python_udf.kwargs)
+        return _torch.run_udf(python_udf)
     except Exception as exc:
         return _failure(exc)
     finally:
@@ -150,23 +147,6 @@ def run_function(python_udf: Any) -> Any:
             with _counts_lock:
                 _counts["in_flight"] -= 1
                 _counts["done"] += 1
-
-
-_CONNECTION_LOST = (
-    "eof (this error originated at tensorpipe",  # the shm transport's wording
-    "EOF: end of file (this error originated at tensorpipe",  # the uv transport's
-    "ECONNREFUSED",
-    "ECONNRESET",
-    "EPIPE",
-    "pipe closed",
-    "Connection reset by peer",
-)
-
-
-def is_connection_loss(exc: BaseException) -> bool:
-    """Whether torch's error means the peer's process went away (TensorPipe's wording)."""
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and any(s in text for s in _CONNECTION_LOST)
 
 
 def format_remote_traceback(failure: _FailureText) -> str:
@@ -239,6 +219,11 @@ def handle_exception(result: Any) -> None:
             _rebuilt.popitem(last=False)
     exc.add_note(f"(nbrpc #{key})")
     raise exc
+
+
+def is_rebuilt(exc: BaseException) -> bool:
+    """Whether ``exc`` is a worker's own exception, rebuilt here (it carries the key)."""
+    return any(_KEY.fullmatch(note) for note in getattr(exc, "__notes__", ()))
 
 
 def unwrap(exc: BaseException) -> BaseException | None:

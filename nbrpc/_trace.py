@@ -33,9 +33,9 @@ import time
 from collections import deque
 from typing import Any
 
-import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
-import torch.distributed.rpc.api as rpc_api
+
+from . import _torch
 
 __all__ = [
     "instrument",
@@ -74,8 +74,7 @@ def remember_roots(context_id: int, roots: list) -> None:
 
 def _walk(context_id: int) -> tuple[list, dict[int, int], list[tuple[int, int]], dict]:
     """This worker's backward graph for the context: nodes in a stable order, edges."""
-    ctx = dist_autograd._retrieve_context(context_id)
-    sends, recvs = ctx._send_functions(), ctx._recv_functions()
+    sends, recvs = _torch.autograd_messages(context_id)
     message_of = {id(fn): ("send", mid) for mid, fn in sends.items()}
     message_of.update({id(fn): ("recv", mid) for mid, fn in recvs.items()})
     with _lock:
@@ -145,7 +144,6 @@ def local_graph(context_id: int) -> dict[str, Any]:
             "last_end_s": max(ends),
             "busy_s": sum(n["duration_s"] for n in out_nodes if "duration_s" in n),
         }
-    ctx = dist_autograd._retrieve_context(context_id)
     return {
         "worker": {"name": me.name, "id": me.id, "host": socket.gethostname(), "timing": timing},
         "nodes": out_nodes,
@@ -153,7 +151,7 @@ def local_graph(context_id: int) -> dict[str, Any]:
             {"src": f"{me.name}/{a}", "dst": f"{me.name}/{b}", "kind": "local", "message_id": None}
             for a, b in edges
         ],
-        "known": sorted(ctx._known_worker_ids()),
+        "known": _torch.autograd_known_workers(context_id),
     }
 
 
@@ -174,7 +172,7 @@ def instrument(context_id: int) -> list[int]:
 
         fn.register_prehook(pre)
         fn.register_hook(post)
-    return sorted(dist_autograd._retrieve_context(context_id)._known_worker_ids())
+    return _torch.autograd_known_workers(context_id)
 
 
 def never_reached(trace: dict[str, Any]) -> list[dict[str, Any]]:
@@ -204,7 +202,7 @@ def never_reached(trace: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _names_by_id() -> dict[int, str]:
-    return {w.id: w.name for w in rpc_api._get_current_rpc_agent().get_worker_infos()}
+    return {w.id: w.name for w in _torch.agent().get_worker_infos()}
 
 
 def _on_each_worker(context_id: int, func: Any) -> dict[int, Any]:

@@ -39,8 +39,10 @@ def join(
     devices: list[str] | None = None,
 ) -> dict[str, Any]:
     """Join the notebook's RPC group as ``name``; return this process's description."""
-    from . import _group, _remote
+    from . import _agent, _group, _remote, _torch
 
+    _torch.quiet_internal_deprecations()  # the optimizer's TorchScript notice, see there
+    _agent.install()
     spec = _group.StoreSpec(**store)
     if spec.kind == "file" and not os.path.exists(os.path.dirname(spec.path)):
         raise RuntimeError(

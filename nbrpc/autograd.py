@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed.autograd as dist_autograd
 
-from . import _trace
+from . import _torch, _trace
 from ._errors import NbrpcError
 
 __all__ = [
@@ -37,7 +37,7 @@ class AutogradContextError(NbrpcError, RuntimeError):
 def current_context_id() -> int:
     """The id of the innermost ``with context()`` block on this thread."""
     try:
-        return dist_autograd._current_context()._context_id()
+        return _torch.current_autograd_context_id()
     except RuntimeError:
         raise AutogradContextError(
             "no distributed autograd context is active on this thread. Wrap the forward "
@@ -47,7 +47,7 @@ def current_context_id() -> int:
 
 def _check_valid(context_id: int, what: str) -> None:
     try:
-        dist_autograd._is_valid_context(context_id)  # returns None; raises when unknown
+        _torch.validate_autograd_context(context_id)
     except RuntimeError:
         raise AutogradContextError(
             f"{what}: distributed autograd context {context_id} does not exist here any more "

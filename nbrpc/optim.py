@@ -4,11 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.distributed.optim import DistributedOptimizer as _TorchDistributedOptimizer
+from . import _torch
 
-from ._errors import WorkerDiedError
-from ._remote import is_connection_loss
-from .autograd import _check_valid, current_context_id
+_torch.quiet_internal_deprecations()  # before torch.distributed.optim scripts its interface
+
+from torch.distributed.optim import DistributedOptimizer as _TorchDistributedOptimizer  # noqa: E402
+
+from ._errors import WorkerDiedError  # noqa: E402
+from ._torch import is_connection_loss  # noqa: E402
+from .autograd import _check_valid, current_context_id  # noqa: E402
+
+_torch.quiet_optimizer_notice_if_loaded()
 
 __all__ = ["DistributedOptimizer"]
 

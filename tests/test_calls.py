@@ -1,6 +1,7 @@
 """Calls from the kernel to real workers, with code defined the notebook way."""
 
 import gc
+import math
 import time
 
 import pytest
@@ -162,3 +163,52 @@ def test_dropped_rref_is_released_on_owner(cell):
     while nbrpc.rpc_sync("worker2", owned) != before and time.monotonic() < deadline:
         time.sleep(0.1)
     assert nbrpc.rpc_sync("worker2", owned) == before
+
+
+# Builtins torch's RPC would send as TorchScript operators, matched against a schema on
+# the callee: with these arguments some match no schema ("failed to match any schema") or
+# return another type, although the call works locally. nbrpc sends them as Python calls.
+BUILTIN_CALLS = [
+    (dict, (), {"k": 1}),
+    (dict, ([("a", 1), ("b", 2)],), {}),
+    (torch.ones, (3,), {}),
+    (torch.ones, (2, 3), {"dtype": torch.float64}),
+    (torch.zeros, ((2, 2),), {}),
+    (torch.full, ((2,), 7), {}),
+    (torch.arange, (5,), {}),
+    (torch.add, (torch.ones(2), 1), {}),
+    (torch.cat, ([torch.ones(1), torch.zeros(2)],), {}),
+    (math.sqrt, (4.0,), {}),
+    (math.pow, (2, 10), {}),
+    (len, ([1, 2, 3],), {}),
+    (sorted, ([3, 1, 2],), {"reverse": True}),
+]
+
+
+def _same(remote_value, local_value) -> bool:
+    if isinstance(local_value, torch.Tensor):
+        return (
+            isinstance(remote_value, torch.Tensor)
+            and remote_value.dtype == local_value.dtype
+            and torch.equal(remote_value, local_value)
+        )
+    return type(remote_value) is type(local_value) and remote_value == local_value
+
+
+@pytest.mark.parametrize(
+    ("func", "args", "kwargs"),
+    BUILTIN_CALLS,
+    ids=[f"{f.__name__}{i}" for i, (f, *_) in enumerate(BUILTIN_CALLS)],
+)
+def test_builtins_give_the_local_result_remotely(cluster, func, args, kwargs):
+    local = func(*args, **kwargs)
+    assert _same(nbrpc.rpc_sync("worker1", func, args=args, kwargs=kwargs), local)
+    assert _same(nbrpc.rpc_async("worker2", func, args=args, kwargs=kwargs).wait(), local)
+    assert _same(nbrpc.remote("worker1", func, args=args, kwargs=kwargs).to_here(), local)
+
+
+def test_remote_builtin_keeps_its_label_in_the_ledger(cluster):
+    rref = nbrpc.remote("worker2", torch.ones, args=(2,))
+    rows = [r for r in nbrpc.ownership() if r["created_by"] == "remote(worker2, torch.ones)"]
+    assert [r["owner"] for r in rows] == ["worker2"], nbrpc.ownership()
+    del rref

@@ -4,7 +4,6 @@ import pickle
 
 import pytest
 import torch
-import torch.distributed.rpc.internal as rpc_internal
 from torch.distributed.rpc.internal import PythonUDF
 
 from nbrpc import SerializationError, _pickling, _shm
@@ -13,29 +12,6 @@ from nbrpc import SerializationError, _pickling, _shm
 @pytest.fixture(autouse=True)
 def _installed():
     _pickling.install()
-
-
-def test_torch_private_hooks_still_exist():
-    """Fails loudly the day torch renames what nbrpc replaces."""
-    for name in _pickling.TORCH_PRIVATE_HOOKS:
-        assert hasattr(rpc_internal, name), f"torch.distributed.rpc.internal.{name} is gone"
-    assert rpc_internal._pickler is _pickling.RpcPickler
-    assert rpc_internal.RemoteException._fields == ("msg", "exception_type")
-    # torch's serialize() must still instantiate the module-level _pickler and assign a
-    # dispatch_table to it: that is the seam nbrpc uses.
-    import inspect
-
-    source = inspect.getsource(rpc_internal._InternalRPCPickler.serialize)
-    assert "_pickler(f)" in source
-    assert "p.dispatch_table = self._dispatch_table" in source
-    # RRefs: torch sets their reducers item by item after that assignment (the ledger's
-    # _DispatchTable redirects them), and the ledger uses these private RRef methods.
-    assert "p.dispatch_table[dist.rpc.PyRRef] = self._py_rref_reducer" in source
-    from torch._C._distributed_rpc import PyRRef, _rref_context_get_debug_info
-
-    for name in ("_serialize", "_deserialize", "_get_type"):
-        assert hasattr(PyRRef, name), f"PyRRef.{name} is gone"
-    assert callable(_rref_context_get_debug_info)  # its keys are checked by test_ownership
 
 
 def test_notebook_function_travels_by_value(nb):

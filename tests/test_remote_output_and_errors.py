@@ -150,6 +150,13 @@ def test_timeout_names_call_and_worker(cell):
     assert nbrpc.rpc_sync("worker2", cell.sleepy, args=(0,), timeout=5) == 0
 
 
+def test_remote_errors_are_translated_like_rpc_sync(cell):
+    slow = nbrpc.remote("worker1", cell.sleepy, args=(2,))
+    with pytest.raises(nbrpc.RpcTimeoutError, match=r"to_here\(\) of an RRef on worker1.*0.3 s"):
+        slow.to_here(timeout=0.3)
+    assert slow.to_here() == 2  # the value still arrives
+
+
 def test_init_twice_is_refused(cluster):
     with pytest.raises(nbrpc.AlreadyInitializedError, match=r"already running.*%rpc_shutdown"):
         nbrpc.init(n=1)

@@ -1,0 +1,380 @@
+"""Every private torch name, patch and error wording nbrpc depends on, in one place.
+
+torch's RPC is in maintenance mode and its Python layer is mostly private: the pickler,
+the remote-call wrapper, RRef forks, the dynamic group's membership messages and the
+autograd context's graph are underscore names. nbrpc uses them, but only through this
+module, so a torch upgrade is checked here and nowhere else. ``tests/test_torch_seam.py``
+pins each entry; a failure there names the torch change and the function to update.
+
+Public torch API (``rpc.rpc_async``, ``dist_autograd.context``, ``RRef`` methods without
+an underscore) is used directly by the other modules and is not listed here.
+
+What is here, by topic:
+
+* the current agent and its store (``agent``, ``agent_is_set``, ``set_rpc_timeout``);
+* RRef internals (``PyRRef``, ``rref_fork``, ``rref_from_fork``, ``rref_type_future``,
+  ``rref_id``, ``owned_rref_count``, ``delete_user_rrefs``);
+* the dynamic group's membership (``GROUP_TOKEN_KEY``, ``MEMBER_LIST_KEY``,
+  ``update_group_membership``, ``forget_locally``);
+* the hooks nbrpc installs into ``torch.distributed.rpc.internal`` and the two patches of
+  ``torch.distributed.rpc.api`` (``install_rpc_hooks``, ``patch_api``);
+* TensorPipe options that are not public (``tensorpipe_options``, ``TP_SOCKET_IFNAME``);
+* distributed autograd's context internals (``autograd_context``, ...);
+* TorchScript's builtin table (``is_builtin``);
+* torch's error wording (``is_timeout``, ``missing_module``, ``is_connection_loss``).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+import torch.distributed.rpc.api as rpc_api
+import torch.distributed.rpc.internal as rpc_internal
+from torch._C._distributed_rpc import (
+    PyRRef,
+    _delete_all_user_and_unforked_owner_rrefs,
+    _rref_context_get_debug_info,
+)
+from torch.distributed.rpc._utils import _update_group_membership
+from torch.distributed.rpc.constants import UNSET_RPC_TIMEOUT
+from torch.distributed.rpc.internal import RemoteException
+from torch.jit._builtins import _find_builtin
+
+__all__ = [
+    "GROUP_TOKEN_KEY",
+    "INTERNAL_DEPRECATIONS",
+    "INTERNAL_PICKLER",
+    "MEMBER_LIST_KEY",
+    "TORCH_INTERNAL_HOOKS",
+    "TORCH_OWN_CALL_MODULES",
+    "TP_SOCKET_IFNAME",
+    "UNSET_RPC_TIMEOUT",
+    "PyRRef",
+    "RemoteException",
+    "agent",
+    "agent_is_set",
+    "autograd_known_workers",
+    "autograd_messages",
+    "current_autograd_context_id",
+    "default_pickler",
+    "delete_user_rrefs",
+    "forget_locally",
+    "install_rpc_hooks",
+    "is_builtin",
+    "is_connection_loss",
+    "is_timeout",
+    "leave_group",
+    "missing_module",
+    "original_to_here",
+    "owned_rref_count",
+    "patch_api",
+    "patch_rref_method",
+    "quiet_internal_deprecations",
+    "quiet_optimizer_notice_if_loaded",
+    "route_user_shutdown",
+    "rref_fork",
+    "rref_from_fork",
+    "rref_id",
+    "rref_type_future",
+    "run_udf",
+    "set_rpc_timeout",
+    "tensorpipe_options",
+    "udf_function",
+    "update_group_membership",
+    "validate_autograd_context",
+]
+
+# -- the current agent ---------------------------------------------------------------------
+
+
+def agent() -> Any:
+    """This process's RPC agent (torch keeps it in a private module global)."""
+    return rpc_api._get_current_rpc_agent()
+
+
+def agent_is_set() -> bool:
+    return rpc_api._is_current_rpc_agent_set()
+
+
+def set_rpc_timeout(seconds: float) -> None:
+    """The default timeout of later calls (torch's setter is private)."""
+    rpc._set_rpc_timeout(seconds)
+
+
+def leave_group(timeout: float = 0) -> None:
+    """torch's own graceful shutdown; on a dynamic group it is a leave."""
+    rpc_api.shutdown(graceful=True, timeout=timeout)
+
+
+# -- RRef internals ------------------------------------------------------------------------
+
+_RREF_ID = re.compile(r"created_on=(\d+), local_id=(\d+)")
+
+
+def rref_fork(rref: PyRRef) -> tuple:
+    """The fork data torch pickles an RRef as (registers a fork with its owner)."""
+    return rref._serialize()
+
+
+def rref_from_fork(fork_data: tuple) -> PyRRef:
+    """The receiving side of :func:`rref_fork` (what torch's unpickler does)."""
+    return PyRRef._deserialize(fork_data)
+
+
+def rref_type_future(rref: PyRRef) -> Any:
+    """A future of the value's type; a user RRef asks its owner once and caches it."""
+    return rref._get_type(blocking=False)
+
+
+def rref_id(rref: PyRRef) -> str:
+    """torch's globally unique RRef id as ``"created_on:local_id"``, read from its repr
+    (torch has no accessor; ranks are unique in nbrpc's groups)."""
+    match = _RREF_ID.search(str(rref))
+    return f"{match.group(1)}:{match.group(2)}" if match else str(rref)
+
+
+def owned_rref_count() -> int:
+    """How many RRefs this process owns that some process still references."""
+    return int(_rref_context_get_debug_info().get("num_owner_rrefs", 0))
+
+
+def delete_user_rrefs(timeout_s: float) -> None:
+    """Delete this process's user RRefs, telling their owners (torch's static-group
+    shutdown does this; its dynamic leave does not)."""
+    _delete_all_user_and_unforked_owner_rrefs(timedelta(seconds=timeout_s))
+
+
+# -- the dynamic group's membership -------------------------------------------------------
+
+GROUP_TOKEN_KEY = "RpcGroupManagementToken"  # the key of the join/leave critical section
+MEMBER_LIST_KEY = "_ALL_WORKER_INFOS"  # under the "names" prefix: "name-id," entries
+
+#: The function torch's leave runs on every peer (sent by RPC, so it must be torch's own).
+update_group_membership = _update_group_membership
+
+
+def forget_locally(info: Any) -> None:
+    """What :data:`update_group_membership` does, in this process: ``info`` left."""
+    agent()._update_group_membership(info, [], {}, False)
+
+
+# -- hooks into torch.distributed.rpc -----------------------------------------------------
+
+#: The private attributes of ``torch.distributed.rpc.internal`` nbrpc replaces. torch's
+#: C++ side (``PythonRpcHandler``) looks up ``_run_function`` and ``_handle_exception`` when
+#: the first RPC agent starts, so :func:`install_rpc_hooks` must run before ``init_rpc``.
+TORCH_INTERNAL_HOOKS = ("_pickler", "_run_function", "_handle_exception")
+
+#: torch's RPC pickler class: torch assigns ``pickler.dispatch_table = {...}`` on each one
+#: it makes and then sets the RRef reducers item by item (see :mod:`nbrpc._pickling`).
+INTERNAL_PICKLER = rpc_internal._InternalRPCPickler
+
+
+def install_rpc_hooks(
+    pickler: type, run_function: Callable[..., Any], handle_exception: Callable[..., Any]
+) -> None:
+    """Route torch RPC's pickling and remote-call wrapper through nbrpc's."""
+    missing = [name for name in TORCH_INTERNAL_HOOKS if not hasattr(rpc_internal, name)]
+    if missing:
+        raise ImportError(
+            f"torch.distributed.rpc.internal.{missing[0]} is gone in torch "
+            f"{torch.__version__}: nbrpc needs a release that supports this torch version."
+        )
+    rpc_internal._pickler = pickler
+    rpc_internal._run_function = run_function
+    rpc_internal._handle_exception = handle_exception
+
+
+def default_pickler() -> Any:
+    """The pickler instance torch's RPC uses (``serialize(obj) -> (bytes, tensors)``)."""
+    return rpc_api._default_pickler
+
+
+def patch_api(name: str, value: Any) -> Any:
+    """Replace ``torch.distributed.rpc.api.NAME`` (and the re-export in
+    ``torch.distributed.rpc``); returns the original. ``"RRef.__init__"`` patches the
+    local-owner constructor."""
+    if name == "RRef.__init__":
+        original = rpc_api.RRef.__init__
+        rpc_api.RRef.__init__ = value  # type: ignore[method-assign]
+        return original
+    original = getattr(rpc_api, name)
+    setattr(rpc_api, name, value)
+    if getattr(rpc, name, None) is original:
+        setattr(rpc, name, value)
+    return original
+
+
+def route_user_shutdown(replacement: Callable[..., Any]) -> None:
+    """Make ``torch.distributed.rpc.shutdown`` (the name tutorials call) ``replacement``;
+    ``torch.distributed.rpc.api.shutdown``, which :func:`leave_group` uses, stays torch's."""
+    if rpc.shutdown is not replacement:
+        rpc.shutdown = replacement  # type: ignore[assignment]
+
+
+#: Modules of the functions torch's RPC runs for itself (membership updates, RRef type
+#: queries, shutdown barriers): calls of these are not user calls.
+TORCH_OWN_CALL_MODULES = (
+    "torch.distributed.rpc.api",
+    "torch.distributed.rpc._utils",
+    "torch.distributed.rpc.backend_registry",
+)
+
+#: torch's deprecation notices about its own internals that public torch API triggers:
+#: ``DistributedOptimizer`` scripts functional optimizers with TorchScript on each worker.
+INTERNAL_DEPRECATIONS = (
+    "`TorchScript` support for functional optimizers is deprecated",
+    "`torch.jit.script` is deprecated",
+    "`torch.jit.interface` is deprecated",
+)
+
+
+def quiet_internal_deprecations() -> None:
+    """Hide :data:`INTERNAL_DEPRECATIONS` in this process: a notebook user cannot act on
+    them (nbrpc's tests check that the optimizer's steps still equal torch's)."""
+    for text in INTERNAL_DEPRECATIONS:
+        warnings.filterwarnings("ignore", message=re.escape(text), category=DeprecationWarning)
+    quiet_optimizer_notice_if_loaded()
+
+
+_OPTIMIZER_NOTICE = "_scripted_functional_optimizer_deprecation_warning"
+_optimizer_notice_quiet = [False]
+
+
+@torch.jit.ignore  # type: ignore[misc]
+def _no_optimizer_notice(stacklevel: int = 0) -> None:
+    """Stands in for torch's notice, which forces itself past every warnings filter."""
+
+
+def quiet_optimizer_notice_if_loaded() -> None:
+    """torch's functional optimizers warn with ``simplefilter("always")`` from their
+    ``__init__``; once ``torch.distributed.optim`` is loaded (1.5 s to import, so never
+    just for this), their modules call a silent stand-in. Cheap to call before every call."""
+    if _optimizer_notice_quiet[0] or "torch.distributed.optim.utils" not in sys.modules:
+        return
+    from torch.distributed.optim.utils import functional_optim_map
+
+    for cls in functional_optim_map.values():
+        module = sys.modules[cls.__module__]
+        if hasattr(module, _OPTIMIZER_NOTICE):
+            setattr(module, _OPTIMIZER_NOTICE, _no_optimizer_notice)
+    _optimizer_notice_quiet[0] = True
+
+
+_rref_originals: dict[str, Any] = {}
+
+
+def patch_rref_method(name: str, replacement: Callable[..., Any]) -> None:
+    """Replace ``PyRRef.NAME`` (a pybind11 class, so every RRef handle); idempotent."""
+    if name not in _rref_originals:
+        _rref_originals[name] = getattr(PyRRef, name)
+    setattr(PyRRef, name, replacement)
+
+
+def original_to_here(rref: PyRRef, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
+    """torch's own ``RRef.to_here``, also after :func:`patch_rref_method` replaced it."""
+    return _rref_originals.get("to_here", PyRRef.to_here)(rref, timeout)
+
+
+def udf_function(obj: Any) -> Any:
+    """The function of torch's ``PythonUDF`` (a call being pickled), else ``None``."""
+    func = getattr(obj, "func", None)
+    return func if func is not None and hasattr(obj, "args") else None
+
+
+def run_udf(udf: Any) -> Any:
+    """Run torch's ``PythonUDF`` (a namedtuple ``func, args, kwargs``) as torch does."""
+    return udf.func(*udf.args, **udf.kwargs)
+
+
+# -- TensorPipe ----------------------------------------------------------------------------
+
+#: TensorPipe reads this variable when an agent is created: the interface it listens on.
+TP_SOCKET_IFNAME = "TP_SOCKET_IFNAME"
+
+
+def tensorpipe_options(transports: list[str], **kwargs: Any) -> Any:
+    """``TensorPipeRpcBackendOptions`` with a transport list (a private argument)."""
+    return rpc.TensorPipeRpcBackendOptions(_transports=transports, **kwargs)
+
+
+# -- distributed autograd -----------------------------------------------------------------
+
+
+def current_autograd_context_id() -> int:
+    """The innermost context on this thread; ``RuntimeError`` when there is none."""
+    return dist_autograd._current_context()._context_id()
+
+
+def validate_autograd_context(context_id: int) -> None:
+    """Raises ``RuntimeError`` when this process does not know ``context_id`` (any more)."""
+    dist_autograd._is_valid_context(context_id)
+
+
+def autograd_messages(context_id: int) -> tuple[dict[int, Any], dict[int, Any]]:
+    """The context's send and recv graph nodes in this process, by autograd message id
+    (a send here and the recv on the peer share one id: the trace joins them by it)."""
+    ctx = dist_autograd._retrieve_context(context_id)
+    return ctx._send_functions(), ctx._recv_functions()
+
+
+def autograd_known_workers(context_id: int) -> list[int]:
+    """Ids of the workers this process's part of the context sent to or received from."""
+    return sorted(dist_autograd._retrieve_context(context_id)._known_worker_ids())
+
+
+# -- TorchScript ---------------------------------------------------------------------------
+
+
+def is_builtin(func: Any) -> bool:
+    """Whether torch's RPC would send ``func`` as a TorchScript builtin operator (its
+    schema matched on the callee, not a Python call): ``torch.add``, and some Python
+    builtins such as ``dict`` or ``len`` too."""
+    try:
+        return _find_builtin(func) is not None
+    except TypeError:  # unhashable callables
+        return False
+
+
+# -- torch's error wording ----------------------------------------------------------------
+
+
+def is_timeout(exc: BaseException) -> bool:
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("timeout" in text.lower() or "timed out" in text)
+
+
+_NO_MODULE = re.compile(r"ModuleNotFoundError: No module named '([^']+)'")
+
+
+def missing_module(exc: BaseException) -> str | None:
+    """The module a worker failed to import while unpickling a call, else ``None``."""
+    if not isinstance(exc, RuntimeError) or "deserialize" not in str(exc):
+        return None
+    match = _NO_MODULE.search(str(exc))
+    return match.group(1) if match else None
+
+
+CONNECTION_LOST = (
+    "eof (this error originated at tensorpipe",  # the shm transport's wording
+    "EOF: end of file (this error originated at tensorpipe",  # the uv transport's
+    "ECONNREFUSED",
+    "ECONNRESET",
+    "EPIPE",
+    "pipe closed",
+    "Connection reset by peer",
+)
+
+
+def is_connection_loss(exc: BaseException) -> bool:
+    """Whether torch's error means the peer's process went away (TensorPipe's wording)."""
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(s in text for s in CONNECTION_LOST)

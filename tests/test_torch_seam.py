@@ -1,0 +1,219 @@
+"""Pins every private torch name, patch and wording in ``nbrpc._torch`` (no workers needed).
+
+Each assertion names the torch change it detects and the function of ``nbrpc._torch`` to
+update, so a torch upgrade that breaks nbrpc fails here first, and says where.
+"""
+
+import inspect
+import re
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+import torch.distributed.rpc.api as rpc_api
+import torch.distributed.rpc.internal as rpc_internal
+
+import nbrpc
+from nbrpc import _pickling, _torch
+
+SEAM = "nbrpc/_torch.py"
+
+
+def _pin(condition: bool, change: str, fix: str) -> None:
+    assert condition, f"torch {torch.__version__} changed: {change}. Update {fix} in {SEAM}."
+
+
+def test_rpc_internal_hooks_are_still_there_and_installed():
+    _pickling.install()
+    for name in _torch.TORCH_INTERNAL_HOOKS:
+        _pin(
+            hasattr(rpc_internal, name),
+            f"torch.distributed.rpc.internal.{name} is gone",
+            "install_rpc_hooks",
+        )
+    _pin(rpc_internal._pickler is _pickling.RpcPickler, "_pickler is not ours", "install_rpc_hooks")
+    _pin(
+        _torch.RemoteException._fields == ("msg", "exception_type"),
+        "RemoteException's fields",
+        "RemoteException (and nbrpc._remote._failure)",
+    )
+    source = inspect.getsource(_torch.INTERNAL_PICKLER.serialize)
+    for line in (
+        "_pickler(f)",
+        "p.dispatch_table = self._dispatch_table",
+        "p.dispatch_table[dist.rpc.PyRRef] = self._py_rref_reducer",
+    ):
+        _pin(line in source, f"_InternalRPCPickler.serialize no longer has {line!r}", "the pickler")
+    data, tensors = _torch.default_pickler().serialize({"x": 1})
+    _pin(
+        isinstance(data, bytes) and tensors == [],
+        "default pickler's serialize()",
+        "default_pickler",
+    )
+
+
+def test_python_udf_shape():
+    udf = rpc_internal.PythonUDF(max, (1, 2), {})
+    _pin(_torch.udf_function(udf) is max, "PythonUDF has no .func/.args", "udf_function")
+    _pin(_torch.run_udf(udf) == 2, "PythonUDF is not (func, args, kwargs)", "run_udf")
+    _pin(_torch.udf_function(AttributeError("x")) is None, "udf_function on errors", "udf_function")
+
+
+def test_rref_internals_exist():
+    for name in ("_serialize", "_deserialize", "_get_type", "to_here"):
+        _pin(hasattr(_torch.PyRRef, name), f"PyRRef.{name} is gone", "the RRef helpers")
+    _pin(issubclass(rpc.RRef, _torch.PyRRef), "rpc.RRef no longer subclasses PyRRef", "PyRRef")
+    text = "UserRRef(RRefId = GloballyUniqueId(created_on=3, local_id=17), ForkId = ...)"
+    _pin(_torch._RREF_ID.search(text) is not None, "RRef repr", "rref_id")
+    for name in ("_rref_context_get_debug_info", "_delete_all_user_and_unforked_owner_rrefs"):
+        _pin(hasattr(torch._C._distributed_rpc, name), f"{name} is gone", "owned_rref_count")
+
+
+def test_patched_api_names_exist():
+    for name in ("remote", "shutdown", "_get_current_rpc_agent", "_is_current_rpc_agent_set"):
+        _pin(hasattr(rpc_api, name), f"torch.distributed.rpc.api.{name} is gone", "patch_api")
+    _pin(hasattr(rpc, "_set_rpc_timeout"), "rpc._set_rpc_timeout is gone", "set_rpc_timeout")
+    params = inspect.signature(rpc_api.remote).parameters
+    _pin(list(params)[:2] == ["to", "func"], "remote()'s signature", "patch_api / _ledger")
+
+
+def test_group_membership_internals():
+    from torch.distributed.rpc import _utils
+
+    _pin(
+        _torch.update_group_membership is _utils._update_group_membership,
+        "rpc._utils._update_group_membership moved",
+        "update_group_membership",
+    )
+    source = inspect.getsource(_utils)
+    _pin(
+        f'"{_torch.GROUP_TOKEN_KEY}"' in source,
+        "the join/leave token key",
+        "GROUP_TOKEN_KEY",
+    )
+    agent_type = torch._C._distributed_rpc.TensorPipeAgent
+    _pin(
+        hasattr(agent_type, "_update_group_membership"),
+        "TensorPipeAgent._update_group_membership is gone",
+        "forget_locally",
+    )
+
+
+def test_tensorpipe_options_accept_transports():
+    options = _torch.tensorpipe_options(["uv"], init_method="tcp://127.0.0.1:1")
+    _pin(options.init_method == "tcp://127.0.0.1:1", "TensorPipe options", "tensorpipe_options")
+
+
+def test_live_group_internals(cluster):
+    """On the running cluster: the member list nbrpc edits for dead workers, RRef counts."""
+    import torch.distributed as dist
+
+    listed = dist.PrefixStore("names", _torch.agent().store).get(_torch.MEMBER_LIST_KEY)
+    for record in cluster.records[1:]:
+        _pin(
+            f"{record.name}-{record.rank},".encode() in listed,
+            f"the dynamic group's member list ({listed!r})",
+            "MEMBER_LIST_KEY",
+        )
+    _pin(isinstance(_torch.owned_rref_count(), int), "RRef debug info", "owned_rref_count")
+    rref = nbrpc.remote("worker1", torch.ones, args=(2,))
+    _pin(re.fullmatch(r"\d+:\d+", _torch.rref_id(rref)) is not None, "RRef repr", "rref_id")
+    _pin(_torch.rref_type_future(rref).wait() is torch.Tensor, "RRef._get_type", "same")
+
+
+def test_autograd_internals_exist(cluster):
+    with dist_autograd.context() as context_id:
+        _pin(
+            _torch.current_autograd_context_id() == context_id,
+            "_current_context()._context_id()",
+            "current_autograd_context_id",
+        )
+        _torch.validate_autograd_context(context_id)
+        sends, recvs = _torch.autograd_messages(context_id)
+        _pin(sends == {} and recvs == {}, "_send_functions/_recv_functions", "autograd_messages")
+        _pin(_torch.autograd_known_workers(context_id) == [], "_known_worker_ids", "same")
+
+
+def test_builtins_are_recognised():
+    for func in (torch.add, torch.ones, dict, __import__("math").sqrt):
+        _pin(_torch.is_builtin(func), f"{func} is no longer a TorchScript builtin", "is_builtin")
+    _pin(not _torch.is_builtin(lambda: 0), "a lambda counts as builtin", "is_builtin")
+
+
+def test_error_wording_matches():
+    timeout = RuntimeError("RPC ran for more than set timeout (0.5 seconds) and will now be marked")
+    _pin(_torch.is_timeout(timeout), "the timeout wording", "is_timeout")
+    missing = RuntimeError(
+        "Failed to deserialize ... ModuleNotFoundError: No module named 'helpers'"
+    )
+    _pin(_torch.missing_module(missing) == "helpers", "the unpickling wording", "missing_module")
+    lost = RuntimeError("EOF: end of file (this error originated at tensorpipe/transport/...)")
+    _pin(_torch.is_connection_loss(lost), "TensorPipe's EOF wording", "CONNECTION_LOST")
+    _pin(not _torch.is_connection_loss(ValueError("EPIPE")), "only RuntimeErrors", "same")
+
+
+def test_internal_deprecations_are_quieted_and_still_emitted_by_torch():
+    import warnings
+
+    import torch.distributed.optim._deprecation_warning as optim_notice
+    import torch.jit._script as jit_script
+
+    sources = inspect.getsource(jit_script) + inspect.getsource(optim_notice)
+    for text in _torch.INTERNAL_DEPRECATIONS:
+        _pin(text in sources, f"torch no longer says {text!r}", "INTERNAL_DEPRECATIONS")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _torch.quiet_internal_deprecations()
+        for text in _torch.INTERNAL_DEPRECATIONS:
+            warnings.warn(text + " and ...", DeprecationWarning, stacklevel=1)
+    assert caught == []
+
+
+def test_no_private_torch_name_outside_the_seam():
+    """The other modules reach torch through public names only (code, not docstrings)."""
+    import io
+    import pathlib
+    import tokenize
+
+    private = re.compile(
+        r"rpc_api\.|torch\._C|torch\.jit\._|rpc\.internal|\brpc\._|dist_autograd\._|"
+        r"\._(serialize|deserialize|get_type)\(|(?<!_torch\.)TP_SOCKET_IFNAME|_transports"
+    )
+    package = pathlib.Path(nbrpc.__file__).parent
+    found = []
+    for path in sorted(package.glob("*.py")):
+        if path.name == "_torch.py":
+            continue
+        lines: dict[int, str] = {}
+        for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+            if tok.type not in (tokenize.STRING, tokenize.COMMENT):
+                lines[tok.start[0]] = lines.get(tok.start[0], "") + tok.string
+        found += [f"{path.name}:{n}: {code}" for n, code in lines.items() if private.search(code)]
+    assert found == [], "private torch names outside nbrpc/_torch.py:\n" + "\n".join(found)
+
+
+def test_pickled_rref_reducer_is_ours():
+    _pickling.install()
+    table = {}
+    pickler = _pickling.RpcPickler(__import__("io").BytesIO())
+    pickler.dispatch_table = table
+    _pin(
+        pickler.dispatch_table[_torch.PyRRef].__module__ == "nbrpc._ledger",
+        "RRef reducers",
+        "the pickler",
+    )
+
+
+def test_functional_optimizers_call_the_notice_nbrpc_silences():
+    import sys
+
+    from torch.distributed.optim.utils import functional_optim_map
+
+    modules = {sys.modules[cls.__module__] for cls in functional_optim_map.values()}
+    _pin(
+        all(hasattr(m, _torch._OPTIMIZER_NOTICE) for m in modules),
+        f"functional optimizers no longer call {_torch._OPTIMIZER_NOTICE}",
+        "quiet_optimizer_notice_if_loaded",
+    )
+    _torch.quiet_optimizer_notice_if_loaded()
+    assert {getattr(m, _torch._OPTIMIZER_NOTICE) for m in modules} == {_torch._no_optimizer_notice}
