@@ -20,7 +20,7 @@ back).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.rpc import RRef, WorkerInfo
 
@@ -29,8 +29,10 @@ from ._agent import get_worker_info, ownership, remote, rpc_async, rpc_sync, wor
 from ._cluster import Cluster, ClusterState, WorkerRecord, current, init, shutdown, status
 from ._errors import (
     AlreadyInitializedError,
+    AutogradContextError,
     BootError,
     ClusterClosedError,
+    ConfigError,
     DeviceMapError,
     NbrpcError,
     NotInitializedError,
@@ -47,10 +49,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AlreadyInitializedError",
+    "AutogradContextError",
     "BootError",
     "Cluster",
     "ClusterClosedError",
     "ClusterState",
+    "ConfigError",
     "DeviceMapError",
     "NbrpcError",
     "NotInitializedError",
@@ -80,6 +84,14 @@ __all__ = [
     "widgets",
     "workers",
 ]
+
+
+if TYPE_CHECKING:  # loaded on first use at run time (see __getattr__), seen by type checkers
+    from . import optim, widgets
+
+
+def __dir__() -> list[str]:  # tab completion lists the lazily loaded modules too
+    return sorted({*globals(), "optim", "widgets"})
 
 
 def __getattr__(name: str) -> Any:

@@ -9,6 +9,8 @@ for deadlines, ``RuntimeError`` for lifecycle mistakes)::
     ├── AlreadyInitializedError  (RuntimeError)   %rpc_init twice without %rpc_shutdown
     ├── ClusterClosedError       (RuntimeError)   a handle used after its cluster shut down
     ├── BootError                (RuntimeError)   workers did not start or join in time
+    ├── AutogradContextError     (RuntimeError)   distributed autograd outside its context
+    ├── ConfigError              (ValueError)     a bad setting: n, names, --listen, ...
     ├── UnknownWorkerError       (ValueError)     a worker name that is not in the group
     ├── DeviceMapError           (ValueError)     a device map names a device a process lacks
     ├── RpcTimeoutError          (TimeoutError)   a call outlived its timeout
@@ -27,8 +29,10 @@ from __future__ import annotations
 
 __all__ = [
     "AlreadyInitializedError",
+    "AutogradContextError",
     "BootError",
     "ClusterClosedError",
+    "ConfigError",
     "DeviceMapError",
     "NbrpcError",
     "NotInitializedError",
@@ -62,6 +66,14 @@ class ClusterClosedError(NbrpcError, RuntimeError):
 
 class BootError(NbrpcError, RuntimeError):
     pass
+
+
+class AutogradContextError(NbrpcError, RuntimeError):
+    """A distributed autograd call outside of (or after) its context."""
+
+
+class ConfigError(NbrpcError, ValueError):
+    """A setting nbrpc cannot use (checked before any process starts)."""
 
 
 class UnknownWorkerError(NbrpcError, ValueError):

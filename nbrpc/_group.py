@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from . import _pickling, _torch
+from ._errors import BootError, ConfigError
 
 __all__ = ["KernelMembership", "StoreSpec", "join", "leave"]
 
@@ -104,7 +105,7 @@ def interface_for(address: str, if_addrs: dict[str, list[Any]] | None = None) ->
                 if a.address.split("%")[0] == address:
                     return name
                 held.append(f"{name} {a.address}")
-    raise ValueError(
+    raise ConfigError(
         f"--listen {address}: no network interface of this host ({socket.gethostname()}) has "
         f"that address. It has: {', '.join(held) or 'none'}. Give the address that the other "
         "hosts reach this one at."
@@ -186,7 +187,7 @@ def join(
     ``store``: one already opened (the kernel opens a TCP store first to learn its port).
     """
     if _joined["name"] is not None:
-        raise RuntimeError(
+        raise BootError(
             f"this process already joined an RPC group as {_joined['name']!r}; torch RPC "
             "cannot join twice from one process. Restart it (for attached ipyparallel "
             "engines: restart the engines) and attach again."
@@ -325,13 +326,13 @@ def kernel_membership(
     if _kernel:
         member = _kernel[0]
         if name != member.name:
-            raise ValueError(
+            raise ConfigError(
                 f"this kernel joined torch RPC as {member.name!r}; torch cannot rename a "
                 f"process in a group, so --self {name} needs a kernel restart. "
                 f"Leave --self out (or use --self {member.name})."
             )
         if (device_maps or {}) != member.device_maps:
-            raise ValueError(
+            raise ConfigError(
                 f"this kernel's device maps are {member.device_maps or 'none'}; torch fixes a "
                 "process's device maps when it joins, so new maps "
                 f"({device_maps or 'none'}) need a kernel restart. Start the cluster with the "
@@ -339,13 +340,13 @@ def kernel_membership(
             )
         if (listen or "") != member.spec.listen:
             now = f"--listen {member.spec.listen}" if member.spec.listen else "loopback only"
-            raise ValueError(
+            raise ConfigError(
                 f"this kernel's RPC endpoint already listens {now}; torch fixes where a "
                 "process listens for its lifetime, so a different --listen needs a kernel "
                 "restart."
             )
         if init_method and not _same_rendezvous(spec_from_init_method(init_method), member.spec):
-            raise ValueError(
+            raise ConfigError(
                 f"this kernel's RPC group already uses {describe(member.spec)}; torch "
                 "fixes the rendezvous for the process's lifetime, so a different "
                 "--init-method needs a kernel restart."
@@ -410,7 +411,7 @@ def spec_from_init_method(init_method: str) -> StoreSpec:
         return StoreSpec(kind="tcp", host=url.hostname, port=url.port)
     if url.scheme == "file" and url.path:
         return StoreSpec(kind="file", path=url.path)
-    raise ValueError(
+    raise ConfigError(
         f"unsupported --init-method {init_method!r}: use tcp://HOST:PORT (workers on other "
         "hosts connect there) or file:///shared/path (a file every worker can open)."
     )

@@ -1,18 +1,18 @@
 """``%rpc_init``, ``%rpc_shutdown``, ``%rpc_status``: parse arguments, call the public API.
 
 Registered only by ``%load_ext nbrpc`` (``load_ipython_extension``), never on import.
-Bad input raises ``UsageError`` so the cell fails (and nbval notices).
+Arguments the parser refuses raise IPython's ``UsageError``; nbrpc's own errors
+(``ConfigError``, ``BootError``, ...) reach the cell with their type, so ``except`` clauses
+and nbval see the same exception as from :func:`nbrpc.init`.
 """
 
 from __future__ import annotations
 
-from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from . import _cluster, _shm
 from ._devices import parse_device_map
-from ._errors import NbrpcError
 from ._progress import in_notebook
 
 __all__ = ["RpcMagics"]
@@ -61,29 +61,23 @@ class RpcMagics(Magics):
         """Start workers (or attach to an ipyparallel cluster) and join them with the kernel."""
         args = parse_argstring(self.rpc_init, line)
         names = [s for s in args.names.split(",") if s.strip()] if args.names else None
-        n = args.n
-        if n is None and names is None and args.profile is None and args.cluster_id is None:
-            n = 2
-        try:
-            maps = dict(parse_device_map(text) for text in args.device_map)
-            cluster = _cluster.init(
-                n,
-                names=names,
-                self_name=args.self_name,
-                num_worker_threads=args.threads,
-                rpc_timeout=args.timeout,
-                init_method=args.init_method,
-                listen=args.listen,
-                gpus=args.gpus,
-                device_maps=maps or None,
-                shm_threshold=None if args.no_shm else _shm.DEFAULT_THRESHOLD,
-                profile=args.profile,
-                cluster_id=args.cluster_id,
-                progress="off" if args.quiet else "auto",
-                python=args.python,
-            )
-        except (NbrpcError, ValueError) as exc:
-            raise UsageError(str(exc)) from None
+        maps = dict(parse_device_map(text) for text in args.device_map)
+        cluster = _cluster.init(
+            args.n,
+            names=names,
+            self_name=args.self_name,
+            num_worker_threads=args.threads,
+            rpc_timeout=args.timeout,
+            init_method=args.init_method,
+            listen=args.listen,
+            gpus=args.gpus,
+            device_maps=maps or None,
+            shm_threshold=None if args.no_shm else _shm.DEFAULT_THRESHOLD,
+            profile=args.profile,
+            cluster_id=args.cluster_id,
+            progress="off" if args.quiet else "auto",
+            python=args.python,
+        )
         if not args.quiet:
             print(cluster.summary())
 

@@ -20,6 +20,7 @@ __all__ = [
     "cluster_text",
     "ownership_svg",
     "ownership_text",
+    "records_text",
 ]
 
 _STATE_COLOR = {
@@ -111,6 +112,22 @@ def cluster_text(rows: list[dict[str, Any]], state: str) -> str:
             f"calls {_figure(r.get('calls_in_flight'))} running / "
             f"{_figure(r.get('calls_done'))} done   RRefs {_figure(r.get('rrefs_owned'))} owned"
         )
+    return "\n".join(lines)
+
+
+def records_text(
+    rows: list[dict[str, Any]], state: str, boot_s: float | None, notes: list[str]
+) -> str:
+    """A cluster's processes as a table (``Cluster.summary()``, ``%rpc_init``'s printout)."""
+    booted = f" (booted in {boot_s:.1f} s)" if boot_s is not None else ""
+    lines = [f"nbrpc: {len(rows)} processes in the RPC group, {state}{booted}"]
+    lines.append(f"  {'name':<12}{'rank':>5}  {'pid':>8}  {'host':<20}{'role':<10}state")
+    for r in rows:
+        lines.append(
+            f"  {r['name']:<12}{r['rank']:>5}  {r['pid']:>8}  {r['host']:<20}{r['role']:<10}"
+            f"{r['state']}"
+        )
+    lines.extend(f"  {note}" for note in notes)
     return "\n".join(lines)
 
 

@@ -40,12 +40,13 @@ def join(
 ) -> dict[str, Any]:
     """Join the notebook's RPC group as ``name``; return this process's description."""
     from . import _agent, _group, _remote, _torch
+    from ._errors import BootError
 
     _torch.quiet_internal_deprecations()  # the optimizer's TorchScript notice, see there
     _agent.install()
     spec = _group.StoreSpec(**store)
     if spec.kind == "file" and not os.path.exists(os.path.dirname(spec.path)):
-        raise RuntimeError(
+        raise BootError(
             f"worker {name} on {socket.gethostname()} cannot see the kernel's store "
             f"{spec.path}: it runs on another host. Start the cluster with "
             "--init-method tcp://KERNEL_HOST:PORT so workers on other hosts can join."

@@ -16,7 +16,7 @@ import torch
 import torch.distributed.autograd as dist_autograd
 
 from . import _torch, _trace
-from ._errors import NbrpcError
+from ._errors import AutogradContextError
 
 __all__ = [
     "AutogradContextError",
@@ -28,10 +28,6 @@ __all__ = [
 ]
 
 context = dist_autograd.context
-
-
-class AutogradContextError(NbrpcError, RuntimeError):
-    """A distributed autograd call outside of (or after) its context."""
 
 
 def current_context_id() -> int:

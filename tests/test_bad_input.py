@@ -37,8 +37,10 @@ def test_a_module_the_workers_cannot_import_names_the_fix(tmp_path, monkeypatch)
 
 
 def test_a_cluster_handle_starts_once(cluster):
-    with pytest.raises(nbrpc.ClusterClosedError, match=r"starts once; call nbrpc\.init"):
+    with pytest.raises(nbrpc.ClusterClosedError, match=r"starts once\. Start a new one"):
         cluster.start()
+    with pytest.raises(nbrpc.AlreadyInitializedError, match="already running"):
+        nbrpc.Cluster(n=1).start()  # a second cluster, made directly, is refused too
     assert nbrpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), 1)).item() == 2
 
 
@@ -66,3 +68,19 @@ def test_a_worker_on_another_host_with_the_local_store_is_told_the_fix():
         RuntimeError, match=r"cannot see the kernel's store .* --init-method tcp://"
     ):
         _worker.join("worker9", 9, store, "worker0", 5.0, 4)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"n": 0}, "-n must be at least 1"),
+        ({"names": ["a", "a"]}, "unique"),
+        ({"gpus": "all"}, "only 'auto'"),
+        ({"shm_threshold": 0}, "positive number of bytes"),
+        ({"progress": "loud"}, "progress='loud'"),
+    ],
+)
+def test_bad_settings_are_config_errors_before_anything_starts(kwargs, match):
+    with pytest.raises(nbrpc.ConfigError, match=match) as info:
+        nbrpc.Cluster(**kwargs)
+    assert isinstance(info.value, ValueError)  # what a caller would naturally catch

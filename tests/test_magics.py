@@ -1,4 +1,4 @@
-"""The magics in a real IPython shell: arguments, errors as UsageError, the full cycle."""
+"""The magics in a real IPython shell: arguments, errors with their types, the full cycle."""
 
 import pytest
 from IPython.core.error import UsageError
@@ -24,25 +24,29 @@ def test_status_prints_every_process(shell, cluster, capsys):
 
 
 @pytest.mark.parametrize(
-    ("line", "match"),
+    ("line", "error", "match"),
     [
-        ("--bogus", "unrecognized arguments"),
-        ("-n two", "invalid int value"),
-        ("-n 0", "-n must be at least 1"),
-        ("--names 'a b,c'", "bad worker name"),
-        ("--names a,a", "unique"),
-        ("-n 3 --names a,b", "does not match"),
-        ("--init-method udp://x:1", "unsupported --init-method"),
-        ("--listen 10.254.254.254", "no network interface of this host"),
-        ("--device-map worker1=cuda:0", "is not LOCAL->REMOTE"),
-        ("--device-map worker1=cpu->cuda:0", "CPU tensors need no device map"),
-        ("--gpus all", "only 'auto' is supported"),
-        ("-n 2", "already running"),
+        ("--bogus", UsageError, "unrecognized arguments"),
+        ("-n two", UsageError, "invalid int value"),
+        ("-n 0", nbrpc.ConfigError, "-n must be at least 1"),
+        ("--names 'a b,c'", nbrpc.ConfigError, "bad worker name"),
+        ("--names a,a", nbrpc.ConfigError, "unique"),
+        ("-n 3 --names a,b", nbrpc.ConfigError, "does not match"),
+        ("--init-method udp://x:1", nbrpc.ConfigError, "unsupported --init-method"),
+        ("--listen 10.254.254.254", nbrpc.ConfigError, "no network interface of this host"),
+        ("--device-map worker1=cuda:0", nbrpc.DeviceMapError, "is not LOCAL->REMOTE"),
+        ("--device-map worker1=cpu->cuda:0", nbrpc.DeviceMapError, "CPU tensors need no"),
+        ("--gpus all", nbrpc.ConfigError, "only 'auto' is supported"),
+        ("-n 2", nbrpc.AlreadyInitializedError, "already running"),
     ],
 )
-def test_bad_input_is_a_usage_error(shell, cluster, line, match):
-    with pytest.raises(UsageError, match=match):
+def test_bad_input_keeps_its_error_type(shell, cluster, line, error, match):
+    """The parser's refusals are UsageErrors; nbrpc's are what nbrpc.init raises."""
+    with pytest.raises(error, match=match) as info:
         shell.run_line_magic("rpc_init", line)
+    if error is not UsageError:
+        assert isinstance(info.value, nbrpc.NbrpcError)
+        assert isinstance(info.value, ValueError) == (error is not nbrpc.AlreadyInitializedError)
     assert nbrpc.current() is cluster  # the running cluster is untouched
 
 
@@ -56,7 +60,7 @@ def test_full_cycle_with_custom_names(shell, cluster, capsys):
     assert "shut down" in capsys.readouterr().out
     shell.run_line_magic("rpc_status", "")
     assert "no cluster is running" in capsys.readouterr().out
-    with pytest.raises(UsageError, match="cannot rename"):
+    with pytest.raises(nbrpc.ConfigError, match="cannot rename"):
         shell.run_line_magic("rpc_init", "-n 1 --self master")
     shell.run_line_magic("rpc_init", "--names ps,trainer1 --timeout 20 --threads 4 --quiet")
     try:
