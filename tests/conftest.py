@@ -95,8 +95,10 @@ def run_script(path, source: str, timeout: float = 180) -> str:
     return out.stdout
 
 
-def _our_children() -> list[psutil.Process]:
-    return psutil.Process().children(recursive=True)
+def kernel_children() -> list[psutil.Process]:
+    """Every process this test process started, the hang watchdog (not nbrpc's) excepted."""
+    watchdog = _watchdog_pid[0]
+    return [p for p in psutil.Process().children(recursive=True) if p.pid != watchdog]
 
 
 def wait_for_exit(pids: list[int], timeout: float = 20.0) -> list[int]:
@@ -116,11 +118,50 @@ def _running(pid: int) -> bool:
         return False
 
 
+_watchdog_pid: list[int | None] = [None]
+_HANG_MARGIN_S = 60  # after pytest-timeout's own limit, which needs the GIL to fire
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Arm the hang watchdog (tools/hang_watchdog.py) for each test: a deadlock that holds
+    the GIL then fails the run with native stacks instead of stalling it."""
+    watchdog = _hang_watchdog(item.config)
+    marker = item.get_closest_marker("timeout")
+    limit = float(marker.args[0]) if marker and marker.args else item.config.getini("timeout")
+    watchdog.stdin.write(f"arm {float(limit or 300) + _HANG_MARGIN_S} {item.nodeid}\n")
+    watchdog.stdin.flush()
+    try:
+        yield
+    finally:
+        watchdog.stdin.write("disarm\n")
+        watchdog.stdin.flush()
+
+
+def _hang_watchdog(config) -> subprocess.Popen:
+    watchdog = getattr(config, "_nbrpc_hang_watchdog", None)
+    if watchdog is None:
+        tool = os.path.join(os.path.dirname(__file__), "..", "tools", "hang_watchdog.py")
+        watchdog = subprocess.Popen(
+            [sys.executable, tool, str(os.getpid())], stdin=subprocess.PIPE, text=True
+        )
+        config._nbrpc_hang_watchdog = watchdog
+        _watchdog_pid[0] = watchdog.pid
+    return watchdog
+
+
+def pytest_unconfigure(config):
+    watchdog = getattr(config, "_nbrpc_hang_watchdog", None)
+    if watchdog is not None:
+        watchdog.stdin.close()  # it exits when the pipe closes
+        watchdog.wait(timeout=10)
+
+
 @pytest.fixture(scope="session")
 def _cluster_session():
     yield
     nbrpc.shutdown(release=True)  # the controller and warm spares too
-    children = [p.pid for p in _our_children()]
+    children = [p.pid for p in kernel_children()]
     alive = wait_for_exit(children)
     described = []
     for pid in alive:  # only processes this test session started

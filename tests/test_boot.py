@@ -12,7 +12,7 @@ import time
 
 import psutil
 import pytest
-from conftest import ensure_cluster, notebook_code, wait_for_exit, wait_until
+from conftest import ensure_cluster, kernel_children, notebook_code, wait_for_exit, wait_until
 
 import nbrpc
 from nbrpc import _launch
@@ -55,7 +55,7 @@ def test_a_cluster_is_its_workers_plus_four_processes(cluster):
     """n workers + controller + its heart monitor + the zygote + the watchdog (+ spares)."""
     parts = _cluster_processes(cluster)
     spares = _launch.current().spares()
-    children = {p.pid for p in psutil.Process().children(recursive=True) if p.is_running()}
+    children = {p.pid for p in kernel_children() if p.is_running()}
     counted = {pid for pids in parts.values() for pid in pids}
     assert counted <= children, f"not children of this kernel: {counted - children}"
     assert len(parts["its helpers"]) == 1, f"the controller forked {parts['its helpers']}"
@@ -67,18 +67,21 @@ def test_a_cluster_is_its_workers_plus_four_processes(cluster):
 def test_an_idle_cluster_uses_no_cpu(cluster):
     procs = [psutil.Process(pid) for pids in _cluster_processes(cluster).values() for pid in pids]
     before = [sum(p.cpu_times()[:2]) for p in procs]
-    time.sleep(3.0)
-    used = [sum(p.cpu_times()[:2]) - b for p, b in zip(procs, before, strict=True)]
-    for proc, seconds in zip(procs, used, strict=True):
-        # 1 % of a core; measured: 0.3 % for the heart monitor, 0.1 % per engine
-        assert seconds < 0.03, f"{proc.pid} {proc.name()} used {seconds / 3:.1%} of a core idle"
+    time.sleep(5.0)
+    used = [(sum(p.cpu_times()[:2]) - b) / 5.0 for p, b in zip(procs, before, strict=True)]
+    shares = ", ".join(f"{p.pid} {p.name()} {u:.1%}" for p, u in zip(procs, used, strict=True))
+    print(f"idle CPU per process: {shares}")
+    # measured: 0.3 % of a core for the heart monitor, 0.1 % per engine; a busy-polling
+    # process (TensorPipe's shm reactor) uses 60-70 %. 5 % leaves room for a busy machine
+    # (one run saw 1.0 % on the heart monitor) and still catches any polling loop.
+    assert max(used) < 0.05, f"a process of an idle cluster uses CPU: {shares}"
 
 
 def test_busy_workers_keep_their_heartbeat(cluster):
     """30 s in a GIL-holding Python loop, and 30 s inside one C call that holds the GIL:
     the controller's heartbeats (every 500 ms, 3 misses allowed) still reach both."""
     cell = notebook_code(BUSY)
-    client = cluster._client
+    client = cluster._engines.client
     engines = {r.name: r.engine_id for r in cluster.workers[1:]}
     loop = nbrpc.rpc_async("worker1", cell.python_loop, args=(30,))
     c_call = nbrpc.rpc_async("worker2", cell.c_call_holding_the_gil, args=(30,))
@@ -175,7 +178,7 @@ def test_an_engine_that_cannot_start_is_a_boot_error_within_seconds(tmp_path, ca
 def test_a_killed_worker_is_reported_dead_within_3_s():
     cluster = ensure_cluster()
     victim = cluster.workers[1]
-    client = cluster._client
+    client = cluster._engines.client
     os.kill(victim.pid, signal.SIGKILL)
     t0 = time.monotonic()
     assert wait_until(lambda: victim.name in cluster.dead_workers(), timeout=3)

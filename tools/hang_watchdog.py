@@ -1,0 +1,68 @@
+"""A per-test hang watchdog for the test session, in a process of its own.
+
+pytest-timeout's thread method needs the GIL to report a timeout. A deadlock in C++ that
+holds the GIL (torch's RPC threads and the kernel's main thread) never gives it back, so
+the run would stall until CI's own limit, with no clue. This process needs nothing from
+the one it watches: conftest arms it before each test (``arm SECONDS NAME`` on stdin) and
+disarms it after (``disarm``). When an armed deadline passes it prints every thread's
+Python *and native* stack of the test process (py-spy), then kills that process (the
+nbrpc watchdog then stops its engines), so the run fails in minutes and says where.
+
+Usage (conftest does this): ``python tools/hang_watchdog.py PID``.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+
+def _dump(pid: int, name: str) -> None:
+    out = sys.stderr
+    out.write(f"\n\n=== HANG: {name} outlived its deadline; stacks of pid {pid} ===\n")
+    py_spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    if os.path.exists(py_spy):
+        for args in (["--native"], []):
+            done = subprocess.run(
+                [py_spy, "dump", *args, "--pid", str(pid)],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
+            out.write(done.stdout + done.stderr)
+            if done.returncode == 0:
+                break
+    else:
+        out.write("(py-spy is not installed: no stacks)\n")
+    out.flush()
+
+
+def main(pid: int) -> None:
+    deadline: float | None = None
+    name = ""
+    while True:
+        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, _, _ = select.select([sys.stdin], [], [], wait)
+        if ready:
+            line = sys.stdin.readline()
+            if not line:  # the test process closed the pipe: the session ended
+                return
+            words = line.split(maxsplit=2)
+            if words[0] == "arm":
+                deadline, name = time.monotonic() + float(words[1]), words[2].strip()
+            else:
+                deadline = None
+            continue
+        _dump(pid, name)
+        os.kill(pid, signal.SIGKILL)
+        return
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))
