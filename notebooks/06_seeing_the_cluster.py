@@ -1,0 +1,156 @@
+# ---
+# jupyter:
+#   jupytext:
+#     cell_metadata_filter: -lines_to_next_cell
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Seeing the cluster
+#
+# Three views nobody else draws inside a notebook: the processes and what they are doing,
+# **who owns which remote object and who holds it**, and **how a backward pass crossed the
+# processes**. Each is a live widget; each is also plain data (`nbrpc.status()`,
+# `nbrpc.ownership()`, `nbrpc.trace_backward()`), and prints as text where widgets cannot
+# render.
+
+# %%
+# %load_ext nbrpc
+# %rpc_init -n 2 --quiet
+
+# %% [markdown]
+# `%rpc_status` shows the **cluster view**: one card per process, updated every second while
+# the kernel is idle *or busy*: calls running and done, RRefs owned and held.
+
+# %%
+# %rpc_status
+
+# %% [markdown]
+# ## A workload: a parameter server and a model split over two workers
+#
+# `worker1` owns a parameter server; `worker2` owns the second half of a model and holds an
+# RRef to the server (it pulls weights from it). The kernel holds RRefs to both.
+
+# %%
+import gc
+import time
+
+import torch
+import torch.distributed.rpc as rpc
+
+import nbrpc
+from nbrpc import autograd
+from nbrpc.optim import DistributedOptimizer
+from nbrpc.widgets import BackwardView, OwnershipView
+
+
+class ParameterServer:
+    def __init__(self, n_in, n_out):
+        torch.manual_seed(0)
+        self.model = torch.nn.Linear(n_in, n_out)
+
+    def forward(self, x):
+        return self.model(x)
+
+    def param_rrefs(self):
+        return [rpc.RRef(p) for p in self.model.parameters()]
+
+
+class Head(torch.nn.Module):
+    """The second half of the model; it keeps an RRef to the parameter server."""
+
+    def __init__(self, ps, n_in):
+        super().__init__()
+        torch.manual_seed(1)
+        self.ps = ps  # a user reference held on worker2
+        self.lin = torch.nn.Linear(n_in, 1)
+
+    def forward(self, h):
+        return self.lin(torch.relu(h))
+
+    def param_rrefs(self):
+        return [rpc.RRef(p) for p in self.parameters()]
+
+
+ps = nbrpc.remote("worker1", ParameterServer, args=(8, 16))
+head = nbrpc.remote("worker2", Head, args=(ps, 16))
+scratch = nbrpc.remote("worker2", torch.zeros, args=((1000,),))
+
+# %% [markdown]
+# The **ownership view**: each RRef is a box in its owner's lane, with an arrow to every
+# process that holds a reference to it. Hover a box to highlight its arrows. It redraws by
+# itself when RRefs are created or released.
+
+# %%
+owners = OwnershipView()
+owners
+
+# %%
+rows = {r["created_by"]: r for r in nbrpc.ownership()}
+for r in rows.values():
+    print(f"{r['id']:>6}  {r['type']:<16} owner {r['owner']:<8} held by {r['holders']}")
+server = rows["remote(worker1, ParameterServer)"]
+assert server["owner"] == "worker1" and server["holders"] == ["worker0", "worker2"]
+assert rows["remote(worker2, Head)"]["owner"] == "worker2"
+print("RRef ids:", " ".join(r["id"] for r in rows.values()))
+
+# %% [markdown]
+# ## A distributed backward pass, drawn
+#
+# One training step: the kernel sends a batch through `worker1` and `worker2`, runs the
+# backward pass across both with timing on, and steps a `DistributedOptimizer` over the
+# parameters both workers own. The **backward view** has one lane per process; orange
+# arrows are gradients crossing processes (send → recv), with each function's time.
+
+# %%
+torch.manual_seed(2)
+x, y = torch.randn(32, 8), torch.randn(32, 1)
+params = ps.rpc_sync().param_rrefs() + head.rpc_sync().param_rrefs()
+opt = DistributedOptimizer(torch.optim.SGD, params, lr=0.05)
+
+with autograd.context() as ctx:
+    h = ps.rpc_sync().forward(x)
+    out = head.rpc_sync().forward(h)
+    loss = torch.nn.functional.mse_loss(out, y)
+    autograd.backward(ctx, [loss], timed=True)
+    opt.step(ctx)
+    trace = nbrpc.trace_backward(ctx)
+
+hops = [e for e in trace["edges"] if e["kind"] == "rpc"]
+print(f"loss {loss.item():.4f}; {len(trace['nodes'])} autograd functions, {len(hops)} hops")
+assert {n["worker"] for n in trace["nodes"]} == {"worker0", "worker1", "worker2"}
+assert len(hops) == 3  # h: worker1 → kernel → worker2; out: worker2 → kernel
+BackwardView(trace)
+
+# %% [markdown]
+# ## Releasing an RRef
+#
+# Dropping the kernel's last reference to `scratch` frees it on its owner; the ownership
+# view above redraws without it.
+
+# %%
+gone = rows["remote(worker2, torch.zeros)"]["id"]
+del scratch
+gc.collect()
+deadline = time.monotonic() + 10
+while any(r["id"] == gone for r in nbrpc.ownership()) and time.monotonic() < deadline:
+    time.sleep(0.1)
+assert all(r["id"] != gone for r in nbrpc.ownership())
+print("released:", gone)
+
+# %% [markdown]
+# Where widgets do not render (nbconvert to HTML, a terminal), the same views print as text:
+
+# %%
+print(repr(owners))
+
+# %%
+# %rpc_shutdown
