@@ -9,7 +9,7 @@ TORCH   := torch==2.13.0
 CHROMIUM := /usr/bin/chromium
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv demo test lint notebooks package-check bench clean
 
 venv: $(STAMP)
 
@@ -24,14 +24,32 @@ demo: $(STAMP)
 	$(PY) tools/run_notebook.py notebooks/01_quickstart.ipynb
 
 lint: $(STAMP)
-	$(PY) -m ruff check nbrpc tests tools benchmarks
-	$(PY) -m ruff format --check nbrpc tests tools benchmarks
+	$(PY) -m ruff check nbrpc tests tools benchmarks notebooks
+	$(PY) -m ruff format --check nbrpc tests tools benchmarks notebooks
+	$(PY) tools/check_notebooks.py
+	$(PY) -m mypy nbrpc
+
+# The tutorials' source is notebooks/*.py (jupytext percent format); sync each .ipynb with
+# it after editing either one (the newer file wins).
+notebooks: $(STAMP)
+	$(PY) -m jupytext --sync notebooks/*.py
 
 $(CHROMIUM):
 	$(SUDO) apt-get update -q
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium
 
-test: $(STAMP) $(CHROMIUM) lint
+# The wheel, installed as a user would (a fresh virtualenv: torch, then the wheel, no test
+# extra): a call and %load_ext nbrpc must work there, and print no warning.
+PKG := build/package-check
+package-check: $(STAMP)
+	rm -rf $(PKG)
+	$(PY) -m pip wheel -q --no-deps -w $(PKG) .
+	python3 -m venv $(PKG)/venv
+	$(PKG)/venv/bin/python -m pip install -q $(TORCH)
+	$(PKG)/venv/bin/python -m pip install -q $(PKG)/nbrpc-*.whl
+	cd $(PKG) && venv/bin/python $(CURDIR)/tools/package_check.py
+
+test: $(STAMP) $(CHROMIUM) lint package-check
 	$(PY) -m pytest tests --nbval-lax notebooks -v -rs --durations=10
 
 bench: $(STAMP)

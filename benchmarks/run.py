@@ -150,7 +150,7 @@ def bench_model_split(steps: int) -> dict:
 def bench_calls(small_n: int, big_n: dict[int, int]) -> dict:
     """Small calls and tensor round trips, every peer interleaved, on one running cluster."""
     cluster = nbrpc.current()
-    engine = cluster._client[cluster.records[1].engine_id]  # worker1's ipyparallel engine
+    engine = cluster._engines.client[cluster.records[1].engine_id]  # worker1's ipyparallel engine
     nb_echo = notebook_echo()
     tiny = torch.ones(1)
     for _ in range(50):  # warm up pipes and caches

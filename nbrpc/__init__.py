@@ -43,6 +43,7 @@ from ._errors import (
     WorkerDiedError,
 )
 from ._pickling import register_by_value
+from ._rows import OwnershipRow, StatusRow, Trace
 from .autograd import trace_backward
 
 __version__ = "0.1.0"
@@ -58,10 +59,13 @@ __all__ = [
     "DeviceMapError",
     "NbrpcError",
     "NotInitializedError",
+    "OwnershipRow",
     "RRef",
     "RemoteError",
     "RpcTimeoutError",
     "SerializationError",
+    "StatusRow",
+    "Trace",
     "UnknownWorkerError",
     "WorkerDiedError",
     "WorkerInfo",

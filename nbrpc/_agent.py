@@ -26,6 +26,7 @@ from ._errors import (
     UnknownWorkerError,
     WorkerDiedError,
 )
+from ._rows import OwnershipRow
 
 __all__ = [
     "get_worker_info",
@@ -278,7 +279,7 @@ def snapshots(
     return found
 
 
-def ownership(timeout: float = SNAPSHOT_TIMEOUT_S) -> list[dict[str, Any]]:
+def ownership(timeout: float = SNAPSHOT_TIMEOUT_S) -> list[OwnershipRow]:
     """One dict per live RRef in the cluster, whoever made it.
 
     Keys: ``id`` (torch's RRef id, ``"creator_rank:n"``), ``owner``, ``holders`` (processes

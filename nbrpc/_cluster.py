@@ -34,6 +34,7 @@ from ._engines import JOIN_TIMEOUT_S, Engines, remote_message
 from ._errors import AlreadyInitializedError, BootError, ClusterClosedError, NotInitializedError
 from ._progress import BootProgress
 from ._reaper import process_alive
+from ._rows import StatusRow
 from ._settings import Settings, validate_names
 
 __all__ = ["Cluster", "ClusterState", "WorkerRecord", "current", "init", "shutdown", "status"]
@@ -508,7 +509,7 @@ class Cluster:
 
     def status(
         self, timeout: float = _agent.SNAPSHOT_TIMEOUT_S, ask_ipyparallel: bool = True
-    ) -> list[dict[str, Any]]:
+    ) -> list[StatusRow]:
         """Live figures per process: the record (state, pid, host, devices, role) plus
         ``calls_in_flight``, ``calls_done`` (Python calls it served), ``rrefs_owned`` and
         ``rrefs_held`` (Python RRef handles it holds).
@@ -519,16 +520,26 @@ class Cluster:
         if self.state is ClusterState.READY:
             dead = set(self.dead_workers(ask_ipyparallel))
             snaps = _agent.snapshots(timeout, skip=dead)
-        rows = []
-        for record in self.records:
-            row = record.as_dict()
-            snap = snaps.get(record.name) if record.state == "ready" else None
-            row["calls_in_flight"] = snap["calls_in_flight"] if snap else None
-            row["calls_done"] = snap["calls_done"] if snap else None
-            row["rrefs_owned"] = snap["owned"] if snap else None
-            row["rrefs_held"] = len(snap["handles"]) if snap else None
-            row["device_maps"] = self.device_maps.get(record.name, {})
-            rows.append(row)
+        rows: list[StatusRow] = []
+        for r in self.records:
+            snap = snaps.get(r.name) if r.state == "ready" else None
+            rows.append(
+                StatusRow(
+                    name=r.name,
+                    rank=r.rank,
+                    pid=r.pid,
+                    host=r.host,
+                    role=r.role,
+                    devices=list(r.devices),
+                    engine_id=r.engine_id,
+                    state=r.state,
+                    calls_in_flight=snap["calls_in_flight"] if snap else None,
+                    calls_done=snap["calls_done"] if snap else None,
+                    rrefs_owned=snap["owned"] if snap else None,
+                    rrefs_held=len(snap["handles"]) if snap else None,
+                    device_maps=self.device_maps.get(r.name, {}),
+                )
+            )
         return rows
 
     def _rows(self) -> list[dict[str, Any]]:
@@ -644,7 +655,7 @@ def shutdown(
         _launch.release()
 
 
-def status(timeout: float = _agent.SNAPSHOT_TIMEOUT_S) -> list[dict[str, Any]]:
+def status(timeout: float = _agent.SNAPSHOT_TIMEOUT_S) -> list[StatusRow]:
     """Live figures for each process of the current cluster (see :meth:`Cluster.status`)."""
     return current().status(timeout)
 

@@ -168,7 +168,8 @@ def _loopback_ifname() -> str:
     return "lo"
 
 
-_joined = {"name": None}  # this process's name in the group; torch allows one join
+# this process's name in the group; torch allows one join
+_joined: dict[str, str | None] = {"name": None}
 
 
 def join(
@@ -363,7 +364,7 @@ def kernel_membership(
         spec = spec_from_init_method(init_method)
         if spec.kind == "tcp":  # the store binds first; port 0 lets it pick a free port
             store = spec.open(is_master=True, timeout_s=rpc_timeout)
-            spec = StoreSpec(kind="tcp", host=spec.host, port=store.port)
+            spec = StoreSpec(kind="tcp", host=spec.host, port=store.port)  # type: ignore[attr-defined]
         if listen:
             spec = replace(spec, listen=listen)
     else:

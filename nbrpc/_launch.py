@@ -113,11 +113,14 @@ class Zygote:
     def fork(self, argv: list[str], env: dict[str, str], cwd: str, output: str) -> int:
         """Ask for one engine; returns its pid (waits for the zygote's imports once)."""
         request = {"argv": argv, "env": env, "cwd": cwd, "output": output}
+        stdin, stdout = self.proc.stdin, self.proc.stdout
+        assert stdin is not None, "the zygote's stdin is a pipe"
+        assert stdout is not None, "the zygote's stdout is a pipe"
         with self._lock:
             try:
-                self.proc.stdin.write((json.dumps(request) + "\n").encode())
-                ready, _, _ = select.select([self.proc.stdout], [], [], ZYGOTE_TIMEOUT_S)
-                line = self.proc.stdout.readline() if ready else b""
+                stdin.write((json.dumps(request) + "\n").encode())
+                ready, _, _ = select.select([stdout], [], [], ZYGOTE_TIMEOUT_S)
+                line = stdout.readline() if ready else b""
             except (BrokenPipeError, ValueError):
                 line = b""
         if not line:
@@ -135,12 +138,12 @@ class Zygote:
 
     def close(self) -> None:
         """Stop it now: it holds no state, and its engines are stopped separately."""
-        with contextlib.suppress(OSError):
-            self.proc.stdin.close()
+        with contextlib.suppress(OSError, AttributeError):
+            self.proc.stdin.close()  # type: ignore[union-attr]
         self.proc.kill()
         self.proc.wait()
-        with contextlib.suppress(OSError):
-            self.proc.stdout.close()
+        with contextlib.suppress(OSError, AttributeError):
+            self.proc.stdout.close()  # type: ignore[union-attr]
 
 
 class ForkedEngineLauncher(LocalEngineLauncher):

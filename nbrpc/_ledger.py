@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _remote, _torch
+from ._rows import OwnershipRow
 from ._torch import PyRRef
 
 __all__ = ["install", "merge", "reduce_rref", "snapshot"]
@@ -155,7 +156,7 @@ def snapshot() -> dict[str, Any]:
     }
 
 
-def merge(snapshots: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def merge(snapshots: list[dict[str, Any]]) -> list[OwnershipRow]:
     """One row per live RRef from every process's :func:`snapshot`, sorted by id.
 
     ``holders``: processes holding a user reference (not the owner);
@@ -163,7 +164,7 @@ def merge(snapshots: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ``owner_holds``: whether the owner itself holds a Python handle;
     ``handles``: how many Python handles exist in all.
     """
-    rows: dict[str, dict[str, Any]] = {}
+    rows: dict[str, OwnershipRow] = {}
     for snap in snapshots:
         for handle in snap["handles"]:
             row = rows.setdefault(

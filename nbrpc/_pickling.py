@@ -31,7 +31,8 @@ from ._errors import SerializationError
 
 __all__ = ["RpcPickler", "install", "register_by_value", "serialize"]
 
-_C_DISPATCH_TABLE = pickle.Pickler.dispatch_table  # the C field behind ``dispatch_table``
+#: the C field behind ``dispatch_table`` (a member descriptor; typeshed calls it a Mapping)
+_C_DISPATCH_TABLE: Any = pickle.Pickler.dispatch_table
 _CLOUDPICKLE_TABLE = cloudpickle.Pickler.dispatch_table
 
 
@@ -93,7 +94,7 @@ class RpcPickler(cloudpickle.Pickler):
             ) from exc
 
     @property
-    def dispatch_table(self) -> dict:  # type: ignore[override]
+    def dispatch_table(self) -> dict:
         try:
             return _C_DISPATCH_TABLE.__get__(self)
         except AttributeError:  # during the C __init__, before the setter ran

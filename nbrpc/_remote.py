@@ -305,7 +305,8 @@ class _CallOutput:
             self._in_flight = False
             self._idle.set()
             text = "".join(t for _, t in chunks)
-            sys.__stderr__.write(f"{text}(nbrpc: could not forward output: {exc})\n")
+            if sys.__stderr__ is not None:
+                sys.__stderr__.write(f"{text}(nbrpc: could not forward output: {exc})\n")
             return
         fut.add_done_callback(self._sent)
 

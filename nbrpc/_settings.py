@@ -8,7 +8,6 @@ and bad input is refused with a :class:`~nbrpc.ConfigError` before a process sta
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +58,7 @@ class Settings:
     listen: str | None
     gpus: str | None
     #: the kernel's maps to workers, checked for syntax now, against devices at boot
-    device_maps: Mapping[str, Mapping] = field(default_factory=dict)
+    device_maps: _devices.Maps = field(default_factory=dict)
     shm_threshold: int | None = _shm.DEFAULT_THRESHOLD
     python: str = sys.executable
 
@@ -106,7 +105,7 @@ class Settings:
             )
         if progress == "auto":
             progress = "widget" if in_notebook() else "off"
-        mode = {True: "text", False: "off"}.get(progress, progress)  # type: ignore[call-overload]
+        mode = {True: "text", False: "off"}[progress] if isinstance(progress, bool) else progress
         if mode not in ("widget", "text", "off"):
             raise ConfigError(f"progress={progress!r}: use 'auto', 'widget', 'text' or 'off'")
         return cls(

@@ -61,7 +61,7 @@ _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 def configure(prefix: str, threshold: int | None) -> None:
     """Turn the fast path on in this process (``threshold`` in bytes) or off (``None``)."""
     usable = threshold is not None and os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
-    _state["threshold"] = int(threshold) if usable else None
+    _state["threshold"] = int(threshold) if usable and threshold is not None else None
     _state["prefix"] = prefix
 
 

@@ -131,7 +131,7 @@ def rref_from_fork(fork_data: tuple) -> PyRRef:
 
 def rref_type_future(rref: PyRRef) -> Any:
     """A future of the value's type; a user RRef asks its owner once and caches it."""
-    return rref._get_type(blocking=False)
+    return rref._get_type(blocking=False)  # type: ignore[call-arg]  # torch's stub lacks it
 
 
 def rref_id(rref: PyRRef) -> str:
@@ -188,7 +188,7 @@ def install_rpc_hooks(
             f"torch.distributed.rpc.internal.{missing[0]} is gone in torch "
             f"{torch.__version__}: nbrpc needs a release that supports this torch version."
         )
-    rpc_internal._pickler = pickler
+    rpc_internal._pickler = pickler  # type: ignore[assignment]
     rpc_internal._run_function = run_function
     rpc_internal._handle_exception = handle_exception
 
@@ -217,7 +217,7 @@ def route_user_shutdown(replacement: Callable[..., Any]) -> None:
     """Make ``torch.distributed.rpc.shutdown`` (the name tutorials call) ``replacement``;
     ``torch.distributed.rpc.api.shutdown``, which :func:`leave_group` uses, stays torch's."""
     if rpc.shutdown is not replacement:
-        rpc.shutdown = replacement  # type: ignore[assignment]
+        rpc.shutdown = replacement
 
 
 #: Modules of the functions torch's RPC runs for itself (membership updates, RRef type
@@ -249,7 +249,7 @@ _OPTIMIZER_NOTICE = "_scripted_functional_optimizer_deprecation_warning"
 _optimizer_notice_quiet = [False]
 
 
-@torch.jit.ignore  # type: ignore[misc]
+@torch.jit.ignore
 def _no_optimizer_notice(stacklevel: int = 0) -> None:
     """Stands in for torch's notice, which forces itself past every warnings filter."""
 

@@ -36,6 +36,7 @@ from typing import Any
 import torch.distributed.rpc as rpc
 
 from . import _torch
+from ._rows import Trace, TraceEdge, TraceNode, TraceWorker
 
 __all__ = [
     "instrument",
@@ -83,7 +84,7 @@ def _walk(context_id: int) -> tuple[list, dict[int, int], list[tuple[int, int]],
     nodes: list = []
     index: dict[int, int] = {}
     edges: list[tuple[int, int]] = []
-    queue = deque()
+    queue: deque[Any] = deque()
     for fn in starts:
         if id(fn) not in index:
             index[id(fn)] = len(nodes)
@@ -175,7 +176,7 @@ def instrument(context_id: int) -> list[int]:
     return _torch.autograd_known_workers(context_id)
 
 
-def never_reached(trace: dict[str, Any]) -> list[dict[str, Any]]:
+def never_reached(trace: Trace) -> list[TraceNode]:
     """Send functions that would never get a gradient from a backward from the roots.
 
     torch's FAST-mode engine waits for a gradient at every ``SendRpcBackward`` of the
@@ -220,7 +221,7 @@ def _on_each_worker(context_id: int, func: Any) -> dict[int, Any]:
                 futures[wid] = rpc.rpc_async(names[wid], func, args=(context_id,))
         for wid, fut in futures.items():
             results[wid] = fut.wait()
-        peers = set()
+        peers: set[int] = set()
         for wid in frontier:
             known = results[wid]["known"] if isinstance(results[wid], dict) else results[wid]
             peers.update(k for k in known if k not in results and k in names)
@@ -232,10 +233,12 @@ def instrument_all(context_id: int) -> None:
     _on_each_worker(context_id, instrument)
 
 
-def trace_backward(context_id: int) -> dict[str, Any]:
+def trace_backward(context_id: int) -> Trace:
     """The cross-worker backward graph of ``context_id`` (call it inside the context)."""
     parts = _on_each_worker(context_id, local_graph)
-    nodes, edges, workers = [], [], []
+    nodes: list[TraceNode] = []
+    edges: list[TraceEdge] = []
+    workers: list[TraceWorker] = []
     send_node: dict[int, str] = {}
     for wid in sorted(parts):
         part = parts[wid]

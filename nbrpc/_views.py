@@ -316,6 +316,10 @@ def backward_svg(trace: dict[str, Any]) -> str:
         if e["src"] not in pos or e["dst"] not in pos:
             continue
         (sx, sy), (tx, ty) = pos[e["src"]], pos[e["dst"]]
+        x1: float
+        y1: float
+        x2: float
+        y2: float
         if e["kind"] == "rpc":
             right = tx > sx
             x1, y1 = sx + (_BOX_W if right else 0), sy + _BOX_H / 2

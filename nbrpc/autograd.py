@@ -17,6 +17,7 @@ import torch.distributed.autograd as dist_autograd
 
 from . import _torch, _trace
 from ._errors import AutogradContextError
+from ._rows import Trace
 
 __all__ = [
     "AutogradContextError",
@@ -105,7 +106,7 @@ def _refuse_hang(context_id: int) -> None:
     )
 
 
-def trace_backward(context_id: int | None = None) -> dict:
+def trace_backward(context_id: int | None = None) -> Trace:
     """The backward pass of ``context_id`` as it crossed the workers (see ``nbrpc._trace``).
 
     Call it inside the ``with context()`` block, after ``backward``: leaving the block

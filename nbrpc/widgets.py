@@ -24,6 +24,7 @@ import traitlets
 
 from . import _agent, _cluster, _views
 from ._errors import NbrpcError
+from ._rows import Trace
 
 __all__ = ["BackwardView", "ClusterView", "OwnershipView"]
 
@@ -172,16 +173,16 @@ class BackwardView(_View):
     and per-worker times appear when the backward ran with ``timed=True``.
     """
 
-    def __init__(self, trace: dict[str, Any] | int) -> None:
+    def __init__(self, trace: Trace | int) -> None:
         super().__init__()
         if isinstance(trace, int):
             from .autograd import trace_backward
 
             trace = trace_backward(trace)
-        self._trace = trace
+        self._trace: Trace = trace
         self.refresh()
 
-    def _compute(self) -> dict[str, Any]:
+    def _compute(self) -> Trace:
         return self._trace
 
     def _render(self, data: dict[str, Any]) -> str:

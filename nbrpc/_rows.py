@@ -1,0 +1,76 @@
+"""The shapes of the plain data nbrpc returns: status rows, ownership rows, a trace.
+
+They are ``TypedDict``s: at run time ordinary dicts (they travel by RPC, print, compare
+and serialise as such), for a type checker and an editor named, documented keys.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NotRequired, TypedDict
+
+__all__ = ["OwnershipRow", "StatusRow", "Trace", "TraceEdge", "TraceNode", "TraceWorker"]
+
+
+class StatusRow(TypedDict):
+    """One process of the cluster (``nbrpc.status()``)."""
+
+    name: str
+    rank: int
+    pid: int
+    host: str
+    role: str  # "kernel" or "engine N"
+    devices: list[str]
+    engine_id: int | None
+    state: str  # "ready", "dead", "stopped"
+    calls_in_flight: int | None  # None: not ready, or did not answer in time
+    calls_done: int | None
+    rrefs_owned: int | None
+    rrefs_held: int | None
+    device_maps: dict[str, dict[str, str]]
+
+
+class OwnershipRow(TypedDict):
+    """One live RRef (``nbrpc.ownership()``)."""
+
+    id: str  # torch's "created_on:local_id"
+    owner: str
+    holders: list[str]  # processes holding a user reference (not the owner)
+    owner_holds: bool  # whether the owner itself holds a Python handle
+    type: str | None  # the value's type name, when known
+    created_by: str | None  # e.g. "remote(worker1, ParameterServer)"
+    creator: str | None  # the process whose code made it
+    handles: int  # Python handles in all processes
+
+
+class TraceWorker(TypedDict):
+    name: str
+    id: int
+    host: str
+    timing: dict[str, float] | None  # with backward(..., timed=True)
+
+
+class TraceNode(TypedDict):
+    id: str  # "worker1/3"
+    worker: str
+    name: str  # the autograd function, e.g. "TanhBackward0"
+    kind: Literal["root", "function", "accumulate", "send", "recv"]
+    message_id: int | None  # send/recv: the autograd message joining the two sides
+    is_root: bool
+    start_s: NotRequired[float]  # timed backward only
+    duration_s: NotRequired[float]
+
+
+class TraceEdge(TypedDict):
+    src: str
+    dst: str
+    kind: Literal["local", "rpc"]
+    message_id: NotRequired[int]  # rpc hops
+
+
+class Trace(TypedDict):
+    """A backward pass across the workers (``nbrpc.trace_backward(ctx)``)."""
+
+    context_id: int
+    workers: list[TraceWorker]
+    nodes: list[TraceNode]
+    edges: list[TraceEdge]
