@@ -45,8 +45,8 @@ package-check: $(STAMP)
 	rm -rf $(PKG)
 	$(PY) -m pip wheel -q --no-deps -w $(PKG) .
 	python3 -m venv $(PKG)/venv
-	$(PKG)/venv/bin/python -m pip install -q $(TORCH)
-	$(PKG)/venv/bin/python -m pip install -q $(PKG)/nbrpc-*.whl
+	$(PY) tools/package_check.py --link-torch $(PKG)/venv  # = pip install $(TORCH) there, faster
+	$(PKG)/venv/bin/python -m pip install -q --no-compile $(PKG)/nbrpc-*.whl
 	cd $(PKG) && venv/bin/python $(CURDIR)/tools/package_check.py
 
 test: $(STAMP) $(CHROMIUM) lint package-check
