@@ -26,6 +26,7 @@ from torch.distributed.rpc import RRef, WorkerInfo
 
 from . import autograd
 from ._agent import get_worker_info, ownership, remote, rpc_async, rpc_sync, workers
+from ._cells import CellResults, RpcCellError, pull, push, worker_namespace
 from ._cluster import Cluster, ClusterState, WorkerRecord, current, init, shutdown, status
 from ._errors import (
     AlreadyInitializedError,
@@ -52,6 +53,7 @@ __all__ = [
     "AlreadyInitializedError",
     "AutogradContextError",
     "BootError",
+    "CellResults",
     "Cluster",
     "ClusterClosedError",
     "ClusterState",
@@ -62,6 +64,7 @@ __all__ = [
     "OwnershipRow",
     "RRef",
     "RemoteError",
+    "RpcCellError",
     "RpcTimeoutError",
     "SerializationError",
     "StatusRow",
@@ -78,6 +81,8 @@ __all__ = [
     "load_ipython_extension",
     "optim",
     "ownership",
+    "pull",
+    "push",
     "register_by_value",
     "remote",
     "rpc_async",
@@ -86,6 +91,7 @@ __all__ = [
     "status",
     "trace_backward",
     "widgets",
+    "worker_namespace",
     "workers",
 ]
 

@@ -47,9 +47,18 @@ __all__ = [
 class NbrpcError(Exception):
     """Base class of every error nbrpc raises itself."""
 
+    _init_args: tuple = ()  # set by subclasses whose __init__ builds the message
+
+    def __reduce__(self) -> tuple:
+        # Pickled (a worker's error travelling to the kernel) with the constructor's own
+        # arguments, not the finished message, which __init__ would wrap a second time.
+        args = self._init_args or self.args
+        return (type(self), args, self.__dict__)
+
 
 class NotInitializedError(NbrpcError, RuntimeError):
     def __init__(self, what: str = "this call") -> None:
+        self._init_args = (what,)
         super().__init__(
             f"nbrpc is not initialized, so {what} has no workers to reach. "
             "Run `%rpc_init -n 2` in the notebook (or `nbrpc.init(n=2)` in a script) first."
@@ -80,6 +89,7 @@ class UnknownWorkerError(NbrpcError, ValueError):
     def __init__(self, name: object, known: list[str]) -> None:
         self.name = name
         self.known = list(known)
+        self._init_args = (name, self.known)
         super().__init__(
             f"No worker named {name!r} in this RPC group. "
             f"Known workers: {', '.join(known) or '(none)'}. "
@@ -104,6 +114,7 @@ class WorkerDiedError(NbrpcError, ConnectionError):
 
     def __init__(self, worker: str, detail: str = "") -> None:
         self.worker = worker
+        self._init_args = (worker, detail)
         super().__init__(
             f"{worker} is gone: its connection closed (the process died or was killed)"
             + (f"; torch said: {detail}" if detail else "")

@@ -1,4 +1,5 @@
-"""``%rpc_init``, ``%rpc_shutdown``, ``%rpc_status``: parse arguments, call the public API.
+"""``%rpc_init``, ``%rpc_shutdown``, ``%rpc_status``, ``%%rpc``: parse arguments, call the
+public API.
 
 Registered only by ``%load_ext nbrpc`` (``load_ipython_extension``), never on import.
 Arguments the parser refuses raise IPython's ``UsageError``; nbrpc's own errors
@@ -8,10 +9,10 @@ and nbval see the same exception as from :func:`nbrpc.init`.
 
 from __future__ import annotations
 
-from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from . import _cluster, _shm
+from . import _cells, _cluster, _shm
 from ._devices import parse_device_map
 from ._progress import in_notebook
 
@@ -20,6 +21,20 @@ __all__ = ["RpcMagics"]
 
 @magics_class
 class RpcMagics(Magics):
+    @magic_arguments()
+    @argument(
+        "targets",
+        nargs="?",
+        default="all",
+        help="'all' (every worker, not the kernel) or worker names, comma-separated",
+    )
+    @cell_magic
+    def rpc(self, line: str, cell: str) -> _cells.CellResults:
+        """Run the cell on workers, each in its own persistent namespace; output streams
+        live as ``[worker1] ...`` and the last expression shows as ``Out[worker1]:``."""
+        args = parse_argstring(self.rpc, line)
+        return _cells.run(cell, args.targets)
+
     @magic_arguments()
     @argument("-n", type=int, default=None, help="number of workers to start (default 2)")
     @argument("--names", default=None, help="comma-separated worker names, e.g. ps,trainer1")

@@ -127,8 +127,10 @@ def run_function(python_udf: Any) -> Any:
     _call.output = output
     _torch.quiet_optimizer_notice_if_loaded()  # DistributedOptimizer's, see there
     func = _torch.udf_function(python_udf)
-    counted = func is call_builtin or not (getattr(func, "__module__", "") or "").startswith(
-        _NOT_USER_CALLS
+    counted = (
+        func is call_builtin
+        or getattr(func, "user_call", False)  # nbrpc's own that run user code (%%rpc cells)
+        or not (getattr(func, "__module__", "") or "").startswith(_NOT_USER_CALLS)
     )
     if counted:
         with _counts_lock:
@@ -137,7 +139,7 @@ def run_function(python_udf: Any) -> Any:
         if isinstance(python_udf, AttributeError):
             raise python_udf
         return _torch.run_udf(python_udf)
-    except Exception as exc:
+    except BaseException as exc:  # sys.exit() or KeyboardInterrupt must not reach torch's C++
         return _failure(exc)
     finally:
         _call.output = previous

@@ -61,6 +61,7 @@ def join(
         device_maps=device_maps,
         devices=devices,
     )
+    _agent.set_active(True)  # code running here may call nbrpc.rpc_sync & co. too
     info = describe_process()
     info.update(name=name, rank=rank)
     return info

@@ -145,6 +145,33 @@ except ZeroDivisionError as err:  # the worker's exception, with its own type
     print(err.remote_traceback)
 
 # %% [markdown]
+# ## Cells that run on the workers: `%%rpc`
+#
+# A function sent with `rpc_sync` travels by value, its globals too, so a worker-side
+# global starts empty on every call. A `%%rpc` cell runs on the workers themselves, each in
+# its own namespace that stays: `calls` below lives on worker1 and worker2. The cell's last
+# value comes back per worker (docs/cells.md).
+
+# %%
+# %%rpc
+import os
+
+calls = 0
+
+# %%
+# %%rpc
+calls += 1
+(os.getpid(), calls)
+
+# %%
+from IPython import get_ipython
+
+seen = get_ipython().run_cell_magic("rpc", "all", "calls")  # the magic returns a dict
+assert seen == {"worker1": 1, "worker2": 1}, seen
+nbrpc.push({"scale": 3})  # values into every worker's namespace ...
+print("pulled back:", nbrpc.pull("scale"))  # ... and out again
+
+# %% [markdown]
 # ## Status, shutdown, and a second cluster in the same kernel
 #
 # `%rpc_shutdown` keeps the controller and starts spare engines (torch already imported) in

@@ -1,0 +1,254 @@
+"""``%%rpc`` cells: notebook code that runs *on* the workers, in a namespace that stays.
+
+Functions sent with ``rpc_sync`` travel by value with their globals, so state kept in a
+worker-side global starts empty on every call. A ``%%rpc`` cell instead runs in the
+worker's own namespace: the worker process's ``__main__`` module, so ``x = 1`` in one cell
+is there in the next, and a class defined there pickles by reference on that worker, as
+in a notebook's kernel. (On a worker, ``__main__`` is nbrpc's engine module; nbrpc's own
+names there start with ``_``.)
+
+This module holds both sides:
+
+* worker side (run by RPC): :func:`run_cell`, :func:`interrupt`, :func:`push_values`,
+  :func:`pull_value`, :func:`worker_namespace`;
+* kernel side: :func:`run`, which the magic calls, and :func:`push` / :func:`pull`.
+
+A cell's output is forwarded like any call's (:mod:`nbrpc._remote`): live, line by line,
+marked ``[worker1]``. The value of its last expression comes back and is shown once per
+worker as ``Out[worker1]:``.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import ctypes
+import itertools
+import linecache
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from . import _agent
+from ._errors import ConfigError
+
+__all__ = [
+    "CellInterrupted",
+    "CellResults",
+    "RpcCellError",
+    "interrupt",
+    "pull",
+    "pull_value",
+    "push",
+    "push_values",
+    "run",
+    "run_cell",
+    "worker_namespace",
+]
+
+INTERRUPT_GRACE_S = 2.0  # how long the kernel waits for interrupted cells to stop
+
+# -- worker side -------------------------------------------------------------------------
+
+_running: dict[int, int] = {}  # cell id -> the thread id running it here
+_running_lock = threading.Lock()
+
+
+def worker_namespace() -> dict[str, Any]:
+    """This worker's persistent namespace (its ``__main__``), which ``%%rpc`` cells use.
+
+    A function sent with ``rpc_sync`` can keep state there: the one-line fix for the
+    by-value pitfall (``nbrpc.worker_namespace().setdefault("seen", []).append(x)``).
+    """
+    return sys.modules["__main__"].__dict__
+
+
+class CellInterrupted(Exception):
+    """A ``%%rpc`` cell stopped by the stop button (``KeyboardInterrupt`` on the worker)."""
+
+
+def run_cell(cell_id: int, filename: str, source: str) -> Any:
+    """Runs on a worker: execute ``source`` in :func:`worker_namespace`; return the value
+    of its last expression (``None`` when it ends with a statement)."""
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    tree = ast.parse(source, filename, "exec")
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body[-1].value)
+        tree.body.pop()
+    namespace = worker_namespace()
+    ident = threading.get_ident()
+    try:
+        with _running_lock:
+            _running[cell_id] = ident
+        try:
+            exec(compile(tree, filename, "exec"), namespace)
+            return eval(compile(last, filename, "eval"), namespace) if last is not None else None
+        finally:
+            with _running_lock:
+                _running.pop(cell_id, None)
+                _set_async_exc(ident, None)  # one sent as the cell ended must not fire later
+    except KeyboardInterrupt:
+        raise CellInterrupted("the cell was interrupted (the stop button)") from None
+
+
+run_cell.user_call = True  # type: ignore[attr-defined]  # counted in status() as user calls
+
+
+def _set_async_exc(ident: int, exc: type[BaseException] | None) -> None:
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(ident), ctypes.py_object(exc) if exc is not None else None
+    )
+
+
+def interrupt(cell_id: int) -> bool:
+    """Runs on a worker: raise ``KeyboardInterrupt`` in the thread running that cell.
+
+    Python delivers it between bytecodes: a cell inside one long C call (``time.sleep``)
+    stops when that call returns.
+    """
+    with _running_lock:  # held: the cell cannot end between the check and the raise
+        ident = _running.get(cell_id)
+        if ident is not None:
+            _set_async_exc(ident, KeyboardInterrupt)
+    return ident is not None
+
+
+def push_values(values: dict[str, Any]) -> list[str]:
+    worker_namespace().update(values)
+    return sorted(values)
+
+
+_MISSING = object()
+
+
+def pull_value(name: str) -> Any:
+    value = worker_namespace().get(name, _MISSING)
+    if value is _MISSING:
+        raise NameError(f"name {name!r} is not defined on this worker")
+    return value
+
+
+# -- kernel side -------------------------------------------------------------------------
+
+
+class CellResults(dict):
+    """``{worker: value}`` of a ``%%rpc`` cell, shown as one ``Out[worker]:`` per worker
+    (nothing when every value is ``None``, as after a cell that ends with a statement)."""
+
+    def _lines(self) -> list[str]:
+        return [f"Out[{w}]: {v!r}" for w, v in self.items() if v is not None]
+
+    def _ipython_display_(self) -> None:
+        lines = self._lines()
+        if lines:
+            print("\n".join(lines))
+
+    def __repr__(self) -> str:
+        return "\n".join(self._lines()) or f"CellResults({dict(self)!r})"
+
+
+class RpcCellError(ExceptionGroup):
+    """Several workers failed in one ``%%rpc`` cell: one exception per worker, each with
+    its own type, ``.worker`` and remote traceback (``except* ZeroDivisionError`` works).
+
+    ``results`` holds the values of the workers that succeeded.
+    """
+
+    results: CellResults
+
+
+_cell_ids = itertools.count(1)
+
+
+def _targets(spec: str | Iterable[str] | None) -> list[str]:
+    live = _agent.workers()  # NotInitializedError before %rpc_init
+    workers = live[1:]
+    if spec is None or spec == "all" or spec == ["all"]:
+        return workers
+    names = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else list(spec)
+    names = [n for n in names if n]
+    unknown = [n for n in names if n not in workers]
+    if unknown or not names:
+        raise ConfigError(
+            f"%%rpc targets {', '.join(unknown) or '(none)'}: not workers of this cluster. "
+            f"Its workers: {', '.join(workers)} (or 'all'; the kernel is not a target)."
+        )
+    return names
+
+
+def run(source: str, targets: str | Iterable[str] | None = "all") -> CellResults:
+    """Run ``source`` on each target concurrently; ``{worker: last expression's value}``.
+
+    One failure is raised with its own type (``.results``: the other workers' values);
+    several are raised together as :class:`RpcCellError`. The stop button interrupts the
+    cell on every target.
+    """
+    if not source.strip():
+        raise ConfigError("the %%rpc cell is empty: write the code to run on the workers")
+    workers = _targets(targets)
+    cell_id = next(_cell_ids)
+    filename = f"<rpc-cell-{cell_id}>"
+    compile(source, filename, "exec")  # a syntax error stops it here, before any worker runs
+    # the kernel formats the workers' tracebacks with its own linecache
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    futures = {
+        w: _agent.rpc_async(w, run_cell, args=(cell_id, filename, source), timeout=0)
+        for w in workers
+    }
+    try:
+        for fut in futures.values():
+            with contextlib.suppress(Exception):  # collected below, once all are done
+                fut.wait()
+    except KeyboardInterrupt:
+        _interrupt_all(cell_id, futures)
+        raise
+    return _collect(futures)
+
+
+def _interrupt_all(cell_id: int, futures: dict[str, Any]) -> None:
+    for worker in futures:
+        with contextlib.suppress(Exception):  # a worker that died or finished meanwhile
+            _agent.rpc_sync(worker, interrupt, args=(cell_id,), timeout=5)
+    deadline = time.monotonic() + INTERRUPT_GRACE_S
+    while time.monotonic() < deadline and not all(f.done() for f in futures.values()):
+        time.sleep(0.02)
+
+
+def _collect(futures: dict[str, Any]) -> CellResults:
+    results = CellResults()
+    errors: list[Exception] = []
+    for worker, fut in futures.items():
+        try:
+            results[worker] = fut.wait()
+        except Exception as exc:
+            if getattr(exc, "worker", None) is None:
+                exc.worker = worker  # type: ignore[attr-defined]
+            errors.append(exc)
+    if len(errors) == 1:
+        errors[0].results = results  # type: ignore[attr-defined]
+        raise errors[0]
+    if errors:
+        failed = ", ".join(getattr(e, "worker", "?") for e in errors)
+        group = RpcCellError(f"%%rpc failed on {failed}", errors)
+        group.results = results
+        raise group
+    return results
+
+
+def push(values: dict[str, Any], workers: str | Iterable[str] | None = "all") -> None:
+    """Set names in each worker's namespace (what ``%%rpc`` cells and
+    :func:`worker_namespace` see): ``nbrpc.push({"lr": 0.1, "data": tensor})``."""
+    names = _targets(workers)
+    futures = [_agent.rpc_async(w, push_values, args=(dict(values),)) for w in names]
+    for fut in futures:
+        fut.wait()
+
+
+def pull(name: str, workers: str | Iterable[str] | None = "all") -> dict[str, Any]:
+    """``{worker: value}`` of ``name`` in each worker's namespace."""
+    names = _targets(workers)
+    futures = {w: _agent.rpc_async(w, pull_value, args=(name,)) for w in names}
+    return {w: fut.wait() for w, fut in futures.items()}
