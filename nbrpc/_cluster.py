@@ -29,7 +29,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _agent, _devices, _group, _launch, _ledger, _reaper, _shm, _torch, _views, _worker
+from . import (
+    _agent,
+    _collective,
+    _devices,
+    _group,
+    _launch,
+    _ledger,
+    _reaper,
+    _shm,
+    _torch,
+    _views,
+    _worker,
+)
 from ._engines import JOIN_TIMEOUT_S, Engines, remote_message
 from ._errors import AlreadyInitializedError, BootError, ClusterClosedError, NotInitializedError
 from ._progress import BootProgress
@@ -107,6 +119,8 @@ class Cluster:
         device_maps: dict[str, dict] | None = None,
         shm_threshold: int | None = _shm.DEFAULT_THRESHOLD,
         python: str | None = None,
+        process_group: str | None = None,
+        process_group_workers: list[str] | None = None,
         settings: Settings | None = None,
     ) -> None:
         self.settings = settings or Settings.make(
@@ -124,6 +138,8 @@ class Cluster:
             device_maps=device_maps,
             shm_threshold=shm_threshold,
             python=python,
+            process_group=process_group,
+            process_group_workers=process_group_workers,
         )
         self.state = ClusterState.NOT_STARTED
         self.records: list[WorkerRecord] = []
@@ -133,6 +149,7 @@ class Cluster:
         self.boot_seconds: dict[str, float] = {}
         self.device_maps: dict = {}  # every process's maps, once booted
         self.fast_path = False  # large CPU tensors through shared memory (decided at boot)
+        self.process_group: _collective.ProcessGroupInfo | None = None
         self._engines = Engines(self.settings)
         self._engine_of: dict[str, int] = {}
 
@@ -219,6 +236,8 @@ class Cluster:
         progress.phase("engines", phases["engines"], "registered")
         names = settings.worker_names(len(engine_ids))
         validate_names(names, settings.self_name)
+        if settings.process_group:  # refuse unknown members before any join
+            pg_members = _collective.members_of(settings.process_group_workers, names)
         maps: dict = {}
         chosen: dict = {}
         if settings.wants_devices:
@@ -258,6 +277,18 @@ class Cluster:
         phases["join"] = _since(t_join)
         progress.phase("join", phases["join"], "init_rpc")
         self.fast_path = self._configure_fast_path(member.spec.loopback_only)
+        if settings.process_group:
+            t_pg = time.monotonic()
+            prefix = f"nbrpc-process-group/{os.getpid()}/{ranks[0]}"  # ranks are never reused
+            self.process_group = _collective.start(
+                settings.process_group,
+                pg_members,
+                member.spec.to_dict(),
+                prefix,
+                {name: infos[name]["devices"] for name in names},
+            )
+            phases["process group"] = _since(t_pg)
+            progress.phase("process group", phases["process group"], settings.process_group)
         self.device_maps = maps
         self.records = [
             WorkerRecord(member.name, 0, kernel["pid"], kernel["host"], "kernel", kernel["devices"])
@@ -374,7 +405,11 @@ class Cluster:
         """After a failed boot: stop what was started, leave the kernel usable.
 
         ``release``: stop the controller and spare engines too (start afresh next time).
+        They are also released when the boot failed after it took engines (a bad process
+        group member, a device map the workers' devices refuse): the launcher knows those
+        engines by id only, and a later boot would take their exit for a failed start.
         """
+        release = release or bool(self._engines.taken)
         self._enter(ClusterState.SHUTTING_DOWN)
         try:
             self._engines.leave(self._live_engine_ids(), graceful=False, timeout=LEAVE_TIMEOUT_S)
@@ -452,6 +487,9 @@ class Cluster:
                     _group.release_user_rrefs(self._release_timeout(timeout, bool(dead)))
                 except Exception as exc:
                     log.warning("releasing the kernel's RRefs: %s", exc)
+                if self.process_group:
+                    live = [r.name for r in self.records[1:] if r.state == "ready"]
+                    _collective.destroy(self.process_group, live)
                 self._engines.leave(self._live_engine_ids(), graceful, timeout)
             if dead:
                 _group.release_stale_token()
@@ -559,6 +597,9 @@ class Cluster:
                 if self.fast_path
                 else "CPU tensors travel through TensorPipe only"
             )
+        group = _collective.describe(self.process_group)
+        if group:
+            notes.append(group)
         if self.device_maps:
             notes.append("device maps (and where replies go):")
             notes.extend(f"  {line}" for line in _devices.describe(self.device_maps))
@@ -593,6 +634,8 @@ def init(
     device_maps: dict[str, dict] | None = None,
     shm_threshold: int | None = _shm.DEFAULT_THRESHOLD,
     python: str | None = None,
+    process_group: str | None = None,
+    process_group_workers: list[str] | None = None,
 ) -> Cluster:
     """Start ``n`` workers (or attach to a running ipyparallel cluster) and join them.
 
@@ -614,6 +657,10 @@ def init(
     ``shm_threshold``: CPU tensors whose storage has at least this many bytes travel
     through shared memory when every process is on this host (``None``: never); see
     :mod:`nbrpc._shm`.
+
+    ``process_group="gloo"`` (or ``"nccl"``): the workers also form a ``torch.distributed``
+    process group, for collectives and DDP in ``%%rpc`` cells; ``process_group_workers``
+    picks its members in rank order (default: every worker). See :mod:`nbrpc._collective`.
     """
     settings = Settings.make(
         n,
@@ -630,6 +677,8 @@ def init(
         device_maps=device_maps,
         shm_threshold=shm_threshold,
         python=python,
+        process_group=process_group,
+        process_group_workers=process_group_workers,
     )
     return Cluster(settings=settings).start()
 

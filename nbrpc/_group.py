@@ -161,7 +161,7 @@ def transports() -> list[str]:
     return [t.strip() for t in chosen.split(",") if t.strip()] or list(DEFAULT_TRANSPORTS)
 
 
-def _loopback_ifname() -> str:
+def loopback_ifname() -> str:
     for _, name in socket.if_nameindex():
         if name == "lo" or name.startswith("lo"):
             return name
@@ -207,7 +207,7 @@ def join(
             store = spec.open(is_master=(rank == 0), timeout_s=rpc_timeout)
         _handed_store.append(store)
         if spec.loopback_only:
-            ifname: str | None = _loopback_ifname()
+            ifname: str | None = loopback_ifname()
         else:
             ifname = interface_toward(spec.listen) if spec.listen else None
         with _tensorpipe_interface(ifname):

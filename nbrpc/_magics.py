@@ -70,6 +70,18 @@ class RpcMagics(Magics):
         metavar="PATH",
         help="the interpreter workers run (default: the kernel's); it needs torch and nbrpc",
     )
+    @argument(
+        "--process-group",
+        default=None,
+        metavar="BACKEND",
+        help="the workers also form a torch.distributed process group: gloo or nccl",
+    )
+    @argument(
+        "--process-group-workers",
+        default=None,
+        metavar="NAMES",
+        help="its members in rank order, comma-separated (default: every worker)",
+    )
     @argument("--quiet", action="store_true", help="no progress display and no summary")
     @line_magic
     def rpc_init(self, line: str) -> None:
@@ -92,6 +104,10 @@ class RpcMagics(Magics):
             cluster_id=args.cluster_id,
             progress="off" if args.quiet else "auto",
             python=args.python,
+            process_group=args.process_group,
+            process_group_workers=args.process_group_workers.split(",")
+            if args.process_group_workers
+            else None,
         )
         if not args.quiet:
             print(cluster.summary())

@@ -26,6 +26,7 @@ __all__ = [
 DEFAULT_WORKERS = 2  # a local cluster's size when neither n nor names say otherwise
 DEFAULT_RPC_TIMEOUT_S = 60.0
 DEFAULT_THREADS = 16
+PROCESS_GROUP_BACKENDS = ("gloo", "nccl")
 
 
 def validate_names(names: list[str] | tuple[str, ...], self_name: str) -> None:
@@ -61,6 +62,10 @@ class Settings:
     device_maps: _devices.Maps = field(default_factory=dict)
     shm_threshold: int | None = _shm.DEFAULT_THRESHOLD
     python: str = sys.executable
+    #: a torch.distributed process group among the workers ("gloo" or "nccl"), and which
+    #: workers are in it, in rank order (None: all of them)
+    process_group: str | None = None
+    process_group_workers: tuple[str, ...] | None = None
 
     @classmethod
     def make(
@@ -80,6 +85,8 @@ class Settings:
         device_maps: dict[str, dict] | None = None,
         shm_threshold: int | None = _shm.DEFAULT_THRESHOLD,
         python: str | None = None,
+        process_group: str | None = None,
+        process_group_workers: list[str] | None = None,
     ) -> Settings:
         """Defaults filled in and every argument checked; raises :class:`ConfigError`."""
         attached = profile is not None or cluster_id is not None
@@ -103,6 +110,19 @@ class Settings:
             raise ConfigError(
                 f"shm_threshold must be a positive number of bytes or None, got {shm_threshold}"
             )
+        if process_group is not None and process_group not in PROCESS_GROUP_BACKENDS:
+            raise ConfigError(
+                f"--process-group {process_group!r}: use gloo (CPU tensors, any host) or nccl "
+                "(CUDA tensors, a GPU per worker)"
+            )
+        members = tuple(s.strip() for s in process_group_workers or () if s.strip()) or None
+        if members is not None:
+            if process_group is None:
+                raise ConfigError(
+                    "--process-group-workers needs --process-group gloo (or nccl) as well"
+                )
+            if len(set(members)) != len(members):
+                raise ConfigError(f"--process-group-workers lists a worker twice: {members}")
         if progress == "auto":
             progress = "widget" if in_notebook() else "off"
         mode = {True: "text", False: "off"}[progress] if isinstance(progress, bool) else progress
@@ -123,6 +143,8 @@ class Settings:
             device_maps=_devices.merge(self_name, (device_maps or {}).items()),
             shm_threshold=shm_threshold,
             python=python or sys.executable,
+            process_group=process_group,
+            process_group_workers=members,
         )
 
     @property

@@ -49,6 +49,7 @@ from torch.distributed.rpc.internal import RemoteException
 from torch.jit._builtins import _find_builtin
 
 __all__ = [
+    "GLOO_SOCKET_IFNAME",
     "GROUP_TOKEN_KEY",
     "INTERNAL_DEPRECATIONS",
     "INTERNAL_PICKLER",
@@ -299,6 +300,8 @@ def run_udf(udf: Any) -> Any:
 
 #: TensorPipe reads this variable when an agent is created: the interface it listens on.
 TP_SOCKET_IFNAME = "TP_SOCKET_IFNAME"
+#: gloo's equivalent, read when a process group is created.
+GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
 
 
 def tensorpipe_options(transports: list[str], **kwargs: Any) -> Any:

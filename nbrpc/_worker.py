@@ -10,7 +10,14 @@ import socket
 import sys
 from typing import Any
 
-__all__ = ["configure_fast_path", "describe_process", "join", "leave"]
+__all__ = [
+    "configure_fast_path",
+    "describe_process",
+    "destroy_process_group",
+    "init_process_group",
+    "join",
+    "leave",
+]
 
 
 def describe_process() -> dict[str, Any]:
@@ -75,6 +82,47 @@ def configure_fast_path(prefix: str, threshold: int | None, probe: str) -> bool:
     same_memory = threshold is not None and os.path.exists(probe)
     _shm.configure(prefix, threshold if same_memory else None)
     return _shm.enabled()
+
+
+def init_process_group(
+    backend: str, store: dict, prefix: str, rank: int, world_size: int, timeout_s: float
+) -> dict[str, Any]:
+    """Join the workers' torch.distributed process group (see :mod:`nbrpc._collective`)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from . import _group, _torch
+    from ._errors import ConfigError
+
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"--process-group nccl needs a CUDA device in every member; this worker on "
+            f"{socket.gethostname()} has none. Use --process-group gloo (CPU tensors)."
+        )
+    spec = _group.StoreSpec(**store)
+    ifname = _group.loopback_ifname() if spec.loopback_only else None
+    if ifname is None and spec.listen:
+        ifname = _group.interface_toward(spec.listen)
+    if ifname:  # gloo listens where TensorPipe does: loopback for a local cluster
+        os.environ[_torch.GLOO_SOCKET_IFNAME] = ifname
+    base = spec.open(is_master=False, timeout_s=timeout_s)
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(prefix, base),
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
+
+
+def destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def leave(timeout: float = 0) -> None:

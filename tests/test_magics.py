@@ -37,6 +37,8 @@ def test_status_prints_every_process(shell, cluster, capsys):
         ("--device-map worker1=cuda:0", nbrpc.DeviceMapError, "is not LOCAL->REMOTE"),
         ("--device-map worker1=cpu->cuda:0", nbrpc.DeviceMapError, "CPU tensors need no"),
         ("--gpus all", nbrpc.ConfigError, "only 'auto' is supported"),
+        ("--process-group mpi", nbrpc.ConfigError, "use gloo"),
+        ("--process-group-workers a", nbrpc.ConfigError, "needs --process-group"),
         ("-n 2", nbrpc.AlreadyInitializedError, "already running"),
     ],
 )

@@ -177,7 +177,7 @@ def test_no_private_torch_name_outside_the_seam():
 
     private = re.compile(
         r"rpc_api\.|torch\._C|torch\.jit\._|rpc\.internal|\brpc\._|dist_autograd\._|"
-        r"\._(serialize|deserialize|get_type)\(|(?<!_torch\.)TP_SOCKET_IFNAME|_transports"
+        r"\._(serialize|deserialize|get_type)\(|(?<!_torch\.)(TP|GLOO)_SOCKET_IFNAME|_transports"
     )
     package = pathlib.Path(nbrpc.__file__).parent
     found = []

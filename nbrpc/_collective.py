@@ -1,0 +1,109 @@
+"""A ``torch.distributed`` process group among the workers: collectives and DDP in cells.
+
+``%rpc_init --process-group gloo`` (``nbrpc.init(process_group="gloo")``) makes the workers,
+after they joined the RPC group, also form a process group: rank = position in
+``process_group_workers`` (default: every worker, in order, so worker1 is rank 0), world
+size = their number. ``torch.distributed`` collectives and ``DistributedDataParallel`` then
+run in ``%%rpc`` cells, beside RPC, as in pytorch/examples' ``ddp_rpc`` layout (trainers in
+a DDP group, a parameter server outside it).
+
+The kernel is not a member. A process group is collective: every member must enter each
+collective, and the kernel runs the notebook, not a training step; a kernel that had to
+join every ``all_reduce`` would block its cells. It only hosts the rendezvous.
+
+The rendezvous is the cluster's own store (the file store of a local cluster, the kernel's
+TCP store when ``--listen``/``--init-method`` spans hosts) under a prefix no other cluster
+uses, so a re-init in the same kernel makes a fresh group. Gloo is told which interface
+to use the same way TensorPipe is: loopback for a local cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch.distributed.rpc as rpc
+
+from . import _remote, _worker
+from ._errors import ConfigError
+
+__all__ = ["ProcessGroupInfo", "destroy", "members_of", "start"]
+
+log = logging.getLogger("nbrpc")
+
+INIT_TIMEOUT_S = 60.0
+DESTROY_TIMEOUT_S = 10.0
+
+
+class ProcessGroupInfo(dict):
+    """``{"backend": "gloo", "ranks": {"worker1": 0, ...}, "prefix": ...}``."""
+
+
+def members_of(requested: tuple[str, ...] | None, workers: list[str]) -> list[str]:
+    """The members in rank order; every one must be a worker (never the kernel)."""
+    members = list(requested) if requested else list(workers)
+    unknown = [m for m in members if m not in workers]
+    if unknown:
+        raise ConfigError(
+            f"--process-group-workers {', '.join(unknown)}: not workers of this cluster. "
+            f"Its workers: {', '.join(workers)} (the kernel is never a member)."
+        )
+    return members
+
+
+def start(
+    backend: str,
+    members: list[str],
+    store: dict,
+    prefix: str,
+    devices: dict[str, list[str]],
+    timeout_s: float = INIT_TIMEOUT_S,
+) -> ProcessGroupInfo:
+    """Every member enters ``init_process_group`` at once (it waits for all of them).
+
+    ``devices``: what each worker reported when it joined; nccl needs CUDA in every member.
+    """
+    if backend == "nccl":
+        lacking = [m for m in members if not any(d.startswith("cuda") for d in devices[m])]
+        if lacking:
+            raise ConfigError(
+                f"--process-group nccl needs a CUDA device in every member; "
+                f"{', '.join(lacking)} {'has' if len(lacking) == 1 else 'have'} none. "
+                "Use --process-group gloo (CPU tensors)."
+            )
+    futures = {
+        name: rpc.rpc_async(
+            name,
+            _worker.init_process_group,
+            args=(backend, store, prefix, rank, len(members), timeout_s),
+            timeout=timeout_s + 10,
+        )
+        for rank, name in enumerate(members)
+    }
+    ranks = {}
+    for name, fut in futures.items():
+        try:
+            ranks[name] = fut.wait()["rank"]
+        except Exception as exc:  # the worker's own exception, as rpc_sync would raise it
+            raise (_remote.unwrap(exc) or exc) from None
+    return ProcessGroupInfo(backend=backend, ranks=ranks, prefix=prefix)
+
+
+def destroy(info: ProcessGroupInfo, live: list[str]) -> None:
+    """Members still alive leave the group (at shutdown; their processes end anyway)."""
+    futures = [
+        rpc.rpc_async(name, _worker.destroy_process_group, timeout=DESTROY_TIMEOUT_S)
+        for name in info["ranks"]
+        if name in live
+    ]
+    for fut in futures:
+        try:
+            fut.wait()
+        except Exception as exc:
+            log.warning("destroying the process group: %s", exc)
+
+
+def describe(info: ProcessGroupInfo | None) -> str | None:
+    if not info:
+        return None
+    ranks = ", ".join(f"{name} (rank {rank})" for name, rank in info["ranks"].items())
+    return f"process group ({info['backend']}): {ranks}"
