@@ -154,5 +154,81 @@ display(fig)
 plt.close(fig)
 assert all(v[-1] < v[0] for v in losses.values()), losses
 
+# %% [markdown]
+# ## DDP and RPC together (pytorch/examples' `ddp_rpc` layout)
+#
+# Three workers in one RPC group: a parameter server `ps` holding an embedding table as a
+# `RemoteModule`, and two trainers in a DDP group for the dense part. Each trainer's
+# backward pass crosses to `ps` through distributed autograd. `DistributedOptimizer` then
+# steps both the remote embedding and the local DDP layer.
+
+# %%
+# %rpc_shutdown
+layout = nbrpc.init(  # as %rpc_init --names ps,trainer0,trainer1 --process-group gloo ...
+    names=["ps", "trainer0", "trainer1"],
+    process_group="gloo",
+    process_group_workers=["trainer0", "trainer1"],  # ... --process-group-workers ...
+)
+print(layout.summary())
+
+# %%
+# %%rpc trainer0,trainer1
+import torch
+import torch.distributed as dist
+import torch.distributed.autograd as dist_autograd
+from torch.distributed.nn import RemoteModule
+from torch.distributed.optim import DistributedOptimizer
+from torch.distributed.rpc import RRef
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+NUM_EMBEDDINGS, EMBEDDING_DIM = 100, 16
+rank = dist.get_rank()
+
+
+class HybridModel(torch.nn.Module):
+    """The sparse part on the parameter server (RemoteModule), the dense part in DDP."""
+
+    def __init__(self, remote_emb):
+        super().__init__()
+        self.remote_emb = remote_emb
+        torch.manual_seed(0)
+        self.fc = DDP(torch.nn.Linear(EMBEDDING_DIM, 8))
+
+    def forward(self, indices, offsets):
+        return self.fc(self.remote_emb.forward(indices, offsets))
+
+
+emb = RemoteModule(
+    "ps/cpu", torch.nn.EmbeddingBag, args=(NUM_EMBEDDINGS, EMBEDDING_DIM), kwargs={"mode": "sum"}
+)
+model = HybridModel(emb)
+params = emb.remote_parameters() + [RRef(p) for p in model.fc.parameters()]
+opt = DistributedOptimizer(torch.optim.SGD, params, lr=0.2)
+g = torch.Generator().manual_seed(7 + rank)
+hybrid_losses = []
+for _ in range(30):
+    offsets = torch.arange(0, 32, 4)  # 8 bags of 4 indices
+    indices = torch.randint(0, NUM_EMBEDDINGS, (32,), generator=g)
+    target = indices[offsets] % 8  # learnable: the class of each bag's first index
+    with dist_autograd.context() as ctx:
+        loss = torch.nn.functional.cross_entropy(model(indices, offsets), target)
+        dist_autograd.backward(ctx, [loss])
+        opt.step(ctx)
+    hybrid_losses.append(loss.item())
+(sum(hybrid_losses[:5]) / 5, sum(hybrid_losses[-5:]) / 5)
+
+# %%
+fc = get_ipython().run_cell_magic(
+    "rpc", "trainer0,trainer1", "[p.detach().clone() for p in model.fc.parameters()]"
+)
+for a, b in zip(fc["trainer0"], fc["trainer1"], strict=True):
+    assert torch.equal(a, b)  # DDP kept the dense layer identical on both trainers
+before_after = nbrpc.pull("hybrid_losses", workers="trainer0,trainer1")
+for worker, values in before_after.items():
+    first, last = sum(values[:5]) / 5, sum(values[-5:]) / 5
+    print(f"{worker}: loss {first:.2f} -> {last:.2f}")
+    assert last < first, (worker, first, last)
+print("the embedding lives on:", {r["owner"] for r in nbrpc.ownership() if r["type"]})
+
 # %%
 # %rpc_shutdown

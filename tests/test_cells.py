@@ -136,8 +136,9 @@ def test_the_stop_button_interrupts_every_target_and_the_namespaces_survive(shel
     timer.start()
     with pytest.raises(KeyboardInterrupt):
         rpc(shell, busy)
-    took = time.monotonic() - t0
-    assert took < 1.0 + 2.0 + 1.0, f"the interrupt took {took - 1.0:.1f} s to stop the cell"
+    took = time.monotonic() - t0 - 1.0  # from the signal on
+    print(f"%%rpc interrupted on every worker {took:.2f} s after the stop button")
+    assert took < 2.0 + 1.0, f"the interrupt took {took:.1f} s to stop the cell"
     assert nbrpc.status()[1]["calls_in_flight"] == 0  # nothing still running there
     assert rpc(shell, "kept") == {"worker1": "still here", "worker2": "still here"}
 
