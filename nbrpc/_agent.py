@@ -50,16 +50,23 @@ class Future(torch.futures.Future):
 
     torch's own ``wait()`` blocks in C++, where Python cannot deliver SIGINT: a
     KeyboardInterrupt would only arrive when the remote call ends. On the main thread
-    this waits on a ``threading.Event`` instead, which Python interrupts at once. The
-    remote call itself goes on; its result is dropped.
+    this waits on a ``threading.Event`` instead, in slices of :data:`SIGNAL_CHECK_S`: the
+    kernel's SIGINT may land on any of its threads, and then only the main thread's next
+    bytecode runs Python's handler (found by a full test run: with the signal on another
+    thread, an untimed wait slept through it). The remote call itself goes on; its result
+    is dropped.
     """
 
     def wait(self) -> Any:
         if not self.done() and threading.current_thread() is threading.main_thread():
             finished = threading.Event()
             self.add_done_callback(lambda _: finished.set())
-            finished.wait()
+            while not finished.wait(SIGNAL_CHECK_S):
+                pass
         return super().wait()
+
+
+SIGNAL_CHECK_S = 0.1  # how often a waiting main thread lets Python run signal handlers
 
 
 def set_active(active: bool) -> None:
