@@ -58,14 +58,14 @@ def test_output_streams_live_and_in_order(shell, cluster, capsys):
         "import time\n"
         "for i in range(3):\n"
         "    print('line', i, flush=True)\n"
-        "time.sleep(2.0)\n"
+        "time.sleep(4.0)\n"
         "print('last', flush=True)\n"
     )
     done = threading.Event()
     seen_before_end = []
 
     def watch():
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 15
         text = ""
         while not done.is_set() and time.monotonic() < deadline:
             text += capsys.readouterr().out
