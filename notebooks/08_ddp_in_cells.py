@@ -172,6 +172,12 @@ layout = nbrpc.init(  # as %rpc_init --names ps,trainer0,trainer1 --process-grou
 print(layout.summary())
 
 # %%
+# %%rpc ps
+import torch
+
+torch.manual_seed(0)  # the embeddings' initial values: the same on every run
+
+# %%
 # %%rpc trainer0,trainer1
 import torch
 import torch.distributed as dist
@@ -203,13 +209,13 @@ emb = RemoteModule(
 )
 model = HybridModel(emb)
 params = emb.remote_parameters() + [RRef(p) for p in model.fc.parameters()]
-opt = DistributedOptimizer(torch.optim.SGD, params, lr=0.2)
+opt = DistributedOptimizer(torch.optim.SGD, params, lr=0.5)
 g = torch.Generator().manual_seed(7 + rank)
 hybrid_losses = []
-for _ in range(30):
-    offsets = torch.arange(0, 32, 4)  # 8 bags of 4 indices
-    indices = torch.randint(0, NUM_EMBEDDINGS, (32,), generator=g)
-    target = indices[offsets] % 8  # learnable: the class of each bag's first index
+for _ in range(40):
+    offsets = torch.arange(0, 16)  # 16 bags of one index each
+    indices = torch.randint(0, NUM_EMBEDDINGS, (16,), generator=g)
+    target = indices % 8  # learnable: each index's class
     with dist_autograd.context() as ctx:
         loss = torch.nn.functional.cross_entropy(model(indices, offsets), target)
         dist_autograd.backward(ctx, [loss])
