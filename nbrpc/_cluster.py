@@ -24,7 +24,6 @@ import atexit
 import enum
 import logging
 import os
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,6 +89,7 @@ class WorkerRecord:
     devices: list[str] = field(default_factory=list)
     engine_id: int | None = None
     state: str = "ready"
+    local: bool = True  # on the kernel's host: its pid is this host's
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -121,6 +121,9 @@ class Cluster:
         python: str | None = None,
         process_group: str | None = None,
         process_group_workers: list[str] | None = None,
+        hosts: str | list[str] | None = None,
+        ssh_args: str | list[str] | None = None,
+        remote_python: str | None = None,
         settings: Settings | None = None,
     ) -> None:
         self.settings = settings or Settings.make(
@@ -140,6 +143,9 @@ class Cluster:
             python=python,
             process_group=process_group,
             process_group_workers=process_group_workers,
+            hosts=hosts,
+            ssh_args=ssh_args,
+            remote_python=remote_python,
         )
         self.state = ClusterState.NOT_STARTED
         self.records: list[WorkerRecord] = []
@@ -304,6 +310,7 @@ class Cluster:
                     f"engine {eid}",
                     info["devices"],
                     eid,
+                    local=not engines.remote,
                 )
             )
         phases["total"] = _since(t0)
@@ -411,10 +418,17 @@ class Cluster:
         """
         release = release or bool(self._engines.taken)
         self._enter(ClusterState.SHUTTING_DOWN)
+        names = list(self._engine_of)  # every worker asked to join, joined or not
         try:
-            self._engines.leave(self._live_engine_ids(), graceful=False, timeout=LEAVE_TIMEOUT_S)
+            # stopped, not asked to leave: torch's leave waits for the group's join token,
+            # which a worker whose join failed half way may hold (30 s, then an error)
+            self._engines.stop([r.pid for r in self.records[1:] if r.local], keep_spares=False)
         finally:
-            self._engines.stop([r.pid for r in self.records[1:]], keep_spares=False)
+            try:
+                if names and _torch.agent_is_set():
+                    _group.forget_names(names)
+            except Exception as exc:
+                log.warning("removing %s from the group: %s", ", ".join(names), exc)
             if release and self._engines.local is not None:
                 _launch.release()
             self._enter(ClusterState.CLOSED)
@@ -430,12 +444,11 @@ class Cluster:
         if self._engines.client is None:
             return [r.name for r in self.records[1:] if r.state == "dead"]
         engines = self._engines.alive() if ask_ipyparallel else None
-        here = socket.gethostname()
         for record in self.records[1:]:
             if record.state != "ready":
                 continue
             gone = engines is not None and record.engine_id not in engines
-            if not gone and record.host == here:
+            if not gone and record.local:
                 gone = not process_alive(record.pid)
             if gone:
                 record.state = "dead"
@@ -494,7 +507,8 @@ class Cluster:
             if dead:
                 _group.release_stale_token()
         finally:
-            self._engines.stop([r.pid for r in self.records[1:]], keep_spares=not release)
+            local = [r.pid for r in self.records[1:] if r.local]
+            self._engines.stop(local, keep_spares=not release)
             if release:
                 _launch.release()
             _reaper.sweep_segments(_reaper.segment_prefix(os.getpid()))
@@ -636,6 +650,9 @@ def init(
     python: str | None = None,
     process_group: str | None = None,
     process_group_workers: list[str] | None = None,
+    hosts: str | list[str] | None = None,
+    ssh_args: str | list[str] | None = None,
+    remote_python: str | None = None,
 ) -> Cluster:
     """Start ``n`` workers (or attach to a running ipyparallel cluster) and join them.
 
@@ -644,6 +661,14 @@ def init(
     ipyparallel cluster that already runs (engines on other hosts included) instead of
     starting engines here; ``n`` then picks how many of its engines join (default: all).
     Without ``n``, ``names`` or an ipyparallel cluster: 2 workers.
+
+    ``hosts=["root@h1", "h1", "h2"]`` starts one worker per entry on other hosts over ssh
+    (through ipyparallel's SSH launcher), named in list order; ``ssh_args`` adds ssh options
+    (the user's ssh config is read; BatchMode is always on), ``remote_python`` names the
+    hosts' interpreter (default: this one's path). Each host is checked first (ssh login,
+    same Python, torch, cloudpickle, ipyparallel and nbrpc versions, reaching this host),
+    and ``listen`` defaults to this host's address on the route towards the first host.
+    See docs/multi-host.md.
 
     Everything listens on loopback unless ``listen`` names one of this host's addresses:
     then the kernel's RPC endpoint, its membership store and the ipyparallel controller
@@ -679,6 +704,9 @@ def init(
         python=python,
         process_group=process_group,
         process_group_workers=process_group_workers,
+        hosts=hosts,
+        ssh_args=ssh_args,
+        remote_python=remote_python,
     )
     return Cluster(settings=settings).start()
 

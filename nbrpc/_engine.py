@@ -85,9 +85,23 @@ def _become_engine(request: dict) -> None:
     if marks:
         with open(os.path.join(marks, str(os.getpid())), "w"):
             pass
+    code = _run_ipengine(request["argv"])
+    if code and marks:  # it never ran as an engine: say so to the launcher
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(marks, str(os.getpid())))
+    os._exit(code)
+
+
+def _run_ipengine(argv: list[str]) -> int:
+    """ipyparallel's engine, in this process; its exit code.
+
+    The caller leaves with ``os._exit``: an engine that stopped (asked to, or after
+    missing the controller's heartbeats) must not wait in torch RPC's exit handlers for
+    a group it can no longer leave cleanly.
+    """
     from ipyparallel.engine.app import main as ipengine
 
-    sys.argv = ["ipengine", *request["argv"]]
+    sys.argv = ["ipengine", *argv]
     code = 0
     try:
         ipengine()
@@ -101,10 +115,7 @@ def _become_engine(request: dict) -> None:
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-    if code and marks:  # it never ran as an engine: say so to the launcher
-        with contextlib.suppress(OSError):
-            os.unlink(os.path.join(marks, str(os.getpid())))
-    os._exit(code)
+    return code
 
 
 def _exit_with(kernel: int) -> None:
@@ -114,7 +125,20 @@ def _exit_with(kernel: int) -> None:
     os._exit(0)
 
 
+def engine(argv: list[str]) -> None:
+    """``python -m nbrpc._engine --engine ARGS``: one engine, no zygote (other hosts).
+
+    ipyparallel's SSH launcher starts this on a worker host: torch is imported before the
+    engine registers (so the join is quick), and the process ends with ``os._exit`` once
+    the engine stops, as forked engines do.
+    """
+    _imports()
+    os._exit(_run_ipengine(argv))
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--engine"]:
+        engine(sys.argv[2:])
     kernel = os.getppid()
     _imports()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel watches engines by pid

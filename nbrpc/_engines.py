@@ -14,12 +14,15 @@ kernel's main thread) calls these methods.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
 
-from . import _launch, _worker
+from . import _hosts, _launch, _worker
 from ._errors import BootError
+from ._host_engines import HostEngines
+from ._reaper import process_alive
 from ._settings import Settings
 
 __all__ = ["ENGINE_START_TIMEOUT_S", "JOIN_TIMEOUT_S", "Engines", "remote_message"]
@@ -42,6 +45,7 @@ class Engines:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.local: _launch.LocalEngines | None = None  # None: attached, or not started
+        self.hosts: HostEngines | None = None  # engines on other hosts (--hosts)
         self.reused = False  # the controller and a warm zygote were kept from a last cluster
         self.client: Any = None
         self.taken: list[int] = []  # engine ids handed to this cluster by the launcher
@@ -52,6 +56,12 @@ class Engines:
         """Start local engines (returns at once: they import torch while the kernel joins)."""
         if self.settings.attached:
             return
+        plan = self.settings.host_plan
+        if plan is not None:
+            assert self.settings.listen, "Settings.make works out --listen for --hosts"
+            _hosts.preflight(plan, plan.remote_python or self.settings.python, self.settings.listen)
+            self.hosts = HostEngines(self.settings.listen, plan, self.settings.python)
+            return
         kept = _launch.current()
         key = (self.settings.listen, self.settings.python)
         self.reused = kept is not None and kept.key == key
@@ -61,9 +71,18 @@ class Engines:
         """Ask for ``n`` engines (waits for the zygote's imports, if it is new)."""
         if self.local is not None:
             self.local.reserve(n)
+        elif self.hosts is not None:
+            self.hosts.spawn()
+
+    @property
+    def remote(self) -> bool:
+        """The engines run on other hosts (their pids are not this host's)."""
+        return self.hosts is not None
 
     @property
     def controller_seconds(self) -> float | None:
+        if self.hosts is not None:
+            return self.hosts.controller_seconds
         return self.local.controller_seconds if self.local is not None else None
 
     @property
@@ -73,8 +92,8 @@ class Engines:
     def connect(self) -> Any:
         import ipyparallel as ipp
 
-        if self.local is not None:
-            self.client = self.local.client()
+        if self.local is not None or self.hosts is not None:
+            self.client = (self.local or self.hosts).client()  # type: ignore[union-attr]
             return self.client
         profile, cluster_id = self.settings.profile, self.settings.cluster_id
         try:
@@ -92,6 +111,9 @@ class Engines:
         if self.local is not None:
             assert n is not None
             self.taken = self.local.take(n, ENGINE_START_TIMEOUT_S, registered)
+            return self.taken
+        if self.hosts is not None:
+            self.taken = self.hosts.take(ENGINE_START_TIMEOUT_S, registered)
             return self.taken
         deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
         while True:
@@ -120,8 +142,19 @@ class Engines:
         return self.client[engine_ids].apply_async(func, *args).get(timeout=JOIN_TIMEOUT_S)
 
     def alive(self) -> set[int] | None:
-        """Engine ids ipyparallel still lists (``None``: no client to ask)."""
-        return set(self.client.ids) if self.client is not None else None
+        """Engine ids ipyparallel still lists (``None``: no client to ask).
+
+        None of them when the kernel's own controller is gone: its engines stop by
+        themselves (``ENGINE_ORPHAN_MISSES``) and nothing can reach them through it, so
+        shutdown must not wait on them.
+        """
+        if self.client is None:
+            return None
+        ours = self.local or self.hosts
+        controller = ours.controller_pid if ours is not None else None
+        if controller is not None and not process_alive(controller):
+            return set()
+        return set(self.client.ids)
 
     # -- stop --------------------------------------------------------------------------
 
@@ -151,6 +184,13 @@ class Engines:
             if keep_spares and self.taken:
                 self.local.warm(len(self.taken))
             self.taken = []
+        elif self.hosts is not None:
+            try:
+                self.hosts.retire(self.taken, os.getpid())
+            finally:
+                self.hosts.release()
+                self.hosts = None
+                self.taken = []
         elif self.client is not None:
             try:
                 self.client.close()

@@ -66,12 +66,14 @@ class StoreSpec:
     def open(self, *, is_master: bool, timeout_s: float) -> dist.Store:
         if self.kind == "file":
             return dist.FileStore(self.path, -1)
+        fd = _bound_socket(self.host, self.port) if is_master else None
         return dist.TCPStore(
             self.host,
             self.port,
             is_master=is_master,
             timeout=timedelta(seconds=timeout_s),
             wait_for_workers=False,
+            master_listen_fd=fd,
         )
 
     @property
@@ -85,6 +87,52 @@ class StoreSpec:
 
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _bound_socket(host: str, port: int) -> int:
+    """A listening socket on ``host`` alone, for torch's TCPStore (``master_listen_fd``).
+
+    Given a host name, torch's store listens on every interface of the machine; bound
+    here first, it listens on that one address (``--listen``) and nowhere else.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError as exc:
+        sock.close()
+        raise BootError(f"the RPC store cannot listen on {host}:{port}: {exc}") from exc
+    return sock.detach()  # the store owns it now
+
+
+def listen_of_init_method(init_method: str) -> str | None:
+    """The address the kernel listens on for ``tcp://HOST:PORT`` (None: loopback only).
+
+    The kernel runs the store, so HOST is one of this host's addresses; TensorPipe and the
+    controller listen there too. Without this, TensorPipe would listen wherever the host's
+    name resolves, which a stock Debian ``/etc/hosts`` makes 127.0.1.1: workers on other
+    hosts then joined the store and failed to reach the kernel (``ECONNREFUSED``).
+    """
+    spec = spec_from_init_method(init_method)
+    if spec.kind != "tcp" or spec.host in _LOOPBACK or spec.host.startswith("127."):
+        return None
+    if spec.host in ("0.0.0.0", "::"):
+        raise ConfigError(
+            f"--init-method {init_method}: a wildcard address cannot be told to workers. "
+            "Give the address of this host that the workers reach (or use --listen ADDR)."
+        )
+    try:
+        address = str(socket.getaddrinfo(spec.host, None, proto=socket.IPPROTO_TCP)[0][4][0])
+    except OSError as exc:
+        raise ConfigError(
+            f"--init-method {init_method}: cannot resolve {spec.host}: {exc}"
+        ) from exc
+    if address.startswith("127.") or address == "::1":
+        return None
+    interface_for(address)  # the kernel runs the store: the address must be this host's
+    return address
 
 
 def interface_for(address: str, if_addrs: dict[str, list[Any]] | None = None) -> str:
@@ -246,7 +294,23 @@ def forget(dead: list[str], live: list[str]) -> None:
         _remove_from_member_list(agent.store, info.name, info.id)
 
 
-def _remove_from_member_list(store: dist.Store, name: str, worker_id: int) -> None:
+def forget_names(names: list[str]) -> None:
+    """After a failed boot: drop ``names`` from the group, joined or half joined.
+
+    A worker whose join failed half way (it listed its name, took torch's join token, then
+    could not reach a peer) is unknown to the kernel's agent, yet its name would block a
+    new worker of that name ("not unique") and its token every later join and leave.
+    """
+    agent = _torch.agent()
+    infos = {w.name: w for w in agent.get_worker_infos()}
+    for name in names:
+        if name in infos and name != _joined["name"]:
+            _torch.forget_locally(infos[name])
+        _remove_from_member_list(agent.store, name, None)
+    release_stale_token()
+
+
+def _remove_from_member_list(store: dist.Store, name: str, worker_id: int | None) -> None:
     """What torch's ``removeCurrentName`` does on a graceful leave, for a dead worker.
 
     torch lists a dynamic group's members as ``"name-id,"`` entries under
@@ -257,9 +321,14 @@ def _remove_from_member_list(store: dist.Store, name: str, worker_id: int) -> No
     if not names.check([_torch.MEMBER_LIST_KEY]):
         return
     listed = names.get(_torch.MEMBER_LIST_KEY).decode()
-    entry = f"{name}-{worker_id},"
-    if entry in listed:
-        names.set(_torch.MEMBER_LIST_KEY, listed.replace(entry, "", 1))
+    entries = listed.split(",")
+    kept = [
+        e
+        for e in entries
+        if not (e.rpartition("-")[0] == name and (worker_id is None or e == f"{name}-{worker_id}"))
+    ]
+    if kept != entries:
+        names.set(_torch.MEMBER_LIST_KEY, ",".join(kept))
 
 
 def release_stale_token() -> None:

@@ -82,6 +82,25 @@ class RpcMagics(Magics):
         metavar="NAMES",
         help="its members in rank order, comma-separated (default: every worker)",
     )
+    @argument(
+        "--hosts",
+        default=None,
+        metavar="HOST[,HOST...]",
+        help="workers on other hosts over ssh, one per entry ([user@]address), named in "
+        "order; a host listed N times gets N workers (docs/multi-host.md)",
+    )
+    @argument(
+        "--ssh-args",
+        default=None,
+        metavar="ARGS",
+        help="extra ssh options for --hosts, quoted, e.g. --ssh-args '-F ~/.ssh/cluster_config'",
+    )
+    @argument(
+        "--remote-python",
+        default=None,
+        metavar="PATH",
+        help="the interpreter on the hosts (default: the kernel's path)",
+    )
     @argument("--quiet", action="store_true", help="no progress display and no summary")
     @line_magic
     def rpc_init(self, line: str) -> None:
@@ -108,6 +127,9 @@ class RpcMagics(Magics):
             process_group_workers=args.process_group_workers.split(",")
             if args.process_group_workers
             else None,
+            hosts=args.hosts,
+            ssh_args=_unquote(args.ssh_args),
+            remote_python=args.remote_python,
         )
         if not args.quiet:
             print(cluster.summary())
@@ -150,3 +172,10 @@ class RpcMagics(Magics):
             display(ClusterView())
             return
         print(_cluster.current().summary())
+
+
+def _unquote(value: str | None) -> str | None:
+    """IPython splits magic lines keeping quotes: ``--ssh-args '-F cfg'`` arrives quoted."""
+    if value and len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        return value[1:-1]
+    return value

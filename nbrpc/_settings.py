@@ -7,11 +7,12 @@ and bad input is refused with a :class:`~nbrpc.ConfigError` before a process sta
 
 from __future__ import annotations
 
+import shlex
 import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _devices, _group, _shm
+from . import _devices, _group, _hosts, _shm
 from ._errors import ConfigError
 from ._progress import in_notebook
 
@@ -66,6 +67,10 @@ class Settings:
     #: workers are in it, in rank order (None: all of them)
     process_group: str | None = None
     process_group_workers: tuple[str, ...] | None = None
+    #: workers on other hosts over ssh, one per entry in order (see :mod:`nbrpc._hosts`)
+    hosts: tuple[str, ...] | None = None
+    ssh_args: tuple[str, ...] = ()
+    remote_python: str | None = None
 
     @classmethod
     def make(
@@ -87,10 +92,44 @@ class Settings:
         python: str | None = None,
         process_group: str | None = None,
         process_group_workers: list[str] | None = None,
+        hosts: str | list[str] | None = None,
+        ssh_args: str | list[str] | None = None,
+        remote_python: str | None = None,
     ) -> Settings:
         """Defaults filled in and every argument checked; raises :class:`ConfigError`."""
         attached = profile is not None or cluster_id is not None
         clean = tuple(s.strip() for s in names) if names else None
+        entries = _hosts.parse_hosts(hosts) if hosts is not None else None
+        extra = tuple(shlex.split(ssh_args) if isinstance(ssh_args, str) else ssh_args or ())
+        if entries is None and (extra or remote_python):
+            raise ConfigError("--ssh-args and --remote-python go with --hosts")
+        if entries is not None:
+            if attached:
+                raise ConfigError(
+                    "--hosts starts engines over ssh; --profile/--cluster-id attach to engines "
+                    "someone else started. Use one or the other."
+                )
+            if n is not None and n != len(entries):
+                raise ConfigError(
+                    f"-n {n} does not match the {len(entries)} --hosts entries: a host listed "
+                    "N times gets N workers, so leave -n out"
+                )
+            if clean is not None and len(clean) != len(entries):
+                raise ConfigError(
+                    f"{len(clean)} names for {len(entries)} --hosts entries: give one name per "
+                    "entry (a host listed twice gets two workers)"
+                )
+            n = len(entries)
+            if not listen:
+                listen = _hosts.infer_listen(entries[0], extra)
+            elif listen in ("127.0.0.1", "localhost", "::1"):
+                raise ConfigError(
+                    f"--listen {listen} with --hosts: workers on other hosts cannot reach this "
+                    "host's loopback. Give an address they reach (or leave --listen out: it "
+                    "is worked out from the route towards the first host)."
+                )
+        if init_method and not listen:
+            listen = _group.listen_of_init_method(init_method)
         if clean is not None:
             if n is not None and n != len(clean):
                 raise ConfigError(f"-n {n} does not match {len(clean)} names: {list(clean)}")
@@ -145,12 +184,21 @@ class Settings:
             python=python or sys.executable,
             process_group=process_group,
             process_group_workers=members,
+            hosts=entries,
+            ssh_args=extra,
+            remote_python=remote_python,
         )
 
     @property
     def attached(self) -> bool:
         """Engines of an ipyparallel cluster someone else started (not stopped by us)."""
         return self.profile is not None or self.cluster_id is not None
+
+    @property
+    def host_plan(self) -> _hosts.HostPlan | None:
+        if self.hosts is None:
+            return None
+        return _hosts.HostPlan(self.hosts, self.ssh_args, self.remote_python or "")
 
     @property
     def wants_devices(self) -> bool:

@@ -14,6 +14,7 @@ __all__ = [
     "configure_fast_path",
     "describe_process",
     "destroy_process_group",
+    "host_entry",
     "init_process_group",
     "join",
     "leave",
@@ -55,8 +56,9 @@ def join(
     if spec.kind == "file" and not os.path.exists(os.path.dirname(spec.path)):
         raise BootError(
             f"worker {name} on {socket.gethostname()} cannot see the kernel's store "
-            f"{spec.path}: it runs on another host. Start the cluster with "
-            "--init-method tcp://KERNEL_HOST:PORT so workers on other hosts can join."
+            f"{spec.path}: it runs on another host. Start the cluster with --listen ADDR "
+            "(an address of the kernel's host that this host reaches), so the kernel's store "
+            "and RPC endpoint listen there."
         )
     _remote.forward_output_to(kernel, name)
     _group.join(
@@ -72,6 +74,11 @@ def join(
     info = describe_process()
     info.update(name=name, rank=rank)
     return info
+
+
+def host_entry() -> str | None:
+    """The ``--hosts`` entry this engine was started for (None: a local engine)."""
+    return os.environ.get("NBRPC_HOST_ENTRY")
 
 
 def configure_fast_path(prefix: str, threshold: int | None, probe: str) -> bool:
