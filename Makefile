@@ -32,11 +32,27 @@ lint: $(STAMP)
 # The tutorials' source is notebooks/*.py (jupytext percent format); sync each .ipynb with
 # it after editing either one (the newer file wins).
 notebooks: $(STAMP)
-	$(PY) -m jupytext --sync notebooks/*.py
+	$(PY) -m jupytext --sync notebooks/[0-9]*.py
 
 $(CHROMIUM):
 	$(SUDO) apt-get update -q
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium
+
+# The multi-host tests build fake hosts (network namespaces, each with its own sshd): that
+# needs root, so only root installs openssh-server here (elsewhere those tests skip and say
+# so). No service is started: a policy-rc.d stops the package's sshd on every interface.
+SSHD    := /usr/sbin/sshd
+FAKEHOSTS := $(shell [ "$$(id -u)" = 0 ] && echo $(SSHD))
+
+$(SSHD):
+	apt-get update -q
+	if [ -e /usr/sbin/policy-rc.d ]; then \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends openssh-server; \
+	else \
+	  printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d; \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends openssh-server; \
+	  status=$$?; rm -f /usr/sbin/policy-rc.d; exit $$status; \
+	fi
 
 # The wheel, installed as a user would (a fresh virtualenv: torch, then the wheel, no test
 # extra): a call and %load_ext nbrpc must work there, and print no warning.
@@ -49,7 +65,7 @@ package-check: $(STAMP)
 	$(PKG)/venv/bin/python -m pip install -q --no-compile $(PKG)/nbrpc-*.whl
 	cd $(PKG) && venv/bin/python $(CURDIR)/tools/package_check.py
 
-test: $(STAMP) $(CHROMIUM) lint package-check
+test: $(STAMP) $(CHROMIUM) $(FAKEHOSTS) lint package-check
 	$(PY) -m pytest tests --nbval-lax notebooks -v -rs --durations=10
 
 bench: $(STAMP)

@@ -332,8 +332,16 @@ def _remove_from_member_list(store: dist.Store, name: str, worker_id: int | None
 
 
 def release_stale_token() -> None:
-    """After every worker is gone, free torch's join/leave token if a failed leave kept it."""
-    _torch.agent().store.set(_torch.GROUP_TOKEN_KEY, "")
+    """After every worker is gone, free torch's join/leave token if a failed join or leave
+    kept it. Processes already waiting for it wait on the holder's own key
+    (``Token_for_<name>_join``), so that is marked done as torch's own release does."""
+    store = _torch.agent().store
+    held = (
+        store.get(_torch.GROUP_TOKEN_KEY).decode() if store.check([_torch.GROUP_TOKEN_KEY]) else ""
+    )
+    store.set(_torch.GROUP_TOKEN_KEY, "")
+    if held:
+        store.set(held, "Done")
 
 
 def leave(timeout: float = 0) -> None:

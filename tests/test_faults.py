@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from conftest import ensure_cluster, notebook_code
+from conftest import ensure_cluster, notebook_code, run_script
 
 import nbrpc
 from nbrpc.optim import DistributedOptimizer
@@ -68,3 +68,47 @@ def test_killed_worker_fails_calls_fast_and_the_cluster_rebuilds(cluster):
     assert nbrpc.workers() == ["worker0", "worker1", "worker2"]
     assert nbrpc.rpc_sync("worker2", cell.slow, args=(0,)) == 0
     assert all(r.state == "ready" for r in again.workers)
+
+
+HALF_JOIN = '''
+import time, nbrpc
+from nbrpc import _cluster
+
+def half_join(name, rank, store, *rest):
+    """What a worker leaves when its join fails half way: torch's join token taken and
+    its name listed (rpc_prefix_0: the prefix torch's init_rpc gives a fresh process)."""
+    import torch.distributed as dist
+    from nbrpc import _group, _torch
+    base = _group.StoreSpec(**store).open(is_master=False, timeout_s=5)
+    s = dist.PrefixStore("rpc_prefix_0", base)
+    mine = f"Token_for_{name}_join"
+    assert s.compare_set(_torch.GROUP_TOKEN_KEY, "", mine).decode() == mine
+    names = dist.PrefixStore("names", s)
+    key = _torch.MEMBER_LIST_KEY
+    listed = names.get(key).decode() if names.check([key]) else ""
+    names.set(key, listed + f"{name}-{rank},")
+    raise RuntimeError("connect: ECONNREFUSED (worker0)")
+
+real = _cluster._worker.join
+_cluster._worker.join = half_join
+try:
+    nbrpc.init(n=1, progress=False)
+except nbrpc.BootError as e:
+    print("failed:", str(e).splitlines()[0])
+_cluster._worker.join = real
+c = nbrpc.init(n=1, progress=False)
+print("again:", nbrpc.rpc_sync("worker1", lambda: "ok"))
+nbrpc.shutdown()
+'''
+
+
+def test_a_boot_whose_join_failed_half_way_leaves_the_kernel_able_to_boot_again(tmp_path):
+    """A worker that took torch's join token and listed its name, then failed (as one that
+    could not reach the kernel does): without cleanup the next boot's worker1 was "not
+    unique" and the kernel's exit waited 60 s on the token."""
+    t0 = time.monotonic()
+    out = run_script(tmp_path / "half_join.py", HALF_JOIN, timeout=120)
+    took = time.monotonic() - t0
+    assert "failed: worker1 could not join the RPC group: RuntimeError: connect" in out
+    assert "again: ok" in out
+    assert took < 45, f"{took:.0f} s: the exit waited on the join token"
