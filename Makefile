@@ -32,7 +32,7 @@ lint: $(STAMP)
 # The tutorials' source is notebooks/*.py (jupytext percent format); sync each .ipynb with
 # it after editing either one (the newer file wins).
 notebooks: $(STAMP)
-	$(PY) -m jupytext --sync notebooks/[0-9]*.py
+	$(PY) -m jupytext --sync notebooks/*.py
 
 $(CHROMIUM):
 	$(SUDO) apt-get update -q

@@ -96,9 +96,15 @@ def run_script(path, source: str, timeout: float = 180) -> str:
 
 
 def kernel_children() -> list[psutil.Process]:
-    """Every process this test process started, the hang watchdog (not nbrpc's) excepted."""
-    watchdog = _watchdog_pid[0]
-    return [p for p in psutil.Process().children(recursive=True) if p.pid != watchdog]
+    """Every process this test process started, except the hang watchdog and the fake hosts
+    of tutorial 09 (not nbrpc's; removed at the end of the session)."""
+    skip = {_watchdog_pid[0]}
+    for hosts in _notebook_hosts:
+        for root in hosts.root_pids():
+            skip.add(root)
+            with contextlib.suppress(psutil.Error):
+                skip.update(c.pid for c in psutil.Process(root).children(recursive=True))
+    return [p for p in psutil.Process().children(recursive=True) if p.pid not in skip]
 
 
 def wait_for_exit(pids: list[int], timeout: float = 20.0) -> list[int]:
@@ -129,6 +135,7 @@ def pytest_runtest_protocol(item, nextitem):
     watchdog = _hang_watchdog(item.config)
     marker = item.get_closest_marker("timeout")
     limit = float(marker.args[0]) if marker and marker.args else item.config.getini("timeout")
+    _hosts_for(item)
     watchdog.stdin.write(f"arm {float(limit or 300) + _HANG_MARGIN_S} {item.nodeid}\n")
     watchdog.stdin.flush()
     try:
@@ -148,6 +155,50 @@ def _hang_watchdog(config) -> subprocess.Popen:
         config._nbrpc_hang_watchdog = watchdog
         _watchdog_pid[0] = watchdog.pid
     return watchdog
+
+
+# -- tutorial 09 runs against fake hosts -------------------------------------------------------
+
+MULTI_HOST_NOTEBOOK = "09_multi_host.ipynb"
+_notebook_hosts: list = []
+
+
+def _fakehosts():
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "tools", "fakehosts.py")
+    spec = importlib.util.spec_from_file_location("fakehosts", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _is_multi_host(item) -> bool:
+    return os.path.basename(str(item.fspath)) == MULTI_HOST_NOTEBOOK
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without root there are no fake hosts: tutorial 09 is skipped, and says why."""
+    why = _fakehosts().missing()
+    if why:
+        for item in items:
+            if _is_multi_host(item):
+                item.add_marker(pytest.mark.skip(reason=f"{MULTI_HOST_NOTEBOOK}: {why}"))
+
+
+def _hosts_for(item) -> None:
+    """Before tutorial 09's first cell starts its kernel: fake hosts, named in the
+    environment the kernel inherits (``NBRPC_HOSTS``, ``NBRPC_SSH_ARGS``)."""
+    if _is_multi_host(item) and not _notebook_hosts and not item.get_closest_marker("skip"):
+        hosts = _fakehosts().FakeHosts(2).up()
+        _notebook_hosts.append(hosts)
+        os.environ["NBRPC_HOSTS"] = "fakeh1,fakeh1,fakeh2"
+        os.environ["NBRPC_SSH_ARGS"] = f"-F {hosts.ssh_config}"
+
+
+def pytest_sessionfinish(session):
+    while _notebook_hosts:
+        _notebook_hosts.pop().down()
 
 
 def pytest_unconfigure(config):

@@ -23,7 +23,7 @@ def _cells(nb) -> list[tuple[str, str, list]]:
 
 def main() -> int:
     problems = []
-    sources = sorted(NOTEBOOKS.glob("[0-9]*.py"))  # conftest.py is not a tutorial
+    sources = sorted(NOTEBOOKS.glob("*.py"))
     for ipynb in sorted(NOTEBOOKS.glob("*.ipynb")):
         if not ipynb.with_suffix(".py").exists():
             problems.append(f"{ipynb.name} has no source {ipynb.with_suffix('.py').name}")

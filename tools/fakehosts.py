@@ -175,6 +175,10 @@ class FakeHosts:
 
     # -- use ---------------------------------------------------------------------------
 
+    def root_pids(self) -> list[int]:
+        """The processes this object started (each the root of one host's processes)."""
+        return [p.pid for p in self._sshd]
+
     def ssh(self, host: str, command: str, timeout: float = 30) -> str:
         """Run ``command`` on a fake host; returns its stdout (raises on failure)."""
         out = subprocess.run(
