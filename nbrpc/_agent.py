@@ -17,7 +17,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.distributed.rpc import RRef, WorkerInfo
 
-from . import _group, _ledger, _remote, _torch
+from . import _group, _ledger, _remote, _shm, _torch
 from ._errors import (
     ClusterClosedError,
     NotInitializedError,
@@ -164,7 +164,8 @@ def _start(
 ) -> torch.futures.Future:
     dest = _destination(to, what)
     sent, args, kwargs = _as_python_call(func, tuple(args), kwargs)
-    raw = rpc.rpc_async(dest, sent, args=args, kwargs=kwargs, timeout=_timeout(timeout))
+    with _shm.sending_to(dest.name):
+        raw = rpc.rpc_async(dest, sent, args=args, kwargs=kwargs, timeout=_timeout(timeout))
     out = Future()
     raw.add_done_callback(
         lambda done: _remote.settle(
@@ -227,7 +228,8 @@ def remote(
     dest = _destination(to, "remote")
     sent, args, kwargs = _as_python_call(func, tuple(args), kwargs)
     try:
-        return rpc.remote(dest, sent, args=args, kwargs=kwargs, timeout=_timeout(timeout))
+        with _shm.sending_to(dest.name, "remote"):
+            return rpc.remote(dest, sent, args=args, kwargs=kwargs, timeout=_timeout(timeout))
     except Exception as exc:  # a lost connection at send time
         error = _translate(exc, f"remote call of {_name_of(func)}", dest.name, timeout)
         if error is exc:

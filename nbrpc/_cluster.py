@@ -155,6 +155,8 @@ class Cluster:
         self.boot_seconds: dict[str, float] = {}
         self.device_maps: dict = {}  # every process's maps, once booted
         self.fast_path = False  # large CPU tensors through shared memory (decided at boot)
+        #: across hosts: each process's peers that see its /dev/shm (the fast path's reach)
+        self.shm_peers: dict[str, list[str]] = {}
         self.process_group: _collective.ProcessGroupInfo | None = None
         self._engines = Engines(self.settings)
         self._engine_of: dict[str, int] = {}
@@ -282,7 +284,11 @@ class Cluster:
             )
         phases["join"] = _since(t_join)
         progress.phase("join", phases["join"], "init_rpc")
-        self.fast_path = self._configure_fast_path(member.spec.loopback_only)
+        if engines.remote:
+            self.shm_peers = self._share_memory_by_host(member.name)
+            self.fast_path = any(self.shm_peers.values())
+        else:
+            self.fast_path = self._configure_fast_path(member.spec.loopback_only)
         if settings.process_group:
             t_pg = time.monotonic()
             prefix = f"nbrpc-process-group/{os.getpid()}/{ranks[0]}"  # ranks are never reused
@@ -345,6 +351,35 @@ class Cluster:
             os.unlink(probe)
         _shm.configure(prefix, threshold if on else None)
         return _shm.enabled()
+
+    def _share_memory_by_host(self, me: str) -> dict[str, list[str]]:
+        """Across hosts: the fast path between the processes that share a ``/dev/shm``.
+
+        Every process leaves a probe file in its ``/dev/shm``; then each one lists the
+        probes it sees (its peers on the same host, whatever their hostnames say) and
+        turns the fast path on towards those alone; then the probes go.
+        """
+        prefix = _reaper.segment_prefix(os.getpid())
+        threshold = self.settings.shm_threshold
+        if threshold is None:
+            _shm.configure(prefix, None)
+            return {}
+
+        def each(step: str) -> dict[str, Any]:
+            asked = {
+                name: self._engines.apply(eid, _worker.share_memory, prefix, name, threshold, step)
+                for name, eid in self._engine_of.items()
+            }
+            found = {me: _worker.share_memory(prefix, me, threshold, step)}
+            for name, ar in asked.items():
+                found[name] = ar.get(timeout=JOIN_TIMEOUT_S)
+            return found
+
+        try:
+            each("probe")
+            return each("configure")
+        finally:
+            each("done")
 
     @property
     def wants_devices(self) -> bool:
@@ -604,7 +639,14 @@ class Cluster:
     def summary(self) -> str:
         """The processes, their ranks, pids, hosts and states, as text."""
         notes = []
-        if self.state is ClusterState.READY or self.fast_path:
+        shared = sorted({n for peers in self.shm_peers.values() for n in peers})
+        if self.shm_peers and shared:
+            notes.append(
+                f"CPU tensors of {(self.settings.shm_threshold or 0) / 2**20:g} MB and more "
+                f"travel through shared memory between processes of one host "
+                f"({', '.join(shared)}), through TensorPipe between hosts"
+            )
+        elif self.state is ClusterState.READY or self.fast_path:
             notes.append(
                 f"CPU tensors of {(self.settings.shm_threshold or 0) / 2**20:g} MB and more "
                 "travel through shared memory"

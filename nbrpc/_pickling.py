@@ -81,8 +81,11 @@ class RpcPickler(cloudpickle.Pickler):
         self.dispatch_table = {}
 
     def dump(self, obj: Any) -> None:
+        if _shm.restricted() and _torch.udf_function(obj) is not None and _shm.sending():
+            obj = _remote.WithCaller(obj, reply=_shm.sending() == "call")
         try:
-            super().dump(obj)
+            with _shm.pickling(obj):
+                super().dump(obj)
         except SerializationError:
             raise
         except Exception as exc:

@@ -30,9 +30,10 @@ import traceback
 from typing import Any
 
 import cloudpickle
+import torch
 import torch.distributed.rpc as rpc
 
-from . import _torch
+from . import _shm, _torch
 from ._errors import RemoteError
 from ._torch import RemoteException
 
@@ -120,9 +121,38 @@ def call_counts() -> dict[str, int]:
         return dict(_counts)
 
 
+class _CallerUDF(_torch.PythonUDF):
+    """torch's call record, plus who sent it and whether a reply goes back (see below)."""
+
+    caller: str | None = None
+    reply: bool = False
+
+
+def udf_from(caller: str, reply: bool, func: Any, args: tuple, kwargs: dict) -> Any:
+    """Unpickling side of :class:`WithCaller`: the call record with its caller."""
+    udf = _CallerUDF(func, args, kwargs)
+    udf.caller, udf.reply = caller, reply
+    return udf
+
+
+class WithCaller:
+    """A call being sent when only some peers share this host's memory: it names its
+    caller, so the callee knows whether its reply may carry large tensors through shared
+    memory (:mod:`nbrpc._shm`). ``reply``: a result is sent back (not for ``remote()``,
+    whose value stays with the callee)."""
+
+    def __init__(self, udf: Any, reply: bool) -> None:
+        self.udf, self.reply = udf, reply
+
+    def __reduce__(self) -> tuple:
+        udf = self.udf
+        return (udf_from, (worker_name(), self.reply, udf.func, udf.args, udf.kwargs))
+
+
 def run_function(python_udf: Any) -> Any:
     """Replaces ``torch.distributed.rpc.internal._run_function`` (called from C++)."""
     output = _CallOutput() if _forward else None
+    _shm.expect_reply(None, None)  # one left by a call whose reply went another way
     previous = getattr(_call, "output", None)
     _call.output = output
     _torch.quiet_optimizer_notice_if_loaded()  # DistributedOptimizer's, see there
@@ -138,7 +168,10 @@ def run_function(python_udf: Any) -> Any:
     try:
         if isinstance(python_udf, AttributeError):
             raise python_udf
-        return _torch.run_udf(python_udf)
+        result = _torch.run_udf(python_udf)
+        if getattr(python_udf, "reply", False) and not isinstance(result, torch.futures.Future):
+            _shm.expect_reply(result, python_udf.caller)  # pickled next, on this thread
+        return result
     except BaseException as exc:  # sys.exit() or KeyboardInterrupt must not reach torch's C++
         return _failure(exc)
     finally:

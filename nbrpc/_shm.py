@@ -4,7 +4,8 @@ TensorPipe moves a tensor between two processes of one host through a transport 
 channel (here: "uv" sockets and "cma", one copy straight into freshly allocated memory):
 measured here, a 64 MB round trip took 74 ms, most of it the OS handing out and zeroing
 new pages. When every process of the group is on one host (a
-local cluster: its store is a private file, so it must be), nbrpc's pickler sends a large
+local cluster: its store is a private file, so it must be; across hosts, the processes
+that share one ``/dev/shm``, see :func:`configure`), nbrpc's pickler sends a large
 CPU tensor as a name instead: the sender copies the tensor's storage once into a segment
 under ``/dev/shm`` (owner-only), the receiver maps that segment. One copy in all.
 
@@ -51,18 +52,88 @@ SHM_DIR = "/dev/shm"
 #: Most bytes kept in recycled segments, all processes of a cluster together.
 POOL_BYTES = 1 << 30
 
-_state: dict[str, Any] = {"threshold": None, "prefix": "", "sent": 0}  # sent: segments filled
+# sent: segments filled; peers: None when every peer sees this /dev/shm (a local cluster),
+# else the names of those that do (a cluster across hosts)
+_state: dict[str, Any] = {"threshold": None, "prefix": "", "sent": 0, "peers": None}
+#: Where the message this thread is pickling goes, when only some peers share memory:
+#: .dest (a call being sent), .pickling (the destination of the message being pickled now).
+_route = threading.local()
+#: thread id -> (result, caller): the reply a call expects. Not a threading.local: torch
+#: pickles the reply under a new acquisition of the GIL on its own thread, and pybind11
+#: gives a foreign thread a fresh Python thread state (and fresh thread-locals) each time.
+_replies: dict[int, tuple[Any, str]] = {}
 _counter = itertools.count()
 _opened: weakref.WeakValueDictionary[str, mmap.mmap] = weakref.WeakValueDictionary()
 _opened_lock = threading.Lock()
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
-def configure(prefix: str, threshold: int | None) -> None:
-    """Turn the fast path on in this process (``threshold`` in bytes) or off (``None``)."""
+def configure(prefix: str, threshold: int | None, peers: list[str] | None = None) -> None:
+    """Turn the fast path on in this process (``threshold`` in bytes) or off (``None``).
+
+    ``peers``: the processes that see this process's ``/dev/shm`` (``None``: all of them).
+    Then a large tensor takes shared memory only in a message known to go to one of them:
+    a call sent through nbrpc (:func:`sending_to`) or the reply to a call from one of them
+    (:func:`expect_reply`); anything else goes through TensorPipe, which reaches everyone.
+    """
     usable = threshold is not None and os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
     _state["threshold"] = int(threshold) if usable and threshold is not None else None
     _state["prefix"] = prefix
+    _state["peers"] = None if peers is None else frozenset(peers)
+
+
+def restricted() -> bool:
+    """Shared memory reaches some peers only (a cluster across hosts)."""
+    return _state["threshold"] is not None and _state["peers"] is not None
+
+
+@contextlib.contextmanager
+def sending_to(dest: str, kind: str = "call") -> Any:
+    """A call to ``dest`` is being sent on this thread (its pickling happens inside).
+
+    ``kind``: ``"call"`` (a reply comes back) or ``"remote"`` (the value stays there).
+    """
+    previous = getattr(_route, "dest", None), getattr(_route, "kind", None)
+    _route.dest, _route.kind = dest, kind
+    try:
+        yield
+    finally:
+        _route.dest, _route.kind = previous
+
+
+def sending() -> str | None:
+    """The kind of call being sent on this thread (see :func:`sending_to`), if any."""
+    return getattr(_route, "kind", None) if getattr(_route, "dest", None) else None
+
+
+def expect_reply(result: Any, caller: str | None) -> None:
+    """``result`` of a call from ``caller`` is about to be pickled as the reply here."""
+    if caller is None:
+        _replies.pop(threading.get_ident(), None)
+    else:
+        _replies[threading.get_ident()] = (result, caller)
+
+
+@contextlib.contextmanager
+def pickling(obj: Any) -> Any:
+    """While ``obj`` is pickled on this thread: where it goes, if known."""
+    reply = _replies.get(threading.get_ident())
+    if reply is not None and reply[0] is obj:
+        del _replies[threading.get_ident()]
+        dest = reply[1]
+    else:
+        dest = getattr(_route, "dest", None)
+    previous = getattr(_route, "pickling", None)
+    _route.pickling = dest
+    try:
+        yield
+    finally:
+        _route.pickling = previous
+
+
+def _reaches(dest: str | None) -> bool:
+    peers = _state["peers"]
+    return peers is None or (dest is not None and dest in peers)
 
 
 def enabled() -> bool:
@@ -174,6 +245,8 @@ def make_reducer(torch_reducer: Callable[[torch.Tensor], Any]) -> Callable[[torc
     def reduce(t: torch.Tensor) -> Any:
         threshold = _state["threshold"]
         if threshold is None or not _eligible(t, threshold):
+            return torch_reducer(t)
+        if not _reaches(getattr(_route, "pickling", None)):  # another host, or unknown
             return torch_reducer(t)
         storage = t.untyped_storage()
         key = storage.data_ptr()

@@ -59,6 +59,7 @@ __all__ = [
     "TP_SOCKET_IFNAME",
     "UNSET_RPC_TIMEOUT",
     "PyRRef",
+    "PythonUDF",
     "RemoteException",
     "agent",
     "agent_is_set",
@@ -289,6 +290,11 @@ def udf_function(obj: Any) -> Any:
     """The function of torch's ``PythonUDF`` (a call being pickled), else ``None``."""
     func = getattr(obj, "func", None)
     return func if func is not None and hasattr(obj, "args") else None
+
+
+#: torch's call record, a namedtuple ``func, args, kwargs``: public in torch since 1.x
+#: (``torch.distributed.rpc.internal.PythonUDF``), built by every Python call it sends.
+PythonUDF = rpc_internal.PythonUDF
 
 
 def run_udf(udf: Any) -> Any:

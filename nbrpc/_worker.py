@@ -18,6 +18,7 @@ __all__ = [
     "init_process_group",
     "join",
     "leave",
+    "share_memory",
 ]
 
 
@@ -79,6 +80,33 @@ def join(
 def host_entry() -> str | None:
     """The ``--hosts`` entry this engine was started for (None: a local engine)."""
     return os.environ.get("NBRPC_HOST_ENTRY")
+
+
+def share_memory(prefix: str, name: str, threshold: int, step: str) -> list[str]:
+    """One step of probing which processes share this one's ``/dev/shm`` (across hosts).
+
+    ``probe``: leave a probe file; ``configure``: the peers whose probes are visible
+    here get the fast path (none: off); ``done``: remove this process's probe.
+    """
+    from . import _shm
+
+    mark = f"{prefix}-probe-"
+    path = os.path.join(_shm.SHM_DIR, mark + name)
+    if step == "probe":
+        with open(path, "w"):
+            pass
+        return []
+    if step == "configure":
+        try:
+            seen = [e[len(mark) :] for e in os.listdir(_shm.SHM_DIR) if e.startswith(mark)]
+        except OSError:
+            seen = []
+        peers = sorted(n for n in seen if n != name)
+        _shm.configure(prefix, threshold if peers else None, peers)
+        return peers if _shm.enabled() else []
+    if os.path.exists(path):
+        os.unlink(path)
+    return []
 
 
 def configure_fast_path(prefix: str, threshold: int | None, probe: str) -> bool:

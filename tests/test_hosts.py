@@ -263,6 +263,33 @@ def test_workers_on_two_hosts_over_ssh(hosts, kernel):
         == 16 << 20
     )
 
+    # shared memory between the two workers on fakeh1 (one /dev/shm), TensorPipe elsewhere
+    peers = kernel.value("nbrpc.current().shm_peers")
+    assert peers == {"worker0": [], "worker1": ["worker2"], "worker2": ["worker1"], "worker3": []}
+    assert "shared memory between processes of one host (worker1, worker2)" in kernel.run(
+        "print(nbrpc.current().summary())"
+    )
+    kernel.run(
+        "def sent():\n"
+        "    return {w: nbrpc.rpc_sync(w, lambda: __import__('nbrpc')._shm._state['sent'])\n"
+        "            for w in ['worker1', 'worker2', 'worker3']}\n"
+        "def via_worker2(n):\n"
+        "    t = nbrpc.rpc_sync('worker2', lambda t: t + 1, args=(torch.ones(n),))\n"
+        "    return float(t.sum())\n"
+    )
+    before = kernel.value("sent()")
+    assert kernel.value("nbrpc.rpc_sync('worker1', via_worker2, args=(16 << 20,))") == 2 * (
+        16 << 20
+    )
+    after = kernel.value("sent()")
+    # one segment for the call (worker1 -> worker2), one for its reply (worker2 -> worker1)
+    assert after == {**before, "worker1": before["worker1"] + 1, "worker2": before["worker2"] + 1}
+    # a reply to the kernel (another host) and a call from it: TensorPipe, right values
+    assert kernel.value(
+        "float(nbrpc.rpc_sync('worker1', lambda t: t * 2, args=(torch.ones(16 << 20),)).sum())"
+    ) == 2 * (16 << 20)
+    assert kernel.value("sent()") == after
+
     # distributed autograd across both hosts, against the same model in one process
     kernel.run(
         "import torch.nn as nn\n"
