@@ -117,6 +117,7 @@ def expect_reply(result: Any, caller: str | None) -> None:
 @contextlib.contextmanager
 def pickling(obj: Any) -> Any:
     """While ``obj`` is pickled on this thread: where it goes, if known."""
+    dest: str | None
     reply = _replies.get(threading.get_ident())
     if reply is not None and reply[0] is obj:
         del _replies[threading.get_ident()]
