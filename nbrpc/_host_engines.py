@@ -189,8 +189,12 @@ class HostEngines:
         self.controller_seconds: float | None = None
         self._pidfile = os.path.join(self._workdir, "pids")
         self._watchdog: subprocess.Popen | None = None
-        self._ipp.start_controller_sync()
-        self._watch()
+        try:
+            self._ipp.start_controller_sync()
+            self._watch()
+        except BaseException:
+            self.release()
+            raise
 
     @property
     def key(self) -> tuple:
@@ -204,6 +208,7 @@ class HostEngines:
         if self._client is None:
             self._client = self._ipp.connect_client_sync()
             self.controller_seconds = time.monotonic() - self._started
+            self._watch()  # the controller's own children exist by now
         return self._client
 
     @property

@@ -227,6 +227,17 @@ def test_workers_on_two_hosts_over_ssh(hosts, kernel):
     assert set(listening) <= {fakehosts.KERNEL_ADDRESS, "127.0.0.1"}, listening
     assert fakehosts.KERNEL_ADDRESS in listening
 
+    # the watchdog is given this host's pids only (the controller), never the engines';
+    # the engines' files live in a directory of this controller's own (no stale files)
+    watched, local, run = kernel.value(
+        "(lambda h: (open(h._pidfile).read().split(), h.pids(), h.remote_dir))"
+        "(nbrpc.current()._engines.hosts)"
+    )
+    assert sorted(map(int, watched)) == sorted(local)
+    remote_pids = [r[0] for r in kernel.value("[(r['pid'],) for r in nbrpc.status()[1:]]")]
+    assert not set(remote_pids) & set(local)
+    assert hosts.ssh("fakeh1", "ls -A ~/.nbrpc").split() == [run.split("/")[-1]]
+
     # notebook code, remote print, a remote exception with its type
     out = kernel.run(
         "def where(x):\n"
@@ -348,8 +359,17 @@ def test_shutdown_leaves_nothing_on_the_hosts_and_init_works_again(hosts, kernel
         assert hosts.processes(host) == [], host
         assert hosts.ssh(host, "ls -A /dev/shm").split() == [], host
         assert hosts.ssh(host, "ls -A ~/.nbrpc 2>/dev/null || true").split() == [], host
-    kernel.run('%rpc_init --hosts fakeh2 --ssh-args "$SSH" --quiet')
-    assert kernel.value("nbrpc.rpc_sync('worker1', lambda: socket.gethostname())") == "fakeh2"
+    # again, with a gloo process group across the two hosts and a %%rpc cell on both
+    kernel.run('%rpc_init --hosts fakeh1,fakeh2 --ssh-args "$SSH" --process-group gloo --quiet')
+    out = kernel.run(
+        "%%rpc\n"
+        "import socket, torch, torch.distributed as dist\n"
+        "x = torch.tensor([dist.get_rank() + 1.0])\n"
+        "dist.all_reduce(x)\n"
+        "(socket.gethostname(), x.item())"
+    )
+    assert "('fakeh1', 3.0)" in out, out
+    assert "('fakeh2', 3.0)" in out, out
 
 
 @needs_hosts
