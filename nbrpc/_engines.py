@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import _hosts, _launch, _worker
+from . import _launch, _worker
 from ._errors import BootError
 from ._host_engines import HostEngines
 from ._reaper import process_alive
@@ -59,7 +59,6 @@ class Engines:
         plan = self.settings.host_plan
         if plan is not None:
             assert self.settings.listen, "Settings.make works out --listen for --hosts"
-            _hosts.preflight(plan, plan.remote_python or self.settings.python, self.settings.listen)
             self.hosts = HostEngines(self.settings.listen, plan, self.settings.python)
             return
         kept = _launch.current()

@@ -31,6 +31,7 @@ import contextlib
 import logging
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -169,6 +170,12 @@ class HostEngines:
         ]
         self.ssh_args = [*control, *_hosts.ssh_options(plan.ssh_args)]
         self.scp_args = [*control, *_hosts.scp_args(plan.ssh_args)]
+        try:  # before anything starts; its ssh connections then serve the engines' starts
+            _hosts.preflight(plan, self.python, listen, self.ssh_args)
+        except BaseException:
+            self._close_connections()
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            raise
         self._ipp = ipp.Cluster(
             controller_ip=listen,
             log_level=logging.ERROR,
@@ -351,6 +358,15 @@ class HostEngines:
         with contextlib.suppress(Exception):
             self._ipp.engines.clear()
             self._ipp.stop_cluster_sync()
+        self._close_connections()
+        if self._watchdog is not None:
+            self._watchdog.terminate()
+            self._watchdog.wait()
+            self._watchdog = None
+        shutil.rmtree(self._workdir, ignore_errors=True)
+
+    def _close_connections(self) -> None:
+        """Close the shared ssh connection to each host (OpenSSH's ``-O exit``)."""
         for entry in _hosts.counts(self.plan.entries):
             subprocess.run(
                 ["ssh", *self.ssh_args, "-O", "exit", entry],
@@ -358,10 +374,3 @@ class HostEngines:
                 timeout=10,
                 check=False,
             )
-        if self._watchdog is not None:
-            self._watchdog.terminate()
-            self._watchdog.wait()
-            self._watchdog = None
-        import shutil
-
-        shutil.rmtree(self._workdir, ignore_errors=True)

@@ -168,8 +168,10 @@ def probe_code(store: tuple[str, int]) -> str:
     )
 
 
-def _check_one(entry: str, plan: HostPlan, python: str, store: tuple[str, int], mine: dict) -> dict:
-    argv = ["ssh", *ssh_options(plan.ssh_args), entry, python, "-"]
+def _check_one(
+    entry: str, ssh_args: list[str], python: str, store: tuple[str, int], mine: dict
+) -> dict:
+    argv = ["ssh", *ssh_args, entry, python, "-"]
     try:
         out = subprocess.run(
             argv,
@@ -235,13 +237,19 @@ def local_versions() -> dict:
     return {"python": "{}.{}".format(*sys.version_info[:2]), "versions": versions}
 
 
-def preflight(plan: HostPlan, python: str, listen: str) -> dict[str, dict]:
+def preflight(
+    plan: HostPlan, python: str, listen: str, ssh_args: list[str] | None = None
+) -> dict[str, dict]:
     """Check every host at once (see the module doc); returns what each one reported.
 
     Reaching the kernel is tried against a socket opened here for the check, on ``listen``
     and a free port: the store, the RPC endpoint and the controller listen on that address
     too, each on a port of its own, so a host that reaches this one reaches them.
+
+    ``ssh_args``: the full ssh options (default: :func:`ssh_options`); the launcher passes
+    its shared-connection options, so the engines' ssh sessions reuse these connections.
     """
+    ssh_args = ssh_args if ssh_args is not None else ssh_options(plan.ssh_args)
     mine = local_versions()
     hosts = list(counts(plan.entries))
     family = socket.AF_INET6 if ":" in listen else socket.AF_INET
@@ -253,7 +261,7 @@ def preflight(plan: HostPlan, python: str, listen: str) -> dict[str, dict]:
         raise BootError(f"cannot listen on {listen} ({exc}): is it this host's address?") from exc
     store = (listen, probe.getsockname()[1])
     with probe, ThreadPoolExecutor(max_workers=min(16, len(hosts))) as pool:
-        futures = {h: pool.submit(_check_one, h, plan, python, store, mine) for h in hosts}
+        futures = {h: pool.submit(_check_one, h, ssh_args, python, store, mine) for h in hosts}
         errors = []
         found = {}
         for host, future in futures.items():
