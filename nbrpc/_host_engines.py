@@ -150,21 +150,19 @@ class HostEngineSetLauncher(SSHEngineSetLauncher):
     launcher_class = HostEngineLauncher
 
 
-class HostEngines:
+class HostEngines(_launch.Controller):
     """A controller on ``listen`` and the engines it runs on other hosts."""
 
     def __init__(self, listen: str, plan: _hosts.HostPlan, python: str) -> None:
-        import ipyparallel as ipp
-
         self.listen = listen
         self.plan = plan
         self.python = plan.remote_python or python
-        self._workdir = tempfile.mkdtemp(prefix="nbrpc-hosts-")
+        workdir = tempfile.mkdtemp(prefix="nbrpc-hosts-")
         control = [
             "-o",
             "ControlMaster=auto",
             "-o",
-            f"ControlPath={self._workdir}/%C",
+            f"ControlPath={workdir}/%C",
             "-o",
             "ControlPersist=60",
         ]
@@ -174,34 +172,12 @@ class HostEngines:
             _hosts.preflight(plan, self.python, listen, self.ssh_args)
         except BaseException:
             self._close_connections()
-            shutil.rmtree(self._workdir, ignore_errors=True)
+            shutil.rmtree(workdir, ignore_errors=True)
             raise
-        self._ipp = ipp.Cluster(
-            controller_ip=listen,
-            log_level=logging.ERROR,
-            shutdown_atexit=False,
-            delay=0,
-            send_engines_connection_env=False,
-            engine_launcher_class=HostEngineSetLauncher,
-            controller_args=[
-                "--IPController.use_threads=True",
-                f"--HeartMonitor.period={_launch.HEARTBEAT_MS}",
-                f"--HeartMonitor.max_heartmonitor_misses={_launch.HEARTBEAT_MISSES}",
-            ],
-        )
+        super().__init__(listen, workdir, HostEngineSetLauncher)
         self.remote_dir = f".nbrpc/run-{self._ipp.cluster_id}"
-        self._client: Any = None
         self._launchers: list[HostEngineLauncher] = []
-        self._started = time.monotonic()
-        self.controller_seconds: float | None = None
-        self._pidfile = os.path.join(self._workdir, "pids")
-        self._watchdog: subprocess.Popen | None = None
-        try:
-            self._ipp.start_controller_sync()
-            self._watch()
-        except BaseException:
-            self.release()
-            raise
+        self._start_controller()
 
     @property
     def key(self) -> tuple:
@@ -210,40 +186,6 @@ class HostEngines:
     @property
     def log_dir(self) -> str:
         return f"~/{self.remote_dir}/log on each host"
-
-    def client(self) -> Any:
-        if self._client is None:
-            self._client = self._ipp.connect_client_sync()
-            self.controller_seconds = time.monotonic() - self._started
-            self._watch()  # the controller's own children exist by now
-        return self._client
-
-    @property
-    def controller_pid(self) -> int | None:
-        return getattr(self._ipp.controller, "pid", None)
-
-    def pids(self) -> list[int]:
-        """This host's processes only: the controller (and what it forked)."""
-        import psutil
-
-        pid = self.controller_pid
-        pids = [pid] if pid else []
-        if pid:
-            with contextlib.suppress(psutil.Error):
-                pids += [c.pid for c in psutil.Process(pid).children(recursive=True)]
-        return pids
-
-    def _watch(self) -> None:
-        _reaper.write_pids(self._pidfile, self.pids())
-        if self._watchdog is None:
-            import sys
-
-            marker = f"IPP_CLUSTER_ID={self._ipp.cluster_id}"
-            self._watchdog = subprocess.Popen(
-                [sys.executable, _reaper.__file__, str(os.getpid()), self._pidfile, marker],
-                start_new_session=True,
-                stdin=subprocess.DEVNULL,
-            )
 
     # -- engines ---------------------------------------------------------------------
 
@@ -262,11 +204,7 @@ class HostEngines:
                 remote_python=self.python,
                 engine_cmd=[self.python, "-m", "nbrpc._engine", "--engine"],
                 remote_profile_dir=self.remote_dir,
-                engine_args=[
-                    "--IPEngine.enable_nanny=False",
-                    f"--IPEngine.wait_for_url_file={_launch.CONTROLLER_TIMEOUT_S:.0f}",
-                    f"--IPEngine.max_heartbeat_misses={_launch.ENGINE_ORPHAN_MISSES}",
-                ],
+                engine_args=list(_launch.ENGINE_ARGS),
                 delay=0,
             )
         except BootError:
@@ -350,20 +288,12 @@ class HostEngines:
 
     def release(self) -> None:
         """Stop the controller, the ssh connections and the watchdog (engines: retire)."""
-        if self._client is not None:
-            with contextlib.suppress(Exception):
-                self._client.close()
-            self._client = None
-        _reaper.reap([p for p in self.pids() if p != os.getpid()])
+        self._stop_processes()
         with contextlib.suppress(Exception):
             self._ipp.engines.clear()
             self._ipp.stop_cluster_sync()
         self._close_connections()
-        if self._watchdog is not None:
-            self._watchdog.terminate()
-            self._watchdog.wait()
-            self._watchdog = None
-        shutil.rmtree(self._workdir, ignore_errors=True)
+        self._stop_watchdog()
 
     def _close_connections(self) -> None:
         """Close the shared ssh connection to each host (OpenSSH's ``-O exit``)."""

@@ -53,7 +53,14 @@ from . import _reaper
 from ._errors import BootError
 from ._reaper import process_alive
 
-__all__ = ["HEARTBEAT_MISSES", "HEARTBEAT_MS", "SPARES_MAX", "LocalEngines"]
+__all__ = [
+    "ENGINE_ARGS",
+    "HEARTBEAT_MISSES",
+    "HEARTBEAT_MS",
+    "SPARES_MAX",
+    "Controller",
+    "LocalEngines",
+]
 
 log = logging.getLogger("nbrpc")
 
@@ -171,7 +178,126 @@ class ForkedEngineSetLauncher(LocalEngineSetLauncher):
     zygote = AnyTrait()
 
 
-class LocalEngines:
+#: What every engine nbrpc starts is told, here or on another host: no nanny process, wait
+#: for the controller's connection file, and stop after ENGINE_ORPHAN_MISSES heartbeats
+#: without the controller.
+ENGINE_ARGS = (
+    "--IPEngine.enable_nanny=False",
+    f"--IPEngine.wait_for_url_file={CONTROLLER_TIMEOUT_S:.0f}",
+    f"--IPEngine.max_heartbeat_misses={ENGINE_ORPHAN_MISSES}",
+)
+
+
+class Controller:
+    """An ipyparallel controller nbrpc runs on this host, and the watchdog that stops its
+    processes should the kernel die. :class:`LocalEngines` (engines here) and
+    :class:`nbrpc._host_engines.HostEngines` (engines over ssh) build on it.
+
+    ``listen``: the controller's address. ``workdir``: a private directory of this
+    controller's (the watchdog's pid file; removed at release). Subclasses add their own
+    processes to :meth:`pids` and start the controller with :meth:`_start_controller`.
+    """
+
+    def __init__(self, listen: str, workdir: str, engine_launcher_class: type) -> None:
+        import ipyparallel as ipp
+
+        self._ipp = ipp.Cluster(
+            controller_ip=listen,
+            log_level=logging.ERROR,  # nbrpc reports failures itself, with advice
+            shutdown_atexit=False,  # nbrpc's own atexit hook releases it (quietly)
+            delay=0,
+            send_engines_connection_env=False,  # engines wait for the file themselves
+            engine_launcher_class=engine_launcher_class,
+            controller_args=[
+                "--IPController.use_threads=True",
+                f"--HeartMonitor.period={HEARTBEAT_MS}",
+                f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
+            ],
+        )
+        self._client: Any = None
+        self._workdir = workdir
+        self._pidfile = os.path.join(workdir, "pids")
+        self._watchdog: subprocess.Popen | None = None
+        self.controller_seconds: float | None = None
+        self._started = time.monotonic()
+
+    @property
+    def controller_pid(self) -> int | None:
+        return getattr(self._ipp.controller, "pid", None)
+
+    @property
+    def _marker(self) -> str:
+        """How ipyparallel tells the controller (and every process it forks) its cluster."""
+        return f"IPP_CLUSTER_ID={self._ipp.cluster_id}"
+
+    def controller_pids(self) -> list[int]:
+        """The controller and the processes it forked (its heart monitor), if running."""
+        pid = self.controller_pid
+        if not pid:
+            return []
+        pids = [pid]
+        with contextlib.suppress(psutil.Error):
+            pids += [c.pid for c in psutil.Process(pid).children(recursive=True)]
+        return pids
+
+    def pids(self) -> list[int]:
+        """Every process of this host that the watchdog stops should the kernel die."""
+        return self.controller_pids()
+
+    def client(self) -> Any:
+        """The ipyparallel client, connected once the controller is up."""
+        if self._client is None:
+            self._client = self._ipp.connect_client_sync()
+            self.controller_seconds = time.monotonic() - self._started
+            self._watch()  # the controller's forks exist by now
+        return self._client
+
+    def _start_controller(self) -> None:
+        """Start the controller; a failure releases everything started so far."""
+        try:
+            self._ipp.start_controller_sync()
+            self._watch()
+        except BaseException:
+            self.release()
+            raise
+
+    def _watch(self) -> None:
+        """Tell the watchdog which pids to stop should this kernel die (start it once)."""
+        _reaper.write_pids(self._pidfile, self.pids())
+        if self._watchdog is None:
+            self._watchdog = subprocess.Popen(
+                [sys.executable, _reaper.__file__, str(os.getpid()), self._pidfile, self._marker],
+                start_new_session=True,  # not hit by the signal that kills the kernel's group
+                stdin=subprocess.DEVNULL,
+            )
+
+    def _stop_processes(self) -> None:
+        """Close the client and stop this controller's processes on this host, at once.
+
+        Found by pid and by ipyparallel's cluster-id marker, as the watchdog finds them:
+        a controller that died alone leaves its forked heart monitor, which no longer
+        shows among its children (seen: two such processes outlived their kernels).
+        """
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                self._client.close()
+            self._client = None
+        ours = self.pids() + _reaper.started_with(self._marker)
+        _reaper.reap(sorted({p for p in ours if p != os.getpid()}))
+
+    def release(self) -> None:
+        self._stop_processes()
+        self._stop_watchdog()
+
+    def _stop_watchdog(self) -> None:
+        shutil.rmtree(self._workdir, ignore_errors=True)  # alone, it would exit within 1 s
+        if self._watchdog is not None:
+            self._watchdog.terminate()
+            self._watchdog.wait()
+            self._watchdog = None
+
+
+class LocalEngines(Controller):
     """A controller on this host and the engines it runs; kept between clusters.
 
     ``listen``: the controller's address (loopback unless the cluster opens to other
@@ -180,31 +306,13 @@ class LocalEngines:
     """
 
     def __init__(self, listen: str | None, python: str) -> None:
-        import ipyparallel as ipp
-
         self.listen = listen
         self.python = python
-        self._ipp = ipp.Cluster(
-            controller_ip=listen or "127.0.0.1",  # loopback unless --listen opens it
-            log_level=logging.ERROR,  # nbrpc reports failures itself, with advice
-            shutdown_atexit=False,  # nbrpc's own atexit hook releases it (quietly)
-            delay=0,
-            send_engines_connection_env=False,  # engines wait for the file themselves
-            engine_launcher_class=ForkedEngineSetLauncher,
-            controller_args=[
-                "--IPController.use_threads=True",
-                f"--HeartMonitor.period={HEARTBEAT_MS}",
-                f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
-            ],
-        )
-        self._client: Any = None
+        workdir = tempfile.mkdtemp(prefix="nbrpc-launch-")
+        # loopback unless --listen opens it
+        super().__init__(listen or "127.0.0.1", workdir, ForkedEngineSetLauncher)
         self._launchers: dict[int, Any] = {}  # pid -> launcher of every engine still ours
         self._handed_out: set[int] = set()  # engine ids given to a cluster: never again
-        self._workdir = tempfile.mkdtemp(prefix="nbrpc-launch-")
-        self._pidfile = os.path.join(self._workdir, "pids")
-        self._watchdog: subprocess.Popen | None = None
-        self.controller_seconds: float | None = None
-        self._started = time.monotonic()
         self._watch()  # the watchdog first: a kernel killed from here on leaves nothing
         # then the zygote: a bad interpreter fails here, before the controller starts
         try:
@@ -212,20 +320,11 @@ class LocalEngines:
         except BaseException:
             self._stop_watchdog()
             raise
-        try:
-            self._ipp.start_controller_sync()
-            self._watch()
-        except BaseException:
-            self.release()
-            raise
+        self._start_controller()
 
     @property
     def key(self) -> tuple[str | None, str]:
         return (self.listen, self.python)
-
-    @property
-    def controller_pid(self) -> int | None:
-        return getattr(self._ipp.controller, "pid", None)
 
     # -- engines ---------------------------------------------------------------------
 
@@ -237,11 +336,7 @@ class LocalEngines:
             set_id = self._ipp.start_engines_sync(
                 n,
                 zygote=self.zygote,
-                engine_args=[
-                    "--IPEngine.enable_nanny=False",
-                    f"--IPEngine.wait_for_url_file={CONTROLLER_TIMEOUT_S:.0f}",
-                    f"--IPEngine.max_heartbeat_misses={ENGINE_ORPHAN_MISSES}",
-                ],
+                engine_args=list(ENGINE_ARGS),
                 delay=0,
                 environment={MARKS_ENV: self._workdir, KERNEL_ENV: str(os.getpid())},
             )
@@ -250,13 +345,6 @@ class LocalEngines:
         for launcher in self._ipp.engines[set_id].launchers.values():
             self._launchers[launcher.pid] = launcher
         self._watch()
-
-    def client(self) -> Any:
-        """The ipyparallel client, connected once the controller is up."""
-        if self._client is None:
-            self._client = self._ipp.connect_client_sync()
-            self.controller_seconds = time.monotonic() - self._started
-        return self._client
 
     def _spare_ids(self) -> list[int]:
         return [i for i in sorted(self.client().ids) if i not in self._handed_out]
@@ -368,52 +456,26 @@ class LocalEngines:
         pids = [p for p in self._launchers if process_alive(p)]
         if hasattr(self, "zygote") and self.zygote.proc.poll() is None:
             pids.append(self.zygote.pid)
-        if self.controller_pid:
-            pids.append(self.controller_pid)
-            with contextlib.suppress(psutil.Error):
-                pids += [c.pid for c in psutil.Process(self.controller_pid).children()]
-        return pids
+        return pids + self.controller_pids()
 
     def _forget_stopped_sets(self) -> None:
         for set_id, engine_set in list(self._ipp.engines.items()):
             if all(la.state == "after" for la in engine_set.launchers.values()):
                 self._ipp.engines.pop(set_id, None)
 
-    # -- the watchdog and release ---------------------------------------------------------
-
-    def _watch(self) -> None:
-        """Tell the watchdog which pids to stop should this kernel die (start it once)."""
-        _reaper.write_pids(self._pidfile, self.pids())
-        if self._watchdog is None:
-            marker = f"IPP_CLUSTER_ID={self._ipp.cluster_id}"  # how ipyparallel passes it
-            self._watchdog = subprocess.Popen(
-                [sys.executable, _reaper.__file__, str(os.getpid()), self._pidfile, marker],
-                start_new_session=True,  # not hit by the signal that kills the kernel's group
-                stdin=subprocess.DEVNULL,
-            )
+    # -- release -------------------------------------------------------------------------
 
     def release(self) -> None:
         """Stop every engine (spares included), the controller and the watchdog."""
-        if self._client is not None:
-            with contextlib.suppress(Exception):
-                self._client.close()
-            self._client = None
         self.zygote.close()
         # every process at once (ipyparallel stops them one after another, ~4 s here)
-        _reaper.reap([p for p in self.pids() if p != os.getpid()])
+        self._stop_processes()
         try:
             self._ipp.stop_cluster_sync()  # finds them stopped; removes its files
         except Exception as exc:
             log.warning("stopping ipyparallel's controller and engines: %s", exc)
         self._launchers.clear()
         self._stop_watchdog()
-
-    def _stop_watchdog(self) -> None:
-        shutil.rmtree(self._workdir, ignore_errors=True)  # alone, it would exit within 1 s
-        if self._watchdog is not None:
-            self._watchdog.terminate()
-            self._watchdog.wait()
-            self._watchdog = None
 
 
 def _tail(text: str, lines: int = 25) -> str:

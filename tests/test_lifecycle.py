@@ -245,3 +245,30 @@ def test_a_kernel_killed_mid_boot_leaves_nothing_behind(tmp_path, after_s):
     finally:
         if kernel.poll() is None:
             kernel.kill()
+
+
+def test_release_stops_what_a_controller_that_died_alone_forked(tmp_path):
+    """A controller killed on its own leaves its forked heart monitor, no longer its child:
+    release finds it by ipyparallel's cluster-id marker, as the watchdog does."""
+    out = run_script(
+        tmp_path / "orphan.py",
+        "import os, time, psutil, nbrpc\n"
+        "from nbrpc import _launch\n"
+        "nbrpc.init(n=1, progress=False)\n"
+        "ours = _launch.current()\n"
+        "forks = [p for p in ours.controller_pids() if p != ours.controller_pid]\n"
+        "assert forks, 'the controller forks its heart monitor'\n"
+        "os.kill(ours.controller_pid, 9)\n"
+        "time.sleep(0.5)\n"
+        "def running(p):\n"
+        "    try:\n"
+        "        return psutil.Process(p).status() != psutil.STATUS_ZOMBIE\n"
+        "    except psutil.NoSuchProcess:\n"
+        "        return False\n"
+        "print('orphaned', all(map(running, forks)))\n"
+        "nbrpc.shutdown(release=True)\n"
+        "time.sleep(0.2)\n"
+        "print('left', [p for p in forks if running(p)])\n",
+    )
+    assert "orphaned True" in out  # its heart monitor outlived the controller
+    assert "left []" in out
