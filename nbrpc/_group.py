@@ -82,11 +82,24 @@ class StoreSpec:
             return self.listen in _LOOPBACK
         return self.kind == "file" or self.host in _LOOPBACK
 
+    def interface(self) -> str | None:
+        """The interface this process's group sockets listen on (TensorPipe's, gloo's):
+        loopback for a local cluster, else the one routed towards the kernel's listen
+        address (None: the library's own choice)."""
+        if self.loopback_only:
+            return loopback_ifname()
+        return interface_toward(self.listen) if self.listen else None
+
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def is_loopback(address: str) -> bool:
+    """``address`` (a name or an IP) is this host's loopback: no other host reaches it."""
+    return address in _LOOPBACK or address.startswith("127.")
 
 
 def _bound_socket(host: str, port: int) -> int:
@@ -116,7 +129,7 @@ def listen_of_init_method(init_method: str) -> str | None:
     hosts then joined the store and failed to reach the kernel (``ECONNREFUSED``).
     """
     spec = spec_from_init_method(init_method)
-    if spec.kind != "tcp" or spec.host in _LOOPBACK or spec.host.startswith("127."):
+    if spec.kind != "tcp" or is_loopback(spec.host):
         return None
     if spec.host in ("0.0.0.0", "::"):
         raise ConfigError(
@@ -129,7 +142,7 @@ def listen_of_init_method(init_method: str) -> str | None:
         raise ConfigError(
             f"--init-method {init_method}: cannot resolve {spec.host}: {exc}"
         ) from exc
-    if address.startswith("127.") or address == "::1":
+    if is_loopback(address):
         return None
     interface_for(address)  # the kernel runs the store: the address must be this host's
     return address
@@ -254,11 +267,7 @@ def join(
         if store is None:
             store = spec.open(is_master=(rank == 0), timeout_s=rpc_timeout)
         _handed_store.append(store)
-        if spec.loopback_only:
-            ifname: str | None = loopback_ifname()
-        else:
-            ifname = interface_toward(spec.listen) if spec.listen else None
-        with _tensorpipe_interface(ifname):
+        with _tensorpipe_interface(spec.interface()):
             rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=options)
     _joined["name"] = name
 

@@ -28,6 +28,7 @@ import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from . import _group
 from ._errors import BootError, ConfigError
 
 __all__ = [
@@ -122,7 +123,7 @@ def infer_listen(first: str, ssh_args: tuple[str, ...] = ()) -> str:
             "Give it with --listen ADDR (listen=ADDR): an address of this host that every "
             "worker host can connect to."
         ) from exc
-    if local.startswith("127.") or local == "::1":
+    if _group.is_loopback(local):
         raise ConfigError(
             f"{first} resolves to this host's loopback ({name}); workers there could not "
             "tell this host from their own. Give --listen ADDR with an address the hosts "

@@ -152,7 +152,8 @@ class WithCaller:
 def run_function(python_udf: Any) -> Any:
     """Replaces ``torch.distributed.rpc.internal._run_function`` (called from C++)."""
     output = _CallOutput() if _forward else None
-    _shm.expect_reply(None, None)  # one left by a call whose reply went another way
+    if _shm.restricted():
+        _shm.expect_reply(None, None)  # one left by a call whose reply went another way
     previous = getattr(_call, "output", None)
     _call.output = output
     _torch.quiet_optimizer_notice_if_loaded()  # DistributedOptimizer's, see there

@@ -122,7 +122,7 @@ class Settings:
             n = len(entries)
             if not listen:
                 listen = _hosts.infer_listen(entries[0], extra)
-            elif listen in ("127.0.0.1", "localhost", "::1"):
+            elif _group.is_loopback(listen):
                 raise ConfigError(
                     f"--listen {listen} with --hosts: workers on other hosts cannot reach this "
                     "host's loopback. Give an address they reach (or leave --listen out: it "

@@ -137,9 +137,7 @@ def init_process_group(
             f"{socket.gethostname()} has none. Use --process-group gloo (CPU tensors)."
         )
     spec = _group.StoreSpec(**store)
-    ifname = _group.loopback_ifname() if spec.loopback_only else None
-    if ifname is None and spec.listen:
-        ifname = _group.interface_toward(spec.listen)
+    ifname = spec.interface()
     if ifname:  # gloo listens where TensorPipe does: loopback for a local cluster
         os.environ[_torch.GLOO_SOCKET_IFNAME] = ifname
     base = spec.open(is_master=False, timeout_s=timeout_s)

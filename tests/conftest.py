@@ -163,14 +163,17 @@ MULTI_HOST_NOTEBOOK = "09_multi_host.ipynb"
 _notebook_hosts: list = []
 
 
-def _fakehosts():
+def load_fakehosts():
+    """tools/fakehosts.py as a module (tools/ is not a package), loaded once."""
     import importlib.util
 
-    path = os.path.join(os.path.dirname(__file__), "..", "tools", "fakehosts.py")
-    spec = importlib.util.spec_from_file_location("fakehosts", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    if "fakehosts" not in sys.modules:
+        path = os.path.join(os.path.dirname(__file__), "..", "tools", "fakehosts.py")
+        spec = importlib.util.spec_from_file_location("fakehosts", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules["fakehosts"] = module
+    return sys.modules["fakehosts"]
 
 
 def _is_multi_host(item) -> bool:
@@ -179,7 +182,7 @@ def _is_multi_host(item) -> bool:
 
 def pytest_collection_modifyitems(config, items):
     """Without root there are no fake hosts: tutorial 09 is skipped, and says why."""
-    why = _fakehosts().missing()
+    why = load_fakehosts().missing()
     if why:
         for item in items:
             if _is_multi_host(item):
@@ -190,7 +193,7 @@ def _hosts_for(item) -> None:
     """Before tutorial 09's first cell starts its kernel: fake hosts, named in the
     environment the kernel inherits (``NBRPC_HOSTS``, ``NBRPC_SSH_ARGS``)."""
     if _is_multi_host(item) and not _notebook_hosts and not item.get_closest_marker("skip"):
-        hosts = _fakehosts().FakeHosts(2).up()
+        hosts = load_fakehosts().FakeHosts(2).up()
         _notebook_hosts.append(hosts)
         os.environ["NBRPC_HOSTS"] = "fakeh1,fakeh1,fakeh2"
         os.environ["NBRPC_SSH_ARGS"] = f"-F {hosts.ssh_config}"

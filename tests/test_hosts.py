@@ -8,23 +8,19 @@ needs root: elsewhere these tests skip and say why. The pure checks run everywhe
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import socket
 import time
 
 import pytest
+from conftest import load_fakehosts
 
 import nbrpc
 from nbrpc import _group, _hosts
 from nbrpc._settings import Settings
 
-_spec = importlib.util.spec_from_file_location(
-    "fakehosts", os.path.join(os.path.dirname(__file__), "..", "tools", "fakehosts.py")
-)
-fakehosts = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fakehosts)
+fakehosts = load_fakehosts()
 
 
 # -- pure: parsing, options, settings --------------------------------------------------------
