@@ -28,6 +28,11 @@ import time
 
 POLL_S = 1.0
 GRACE_S = 3.0
+#: After the kernel's death, processes with the cluster's marker are looked for again
+#: for this long. A process the kernel was starting as it died may still be between fork
+#: and exec at the first look, with the kernel's environment and not yet the marker
+#: (seen once in a fresh-clone run: a controller outlived a kernel killed mid-boot).
+SETTLE_S = 3.0
 
 
 def process_alive(pid: int) -> bool:
@@ -131,6 +136,10 @@ def main(argv: list[str]) -> int:
     if marker:
         pids += [p for p in started_with(marker) if p not in pids]
     reap(pids)
+    settled = time.monotonic() + SETTLE_S
+    while marker and time.monotonic() < settled:  # only marked processes: never a reused pid
+        time.sleep(0.2)
+        reap(started_with(marker))
     sweep_segments(segment_prefix(kernel))
     with contextlib.suppress(OSError):
         os.unlink(pidfile)

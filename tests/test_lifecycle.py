@@ -272,3 +272,36 @@ def test_release_stops_what_a_controller_that_died_alone_forked(tmp_path):
     )
     assert "orphaned True" in out  # its heart monitor outlived the controller
     assert "left []" in out
+
+
+def test_the_watchdog_also_stops_what_the_dead_kernel_was_still_starting(tmp_path):
+    """A process the kernel was starting as it died can still be between fork and exec
+    at the watchdog's first look (the kernel's environment, not yet the cluster marker):
+    one outlived a kernel killed mid-boot in a fresh-clone run. The watchdog looks again
+    for ``SETTLE_S`` after the kernel's death."""
+    marker = f"NBRPC_TEST_CLUSTER={uuid.uuid4().hex}"
+    pidfile = tmp_path / "pids"
+    pidfile.write_text("")
+    kernel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    watchdog = subprocess.Popen(
+        [sys.executable, _reaper.__file__, str(kernel.pid), str(pidfile), marker],
+        start_new_session=True,
+    )
+    late = None
+    try:
+        time.sleep(0.5)
+        kernel.kill()
+        kernel.wait()
+        time.sleep(_reaper.POLL_S + 0.5)  # past the first look, inside the settling time
+        name, value = marker.split("=")
+        late = subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(600)"],
+            env=dict(os.environ, **{name: value}),
+        )
+        assert late.wait(timeout=_reaper.SETTLE_S + 10) is not None  # stopped by the watchdog
+        assert watchdog.wait(timeout=20) == 0
+    finally:
+        for p in (kernel, watchdog, late):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
