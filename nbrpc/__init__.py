@@ -34,6 +34,7 @@ from ._errors import (
     BootError,
     ClusterClosedError,
     ConfigError,
+    DebuggerQuitError,
     DeviceMapError,
     NbrpcError,
     NotInitializedError,
@@ -44,6 +45,7 @@ from ._errors import (
     WorkerDiedError,
 )
 from ._pickling import register_by_value
+from ._postmortem import post_mortem
 from ._rows import OwnershipRow, StatusRow, Trace
 from .autograd import trace_backward
 
@@ -58,6 +60,7 @@ __all__ = [
     "ClusterClosedError",
     "ClusterState",
     "ConfigError",
+    "DebuggerQuitError",
     "DeviceMapError",
     "NbrpcError",
     "NotInitializedError",
@@ -81,6 +84,7 @@ __all__ = [
     "load_ipython_extension",
     "optim",
     "ownership",
+    "post_mortem",
     "pull",
     "push",
     "register_by_value",

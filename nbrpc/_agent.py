@@ -5,6 +5,11 @@ a torch ``RRef``) with what a notebook needs in front: a clear error before init
 unknown worker named together with the known ones, ``timeout=None`` for "the cluster's
 default", and timeouts raised as :class:`~nbrpc.RpcTimeoutError` naming the call and the
 worker. Notebook-defined code travels because :mod:`nbrpc._pickling` is installed.
+
+Timeouts are nbrpc's, not torch's: calls go to torch with no timeout and
+:mod:`nbrpc._deadlines` fails them on a clock that stands still while a worker's
+debugger is open (a person typing pdb commands must not see the call time out). While the
+main thread waits on a call it also serves those debuggers' prompts (:mod:`nbrpc._debugger`).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.distributed.rpc import RRef, WorkerInfo
 
-from . import _group, _ledger, _remote, _shm, _torch
+from . import _deadlines, _debugger, _group, _ledger, _remote, _shm, _torch
 from ._errors import (
     ClusterClosedError,
     NotInitializedError,
@@ -46,27 +51,46 @@ _session = {"active": False, "cancelled": False}
 
 
 class Future(torch.futures.Future):
-    """torch's Future, whose ``wait()`` the notebook's stop button can interrupt.
+    """torch's Future, whose ``wait()`` the notebook's stop button can interrupt, and
+    during which a worker's debugger can ask the notebook for commands.
 
     torch's own ``wait()`` blocks in C++, where Python cannot deliver SIGINT: a
     KeyboardInterrupt would only arrive when the remote call ends. On the main thread
-    this waits on a ``threading.Event`` instead, in slices of :data:`SIGNAL_CHECK_S`: the
-    kernel's SIGINT may land on any of its threads, and then only the main thread's next
-    bytecode runs Python's handler (found by a full test run: with the signal on another
-    thread, an untimed wait slept through it). The remote call itself goes on; its result
-    is dropped.
+    this waits on a ``threading.Event`` instead (:func:`wait_on_main_thread`).
     """
 
     def wait(self) -> Any:
         if not self.done() and threading.current_thread() is threading.main_thread():
-            finished = threading.Event()
-            self.add_done_callback(lambda _: finished.set())
-            while not finished.wait(SIGNAL_CHECK_S):
-                pass
+            wait_on_main_thread(self)
         return super().wait()
 
 
 SIGNAL_CHECK_S = 0.1  # how often a waiting main thread lets Python run signal handlers
+
+
+def wait_on_main_thread(fut: Any, limit: float = 0) -> bool:
+    """Wait for ``fut`` on the main thread; False if ``limit`` seconds passed first.
+
+    The wait is in slices of :data:`SIGNAL_CHECK_S`: the kernel's SIGINT may land on any
+    of its threads, and then only the main thread's next bytecode runs Python's handler
+    (found by a full test run: with the signal on another thread, an untimed wait slept
+    through it). A worker's debugger prompt wakes it at once, and it is served here, in
+    the waiting cell. ``limit`` (0: none) is measured on :data:`_deadlines.clock`, which
+    stands still while a debugger session is open.
+    """
+    woke = threading.Event()
+    fut.add_done_callback(lambda _: woke.set())
+    deadline = _deadlines.clock.now() + limit if limit > 0 else None
+    with _debugger.main_thread_waits(woke):
+        while not fut.done():
+            woke.wait(SIGNAL_CHECK_S)
+            woke.clear()
+            if fut.done():
+                break
+            _debugger.serve()
+            if deadline is not None and _deadlines.clock.now() >= deadline:
+                return False
+    return True
 
 
 def set_active(active: bool) -> None:
@@ -117,20 +141,23 @@ def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
     return _destination(worker_name, "nbrpc.get_worker_info()")
 
 
-def _timeout(timeout: float | None) -> float:
-    return _torch.UNSET_RPC_TIMEOUT if timeout is None else float(timeout)
+def _limit(timeout: float | None) -> float:
+    """A call's timeout in seconds (0: none), the cluster's default for None."""
+    return rpc.get_rpc_timeout() if timeout is None else max(float(timeout), 0.0)
 
 
 def _name_of(func: Any) -> str:
     return getattr(func, "__qualname__", None) or type(func).__name__
 
 
-def _timeout_error(exc: BaseException, what: str, dest: str, timeout: float | None) -> Any:
+def _timeout_error(
+    exc: BaseException | None, what: str, dest: str, timeout: float | None
+) -> RpcTimeoutError:
     limit = f"{timeout:g} s" if timeout is not None else f"{rpc.get_rpc_timeout():g} s (default)"
     return RpcTimeoutError(
         f"{what} on {dest} timed out after {limit}; it may still be running there. Pass "
-        "timeout=SECONDS (0 waits forever) or start the cluster with a larger --timeout. "
-        f"torch said: {exc}"
+        "timeout=SECONDS (0 waits forever) or start the cluster with a larger --timeout."
+        + (f" torch said: {exc}" if exc is not None else "")
     )
 
 
@@ -163,15 +190,22 @@ def _start(
     what: str, to: Any, func: Any, args: tuple, kwargs: dict | None, timeout: float | None
 ) -> torch.futures.Future:
     dest = _destination(to, what)
+    limit = _limit(timeout)
     sent, args, kwargs = _as_python_call(func, tuple(args), kwargs)
-    with _shm.sending_to(dest.name):
-        raw = rpc.rpc_async(dest, sent, args=args, kwargs=kwargs, timeout=_timeout(timeout))
+    with _shm.sending_to(dest.name):  # torch's timeout: none; nbrpc's clock keeps it
+        raw = rpc.rpc_async(dest, sent, args=args, kwargs=kwargs, timeout=0)
     out = Future()
     raw.add_done_callback(
         lambda done: _remote.settle(
             done, out, lambda exc: _translate(exc, f"call of {_name_of(func)}", dest.name, timeout)
         )
     )
+    if limit > 0:
+        _deadlines.expire_after(
+            limit,
+            out,
+            lambda: _timeout_error(None, f"call of {_name_of(func)}", dest.name, timeout),
+        )
     return out
 
 
@@ -224,12 +258,15 @@ def remote(
 
     Errors come as from :func:`rpc_sync`: ``to_here()`` on an RRef whose call failed
     raises the worker's exception, a timeout is an :class:`~nbrpc.RpcTimeoutError`.
+    Without ``timeout`` the creation has none: ``to_here()`` keeps the clock (paused while
+    a debugger is open); with one, torch enforces it on the creation.
     """
     dest = _destination(to, "remote")
     sent, args, kwargs = _as_python_call(func, tuple(args), kwargs)
+    limit = 0 if timeout is None else _limit(timeout)
     try:
         with _shm.sending_to(dest.name, "remote"):
-            return rpc.remote(dest, sent, args=args, kwargs=kwargs, timeout=_timeout(timeout))
+            return rpc.remote(dest, sent, args=args, kwargs=kwargs, timeout=limit)
     except Exception as exc:  # a lost connection at send time
         error = _translate(exc, f"remote call of {_name_of(func)}", dest.name, timeout)
         if error is exc:
@@ -241,9 +278,13 @@ def _to_here(rref: Any, timeout: float = _torch.UNSET_RPC_TIMEOUT) -> Any:
     """``RRef.to_here`` with :func:`rpc_sync`'s errors (installed by :func:`install`).
 
     The worker's own exception (the call behind the RRef failed) arrives as it is; torch's
-    errors (a timeout, the owner's death) become nbrpc's.
+    errors (a timeout, the owner's death) become nbrpc's. On the main thread it first waits
+    for the value's creation as :class:`Future` waits: interruptible, serving a worker's
+    debugger, on nbrpc's clock.
     """
     try:
+        if threading.current_thread() is threading.main_thread() and not rref.is_owner():
+            _await_creation(rref, timeout)
         return _torch.original_to_here(rref, timeout)
     except Exception as exc:
         if _remote.is_rebuilt(exc):
@@ -254,6 +295,21 @@ def _to_here(rref: Any, timeout: float = _torch.UNSET_RPC_TIMEOUT) -> Any:
         if error is exc:
             raise
         raise error from None
+
+
+def _await_creation(rref: Any, timeout: float) -> None:
+    created = _torch.rref_creation_future(rref)
+    if created is None or created.done():
+        return
+    limit = _limit(None if timeout == _torch.UNSET_RPC_TIMEOUT else timeout)
+    if not wait_on_main_thread(created, limit):
+        owner = rref.owner().name
+        raise _timeout_error(
+            None,
+            "to_here() of an RRef",
+            owner,
+            None if timeout == _torch.UNSET_RPC_TIMEOUT else timeout,
+        )
 
 
 def install() -> None:

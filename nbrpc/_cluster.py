@@ -31,6 +31,7 @@ from typing import Any
 from . import (
     _agent,
     _collective,
+    _debugger,
     _devices,
     _group,
     _launch,
@@ -178,6 +179,8 @@ class Cluster:
             )
         self.state = state
         _agent.set_active(state is ClusterState.READY)
+        if state in (ClusterState.SHUTTING_DOWN, ClusterState.CLOSED):
+            _debugger.reset()  # a prompt waiting for the kernel must not hold shutdown up
         if state is ClusterState.CLOSED and _current and _current[0] is self:
             _current.clear()
 
@@ -487,6 +490,7 @@ class Cluster:
                 gone = not process_alive(record.pid)
             if gone:
                 record.state = "dead"
+                _debugger.forget_worker(record.name)
         return [r.name for r in self.records[1:] if r.state == "dead"]
 
     def _live_engine_ids(self) -> list[int]:

@@ -16,6 +16,7 @@ for deadlines, ``RuntimeError`` for lifecycle mistakes)::
     ├── RpcTimeoutError          (TimeoutError)   a call outlived its timeout
     ├── SerializationError       (TypeError)      an argument or result cannot be pickled
     ├── WorkerDiedError          (ConnectionError) the worker's process is gone
+    ├── DebuggerQuitError        (RuntimeError)   q (or the stop button) in a worker's pdb
     └── RemoteError                               a worker raised, and the original type
                                                   could not be rebuilt here
 
@@ -33,6 +34,7 @@ __all__ = [
     "BootError",
     "ClusterClosedError",
     "ConfigError",
+    "DebuggerQuitError",
     "DeviceMapError",
     "NbrpcError",
     "NotInitializedError",
@@ -121,6 +123,18 @@ class WorkerDiedError(NbrpcError, ConnectionError):
             + f". Calls to {worker} fail and the objects it owned (RRefs) are lost. "
             "%rpc_status shows which workers are dead; %rpc_shutdown then %rpc_init "
             "rebuilds the cluster in this kernel."
+        )
+
+
+class DebuggerQuitError(NbrpcError, RuntimeError):
+    """The debugger on a worker was left with ``q`` (or the stop button): the call ends."""
+
+    def __init__(self, worker: str, call: str = "?") -> None:
+        self.worker = worker
+        self._init_args = (worker, call)
+        super().__init__(
+            f"the call of {call} on {worker} was ended in the debugger (q, or the stop "
+            "button). Type c (continue) at the (Pdb) prompt to let a call run on and return."
         )
 
 

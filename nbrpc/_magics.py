@@ -1,5 +1,5 @@
-"""``%rpc_init``, ``%rpc_shutdown``, ``%rpc_status``, ``%%rpc``: parse arguments, call the
-public API.
+"""``%rpc_init``, ``%rpc_shutdown``, ``%rpc_status``, ``%rpc_debug``, ``%%rpc``: parse
+arguments, call the public API.
 
 Registered only by ``%load_ext nbrpc`` (``load_ipython_extension``), never on import.
 Arguments the parser refuses raise IPython's ``UsageError``; nbrpc's own errors
@@ -12,7 +12,7 @@ from __future__ import annotations
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from . import _cells, _cluster, _shm
+from . import _cells, _cluster, _postmortem, _shm
 from ._devices import parse_device_map
 from ._progress import in_notebook
 
@@ -172,6 +172,12 @@ class RpcMagics(Magics):
             display(ClusterView())
             return
         print(_cluster.current().summary())
+
+    @line_magic
+    def rpc_debug(self, line: str) -> None:
+        """Post-mortem: pdb on the worker frame that raised the last remote exception
+        (up/down walk its frames, p prints its locals, c or q leaves)."""
+        _postmortem.post_mortem()
 
 
 def _unquote(value: str | None) -> str | None:

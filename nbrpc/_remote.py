@@ -13,15 +13,22 @@ Two things a notebook user expects from a remote call that torch RPC does not gi
   frames with *its own* ``linecache``, which holds the notebook cells, so the remote
   traceback shows the line of notebook source that raised.
 
+* The last failure is kept for a post-mortem. A worker keeps the exception of its last
+  failed user call, traceback and frames included (one: memory stays bounded), under an
+  id that travels with the failure; the kernel remembers the last failure it received.
+  ``%rpc_debug`` (:mod:`nbrpc._postmortem`) joins the two.
+
 ``run_function`` and ``handle_exception`` replace torch's private hooks of the same role;
 :mod:`nbrpc._pickling` installs them.
 """
 
 from __future__ import annotations
 
+import bdb
 import collections
 import itertools
 import linecache
+import os
 import pickle
 import re
 import sys
@@ -34,14 +41,20 @@ import torch
 import torch.distributed.rpc as rpc
 
 from . import _shm, _torch
-from ._errors import RemoteError
+from ._errors import DebuggerQuitError, RemoteError
 from ._torch import RemoteException
 
 __all__ = [
+    "after_call",
     "call_builtin",
     "call_counts",
+    "calling",
+    "drain_output",
     "forward_output_to",
     "handle_exception",
+    "kept_failure",
+    "kernel_name",
+    "last_seen_failure",
     "run_function",
     "settle",
     "show_output",
@@ -65,17 +78,27 @@ class _FailureText(str):
     evalue: str
     frames: list[tuple[str, int, str, str | None]]
     exc_bytes: bytes | None
+    failure_id: str | None  # under which the worker keeps it for a post-mortem
 
-    def __new__(cls, text, worker, ename, evalue, frames, exc_bytes):
+    def __new__(cls, text, worker, ename, evalue, frames, exc_bytes, failure_id=None):
         self = super().__new__(cls, text)
         self.worker, self.ename, self.evalue = worker, ename, evalue
         self.frames, self.exc_bytes = frames, exc_bytes
+        self.failure_id = failure_id
         return self
 
     def __reduce__(self):
         return (
             _FailureText,
-            (str(self), self.worker, self.ename, self.evalue, self.frames, self.exc_bytes),
+            (
+                str(self),
+                self.worker,
+                self.ename,
+                self.evalue,
+                self.frames,
+                self.exc_bytes,
+                self.failure_id,
+            ),
         )
 
 
@@ -87,7 +110,35 @@ def worker_name() -> str:
         return "?"
 
 
-def _failure(exc: BaseException) -> RemoteException:
+# A worker's last failed user call (for %rpc_debug), and the last failure this process
+# received from a call. Ids carry a per-process token: worker names repeat across clusters.
+_kept: dict[str, Any] = {}
+_seen: dict[str, Any] = {}
+_failure_ids = itertools.count(1)
+_TOKEN = f"{os.getpid()}.{os.urandom(4).hex()}"
+
+
+def kept_failure() -> tuple[str, BaseException] | None:
+    """This worker's last failed user call: ``(failure id, exception)``, or None."""
+    return (_kept["id"], _kept["exc"]) if _kept else None
+
+
+def last_seen_failure() -> dict[str, str] | None:
+    """The last worker failure received here: ``worker``, ``id``, ``summary``; or None."""
+    return dict(_seen) if _seen else None
+
+
+def forget_failures() -> None:
+    """At shutdown: the kept failure and the record of the last one seen go."""
+    _kept.clear()
+    _seen.clear()
+
+
+def _failure(exc: BaseException, keep: bool = False) -> RemoteException:
+    failure_id = None
+    if keep:  # the previous one (and its frames' locals) is released here
+        failure_id = f"{_TOKEN}.{next(_failure_ids)}"
+        _kept.update(id=failure_id, exc=exc)
     frames = [
         (f.filename, f.lineno or 0, f.name, f.line) for f in traceback.extract_tb(exc.__traceback__)
     ][1:]  # the first frame is run_function itself
@@ -99,7 +150,8 @@ def _failure(exc: BaseException) -> RemoteException:
     evalue = str(exc)
     worker = worker_name()
     text = f"On {worker}:\n{ename}: {evalue}\n" + "".join(traceback.format_list(frames))
-    return RemoteException(_FailureText(text, worker, ename, evalue, frames, exc_bytes), type(exc))
+    failure = _FailureText(text, worker, ename, evalue, frames, exc_bytes, failure_id)
+    return RemoteException(failure, type(exc))
 
 
 _counts = {"in_flight": 0, "done": 0}  # user calls this process has served
@@ -149,6 +201,32 @@ class WithCaller:
         return (udf_from, (worker_name(), self.reply, udf.func, udf.args, udf.kwargs))
 
 
+_after_call: list[Any] = []  # run on the call's thread as each call ends
+
+
+def after_call(hook: Any) -> None:
+    """Run ``hook()`` on the call's thread at the end of every call (idempotent)."""
+    if hook not in _after_call:
+        _after_call.append(hook)
+
+
+def calling() -> bool:
+    """Whether this thread runs an RPC call whose output goes to the kernel."""
+    return getattr(_call, "output", None) is not None
+
+
+def drain_output() -> None:
+    """Wait (bounded) until the output this call printed so far is shown in the kernel."""
+    output = getattr(_call, "output", None)
+    if output is not None:
+        output.drain()
+
+
+def kernel_name() -> str | None:
+    """On a worker: the name of the process its output (and debugger) goes to."""
+    return _forward.get("to")
+
+
 def run_function(python_udf: Any) -> Any:
     """Replaces ``torch.distributed.rpc.internal._run_function`` (called from C++)."""
     output = _CallOutput() if _forward else None
@@ -173,9 +251,13 @@ def run_function(python_udf: Any) -> Any:
         if getattr(python_udf, "reply", False) and not isinstance(result, torch.futures.Future):
             _shm.expect_reply(result, python_udf.caller)  # pickled next, on this thread
         return result
+    except bdb.BdbQuit:  # q in the debugger (nbrpc._debugger)
+        return _failure(DebuggerQuitError(worker_name(), getattr(func, "__qualname__", "?")))
     except BaseException as exc:  # sys.exit() or KeyboardInterrupt must not reach torch's C++
-        return _failure(exc)
+        return _failure(exc, keep=counted)
     finally:
+        for hook in _after_call:
+            hook()
         _call.output = previous
         if output is not None:
             output.close()
@@ -207,6 +289,12 @@ def rebuild(result: RemoteException) -> BaseException:
                 getattr(result.exception_type, "__name__", "?"), str(failure), "?", str(failure)
             )
     remote_tb = format_remote_traceback(failure)
+    if getattr(failure, "failure_id", None):
+        _seen.update(
+            worker=failure.worker,
+            id=failure.failure_id,
+            summary=f"{failure.ename}: {failure.evalue}",
+        )
     exc: BaseException | None = None
     if failure.exc_bytes is not None:
         try:
@@ -282,11 +370,24 @@ def settle(raw: Any, out: Any, translate: Any) -> None:
         original = unwrap(exc)
         if original is not None:
             original.__notes__ = [n for n in original.__notes__ if not _KEY.fullmatch(n)]
-            out.set_exception(original)
+            _complete(out, error=original)
         else:
-            out.set_exception(translate(exc))
+            _complete(out, error=translate(exc))
         return
-    out.set_result(value)
+    _complete(out, value=value)
+
+
+def _complete(out: Any, value: Any = None, error: BaseException | None = None) -> None:
+    """Finish ``out`` unless its deadline (:mod:`nbrpc._deadlines`) failed it first."""
+    if out.done():
+        return
+    try:
+        if error is not None:
+            out.set_exception(error)
+        else:
+            out.set_result(value)
+    except RuntimeError:  # the deadline won the race
+        pass
 
 
 # --- output forwarding -------------------------------------------------------------
@@ -353,6 +454,10 @@ class _CallOutput:
                 self._send_pending()
             else:
                 self._idle.set()
+
+    def drain(self) -> None:
+        """Wait (bounded) until every complete line written so far has been printed."""
+        self._idle.wait(_OUTPUT_WAIT_S)
 
     def close(self) -> None:
         """Send what is left and wait (bounded) until the kernel has printed it all."""

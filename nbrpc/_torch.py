@@ -136,6 +136,15 @@ def rref_type_future(rref: PyRRef) -> Any:
     return rref._get_type(blocking=False)  # type: ignore[call-arg]  # torch's stub lacks it
 
 
+def rref_creation_future(rref: PyRRef) -> Any:
+    """The future of a user RRef's creation by ``remote()``, done once the owner holds the
+    value (or failed to make it); None for an RRef this process received from another."""
+    try:
+        return rref._get_future()
+    except RuntimeError:
+        return None
+
+
 def rref_id(rref: PyRRef) -> str:
     """torch's globally unique RRef id as ``"created_on:local_id"``, read from its repr
     (torch has no accessor; ranks are unique in nbrpc's groups)."""

@@ -48,7 +48,7 @@ def join(
     devices: list[str] | None = None,
 ) -> dict[str, Any]:
     """Join the notebook's RPC group as ``name``; return this process's description."""
-    from . import _agent, _group, _remote, _torch
+    from . import _agent, _debugger, _group, _remote, _torch
     from ._errors import BootError
 
     _torch.quiet_internal_deprecations()  # the optimizer's TorchScript notice, see there
@@ -62,6 +62,7 @@ def join(
             "and RPC endpoint listen there."
         )
     _remote.forward_output_to(kernel, name)
+    _debugger.install()  # breakpoint() opens pdb in the calling cell
     _group.join(
         name,
         rank,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import linecache
 import os
 import subprocess
@@ -93,6 +94,80 @@ def run_script(path, source: str, timeout: float = 180) -> str:
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
+
+
+class Kernel:
+    """A real Jupyter kernel, driven as a notebook would drive it.
+
+    ``answers``: lines typed into the notebook's input box, one per input request (a
+    callable instead is given the prompt and the kernel, and answers itself or not);
+    ``prompts`` then lists the prompts asked, in order. (Prompts come on the stdin channel,
+    output on iopub: their relative order is not kept in the text returned.) ``allow_stdin=False`` runs the cell
+    as nbval and nbclient do, with no input box.
+    """
+
+    def __init__(self) -> None:
+        from jupyter_client.manager import start_new_kernel
+
+        self.km, self.kc = start_new_kernel(kernel_name="python3")
+        self.prompts: list[str] = []
+
+    def execute(
+        self, code: str, timeout: float = 120, answers=None, allow_stdin: bool = True
+    ) -> tuple[str, list[str]]:
+        """Execute ``code``: its stdout and display text, and its errors' texts."""
+        out: list[str] = []
+        errors: list[str] = []
+        self.prompts = []
+        pending = list(answers or [])
+
+        def hook(msg):
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream" and "UsageError" not in content["text"]:
+                out.append(content["text"])
+            elif kind in ("execute_result", "display_data"):
+                out.append(content["data"].get("text/plain", "") + "\n")
+            elif kind == "error" or (kind == "stream" and "UsageError" in content["text"]):
+                errors.append(
+                    f"{content['ename']}: {content['evalue']}"
+                    if kind == "error"
+                    else content["text"]
+                )
+
+        def stdin_hook(msg):
+            prompt = msg["content"]["prompt"]
+            self.prompts.append(prompt)
+            if not pending:
+                raise AssertionError(f"unexpected input request {prompt!r}")
+            answer = pending.pop(0)
+            if callable(answer):
+                answer = answer(prompt, self)
+            if answer is not None:
+                self.kc.input(answer)
+
+        self.kc.execute_interactive(
+            code,
+            timeout=timeout,
+            output_hook=hook,
+            stdin_hook=stdin_hook,
+            allow_stdin=allow_stdin,
+        )
+        return "".join(out), errors
+
+    def run(self, code: str, timeout: float = 120, **kw) -> str:
+        """Execute ``code``; its output. Raises with the error's text."""
+        out, errors = self.execute(code, timeout, **kw)
+        if errors:
+            raise AssertionError(out + "\n".join(errors))
+        return out
+
+    def value(self, expr: str, timeout: float = 120):
+        text = self.run(f"import json as _j; print('VALUE', _j.dumps({expr}))", timeout)
+        return json.loads(text.split("VALUE ", 1)[1].splitlines()[0])
+
+    def close(self) -> None:
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=True)
 
 
 def kernel_children() -> list[psutil.Process]:

@@ -8,13 +8,12 @@ needs root: elsewhere these tests skip and say why. The pure checks run everywhe
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
 
 import pytest
-from conftest import load_fakehosts
+from conftest import Kernel, load_fakehosts
 
 import nbrpc
 from nbrpc import _group, _hosts
@@ -87,46 +86,6 @@ needs_hosts = pytest.mark.skipif(why_not is not None, reason=f"no fake hosts: {w
 def hosts():
     with fakehosts.FakeHosts(2) as fake:
         yield fake
-
-
-class Kernel:
-    """A real Jupyter kernel, driven as a notebook would drive it."""
-
-    def __init__(self) -> None:
-        from jupyter_client.manager import start_new_kernel
-
-        self.km, self.kc = start_new_kernel(kernel_name="python3")
-
-    def run(self, code: str, timeout: float = 120) -> str:
-        """Execute ``code``; its stdout and display text. Raises with the error's text."""
-        out: list[str] = []
-        errors: list[str] = []
-
-        def hook(msg):
-            kind, content = msg["msg_type"], msg["content"]
-            if kind == "stream" and "UsageError" not in content["text"]:
-                out.append(content["text"])
-            elif kind in ("execute_result", "display_data"):
-                out.append(content["data"].get("text/plain", "") + "\n")
-            elif kind == "error" or (kind == "stream" and "UsageError" in content["text"]):
-                errors.append(
-                    f"{content['ename']}: {content['evalue']}"
-                    if kind == "error"
-                    else content["text"]
-                )
-
-        self.kc.execute_interactive(code, timeout=timeout, output_hook=hook)
-        if errors:
-            raise AssertionError("".join(out) + "\n".join(errors))
-        return "".join(out)
-
-    def value(self, expr: str, timeout: float = 120):
-        text = self.run(f"import json as _j; print('VALUE', _j.dumps({expr}))", timeout)
-        return json.loads(text.split("VALUE ", 1)[1].splitlines()[0])
-
-    def close(self) -> None:
-        self.kc.stop_channels()
-        self.km.shutdown_kernel(now=True)
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ update, so a torch upgrade that breaks nbrpc fails here first, and says where.
 
 import inspect
 import re
+import time
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -119,6 +120,15 @@ def test_live_group_internals(cluster):
     rref = nbrpc.remote("worker1", torch.ones, args=(2,))
     _pin(re.fullmatch(r"\d+:\d+", _torch.rref_id(rref)) is not None, "RRef repr", "rref_id")
     _pin(_torch.rref_type_future(rref).wait() is torch.Tensor, "RRef._get_type", "same")
+    created = _torch.rref_creation_future(rref)
+    _pin(created is not None, "RRef._get_future is gone", "rref_creation_future")
+    created.wait()
+    _pin(created.done(), "RRef._get_future never finishes", "rref_creation_future")
+    slow = nbrpc.remote("worker1", time.sleep, args=(0.5,))
+    created = _torch.rref_creation_future(slow)
+    _pin(not created.done(), "creation finished before the call did", "rref_creation_future")
+    created.wait()
+    _pin(slow.to_here(timeout=0.1) is None, "the value was not there at creation", "same")
 
 
 def test_autograd_internals_exist(cluster):
