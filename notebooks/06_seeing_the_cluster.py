@@ -147,6 +147,47 @@ assert all(r["id"] != gone for r in nbrpc.ownership())
 print("released:", gone)
 
 # %% [markdown]
+# ## Debugging a worker from the cell that called it
+#
+# `breakpoint()` (or `pdb.set_trace()`) in code that runs on a worker opens pdb right here.
+# The prompt names the worker, `(Pdb worker1)`; commands go into the input box under the
+# cell, and pdb's answers print in the cell. `c` lets the call return its result, `q` ends
+# it with `nbrpc.DebuggerQuitError`, the stop button leaves pdb and interrupts the call.
+# The call's timeout does not run while pdb waits for you. Where nobody can type (this
+# notebook run by nbval or `make demo`), the breakpoint is skipped with a warning line and
+# the call goes on. Try `p scale`, `l`, then `c`:
+
+
+# %%
+def scaled(t, k):
+    scale = k * 2
+    breakpoint()
+    return t * scale
+
+
+print("scaled:", nbrpc.rpc_sync("worker1", scaled, args=(torch.ones(3), 2)))
+
+# %% [markdown]
+# After a worker raised, `%rpc_debug` opens pdb on the frame that raised, on that worker:
+# `up` and `down` walk its frames, `p` prints its locals (here `p total`), `c` leaves. The
+# worker keeps the traceback of its last failure only, until the next one.
+
+
+# %%
+def normalise(values):
+    total = sum(values)
+    return [v / total for v in values]
+
+
+try:
+    nbrpc.rpc_sync("worker2", normalise, args=([0, 0],))
+except ZeroDivisionError as exc:
+    print(f"{type(exc).__name__} raised on {exc.worker}")
+
+# %%
+# %rpc_debug
+
+# %% [markdown]
 # Where widgets do not render (nbconvert to HTML, a terminal), the same views print as text:
 
 # %%

@@ -131,6 +131,15 @@ RUN_CELL = """async (needle) => {
   await app.commands.execute('notebook:run-cell');
   return at;
 }"""
+START_CELL = """(needle) => {
+  const app = window.jupyterapp;
+  const nb = app.shell.currentWidget.content;
+  const at = nb.widgets.findIndex(
+    c => c.model.type === 'code' && c.model.sharedModel.getSource().includes(needle));
+  nb.activeCellIndex = at;
+  app.commands.execute('notebook:run-cell');  // not awaited: the cell waits for input
+  return at;
+}"""
 PRINTED = """(prefix) => {
   for (const out of document.querySelectorAll('.jp-OutputArea-output')) {
     for (const line of out.innerText.split('\\n')) {
@@ -158,6 +167,29 @@ def _wait(page, condition: str, what: str, timeout_s: float = 120, arg=None) -> 
         page.wait_for_function(condition, arg=arg, timeout=timeout_s * 1000, polling=250)
     except PlaywrightTimeout:
         _fail_with_page(page, f"timed out after {timeout_s} s waiting for {what}")
+
+
+STDIN_ASKS = """([prompt, n]) => {
+  const box = document.querySelector('.jp-Stdin-input');
+  return !!box && box.value === '' && box.closest('.jp-Stdin').innerText.includes(prompt)
+    && document.body.innerText.split(prompt).length - 1 >= n;
+}"""
+
+
+def _type_pdb(page, prompt: str, n: int, command: str, expect: str | None = None) -> None:
+    """Type ``command`` into the input box of the ``n``-th ``prompt``, as a person would."""
+    _wait(page, STDIN_ASKS, f"input box {n} asking {prompt}", timeout_s=30, arg=[prompt, n])
+    box = page.locator(".jp-Stdin-input").first
+    box.fill(command)
+    box.press("Enter")
+    if expect is not None:
+        _wait(
+            page,
+            "(text) => document.body.innerText.split('\\n').some(l => l.trim() === text)",
+            f"pdb to print {expect!r} for {command!r}",
+            timeout_s=30,
+            arg=expect,
+        )
 
 
 def _view(page, content: str):
@@ -258,6 +290,25 @@ def test_views_render_and_update_in_jupyterlab(lab):
                 assert page.query_selector(f".nbrpc-ownership g.rref[data-rref='{rid}']")
             page.screenshot(path=str(ARTIFACTS / "notebook.png"), full_page=True)
             assert not page.evaluate(ERRORS)
+
+            # A worker's breakpoint() asks for commands in the cell's input box.
+            t3 = time.monotonic()
+            page.evaluate(START_CELL, "def scaled")
+            _type_pdb(page, "(Pdb worker1)", 1, "p scale", expect="4")
+            page.screenshot(path=str(ARTIFACTS / "pdb.png"), full_page=True)
+            _type_pdb(page, "(Pdb worker1)", 2, "c")
+            _wait(
+                page,
+                "() => document.body.innerText.includes('scaled: tensor([4., 4., 4.])')",
+                "the call to return after c",
+            )
+            page.evaluate(RUN_CELL, "def normalise")
+            _wait(page, "() => document.body.innerText.includes('raised on worker2')", "the error")
+            page.evaluate(START_CELL, "%rpc_debug")
+            _type_pdb(page, "(Pdb worker2)", 1, "p total", expect="0")
+            _type_pdb(page, "(Pdb worker2)", 2, "c")
+            _wait(page, "() => !document.querySelector('.jp-Stdin-input')", "pdb to close")
+            timings["pdb in the page"] = time.monotonic() - t3
 
             page.evaluate(RUN_CELL, "%rpc_shutdown")
             _wait(

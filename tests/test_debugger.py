@@ -75,9 +75,10 @@ def test_breakpoint_opens_pdb_in_the_calling_cell_and_c_returns_the_result(kerne
 
 
 def test_q_ends_the_call_with_a_clear_error(kernel):
-    out, errors = kernel.execute("nbrpc.rpc_sync('worker2', f, args=(1,))", answers=["q"])
+    _out, errors = kernel.execute("nbrpc.rpc_sync('worker2', f, args=(1,))", answers=["q"])
     assert kernel.prompts == ["(Pdb worker2) "]
-    assert errors and errors[0].startswith("DebuggerQuitError: the call of f on worker2")
+    assert errors
+    assert errors[0].startswith("DebuggerQuitError: the call of f on worker2")
     assert kernel.value("nbrpc.rpc_sync('worker2', len, args=([1, 2],))") == 2
 
 
@@ -97,22 +98,35 @@ def test_two_breakpoints_are_served_one_session_at_a_time(kernel):
 def test_remote_and_to_here_and_an_rpc_cell_open_pdb_too(kernel):
     out = kernel.run("nbrpc.remote('worker1', f, args=(5,)).to_here()", answers=["p x", "c"])
     assert kernel.prompts == ["(Pdb worker1) "] * 2
-    assert "\n5\n" in out and out.rstrip().endswith("11")
+    assert "\n5\n" in out
+    assert out.rstrip().endswith("11")
     cell = "%%rpc worker2\nv = 7\nbreakpoint()\nv * 6"
     out = kernel.run(cell, answers=["p v", "c"])
     assert kernel.prompts == ["(Pdb worker2) "] * 2
-    assert "\n7\n" in out and "42" in out
+    assert "\n7\n" in out
+    assert "42" in out
+
+
+def test_a_breakpoint_in_a_call_between_workers_reaches_the_kernel(kernel):
+    kernel.run("def via(x):\n    return nbrpc.rpc_sync('worker2', f, args=(x,), timeout=0)")
+    out = kernel.run("nbrpc.rpc_sync('worker1', via, args=(4,))", answers=["p x", "c"])
+    assert kernel.prompts == ["(Pdb worker2) "] * 2  # the worker that stopped
+    assert "\n4\n" in out
+    assert out.rstrip().endswith("9")
 
 
 def test_rpc_debug_walks_the_frames_of_the_last_remote_exception(kernel):
     _, errors = kernel.execute("nbrpc.rpc_sync('worker1', outer, args=(3,))")
-    assert errors and errors[0].startswith("ZeroDivisionError")
+    assert errors
+    assert errors[0].startswith("ZeroDivisionError")
     out = kernel.run("%rpc_debug", answers=["p b, c", "up", "p a", "down", "p c", "c"])
     assert kernel.prompts == ["(Pdb worker1) "] * 6
     assert "post-mortem on worker1: ZeroDivisionError" in out
     assert "-> return b / c" in out
     # the worker's locals in the frame that raised; one frame up, outer's; down again
-    assert "\n(4, 0)\n" in out and "\n3\n" in out and "\n0\n" in out
+    assert "\n(4, 0)\n" in out
+    assert "\n3\n" in out
+    assert "\n0\n" in out
     assert out.index("(4, 0)") < out.index("return inner(b)") < out.rindex("-> return b / c")
 
 
@@ -120,9 +134,10 @@ def test_stop_button_leaves_the_debugger_and_interrupts_the_call(kernel):
     def stop(prompt, k):
         k.km.interrupt_kernel()  # what the stop button does; nothing is typed
 
-    out, errors = kernel.execute("nbrpc.rpc_sync('worker1', f, args=(2,))", answers=[stop])
+    _out, errors = kernel.execute("nbrpc.rpc_sync('worker1', f, args=(2,))", answers=[stop])
     assert kernel.prompts == ["(Pdb worker1) "]
-    assert errors and errors[0].startswith("KeyboardInterrupt")
+    assert errors
+    assert errors[0].startswith("KeyboardInterrupt")
     # the worker left pdb: its call ended, and it serves the next one at once
     start = time.monotonic()
     assert kernel.value("nbrpc.rpc_sync('worker1', len, args=([1],))") == 1
@@ -134,7 +149,8 @@ def test_without_an_input_box_the_breakpoint_is_skipped_with_a_warning(kernel):
     """As under nbval and in make demo's runner: no input request, no hang."""
     out = kernel.run("nbrpc.rpc_sync('worker1', f, args=(1,))", allow_stdin=False)
     assert kernel.prompts == []
-    assert "[worker1] nbrpc: breakpoint() at f" in out and "without an input box" in out
+    assert "[worker1] nbrpc: breakpoint() at f" in out
+    assert "without an input box" in out
     assert out.rstrip().endswith("3")
 
 
@@ -152,13 +168,17 @@ def test_pythonbreakpoint_0_is_honoured_in_the_kernel_and_on_workers(kernel):
         "print(nbrpc.rpc_sync('worker1', f, args=(1,)))\n"
         "del os.environ['PYTHONBREAKPOINT']"
     )
-    assert kernel.prompts == [] and "skipped" not in out and "3" in out
+    assert kernel.prompts == []
+    assert "skipped" not in out
+    assert "3" in out
     out = kernel.run(
         "def off():\n    os.environ['PYTHONBREAKPOINT'] = '0'\n"
         "nbrpc.rpc_sync('worker2', off)\n"
         "print(nbrpc.rpc_sync('worker2', f, args=(2,)))"
     )
-    assert kernel.prompts == [] and "skipped" not in out and "5" in out
+    assert kernel.prompts == []
+    assert "skipped" not in out
+    assert "5" in out
     kernel.run("def on():\n    del os.environ['PYTHONBREAKPOINT']\nnbrpc.rpc_sync('worker2', on)")
 
 
@@ -295,10 +315,12 @@ def test_the_deadline_heap_drops_finished_entries():
     assert len(_deadlines._heap) < _deadlines._COMPACT_AT
 
 
-def test_no_input_reason_names_the_missing_terminal():
-    # pytest's stdin is not a terminal: a breakpoint here could not be answered
+def test_no_input_reason_names_the_missing_terminal(monkeypatch):
+    # pytest's stdin is not a terminal: a breakpoint here could not be answered (and no
+    # IPython shell counts: other tests create one in this process)
     if sys.stdin is not None and sys.stdin.isatty():
         pytest.skip("stdin is a terminal here: the no-terminal case cannot be shown")
+    monkeypatch.setattr(_debugger, "_ipython", lambda: None)
     assert "not a terminal" in _debugger.no_input_reason()
     os.environ["PYTHONBREAKPOINT"] = "0"
     try:
