@@ -101,9 +101,9 @@ class Kernel:
 
     ``answers``: lines typed into the notebook's input box, one per input request (a
     callable instead is given the prompt and the kernel, and answers itself or not);
-    ``prompts`` then lists the prompts asked, in order. (Prompts come on the stdin channel,
-    output on iopub: their relative order is not kept in the text returned.) ``allow_stdin=False`` runs the cell
-    as nbval and nbclient do, with no input box.
+    ``prompts`` then lists the prompts asked, in order. Prompts come on the stdin channel
+    and output on iopub: their relative order is not kept in the text returned.
+    ``allow_stdin=False`` runs the cell as nbval and nbclient do, with no input box.
     """
 
     def __init__(self) -> None:
