@@ -66,7 +66,7 @@ clock = Clock()
 _heap: list[list[Any]] = []
 _cv = threading.Condition()
 _seq = itertools.count()
-_state = {"thread": None, "finished": 0}
+_state: dict[str, Any] = {"thread": None, "finished": 0}
 _COMPACT_AT = 4096  # entries; below this, finished entries simply wait for their due time
 
 

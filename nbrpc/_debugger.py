@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any, cast
 
 import torch.distributed.rpc as rpc
 
@@ -140,7 +140,8 @@ class RemotePdb(pdb.Pdb):
 
     def __init__(self, title: str = "") -> None:
         self.io = _KernelIO(title)
-        super().__init__(stdin=self.io, stdout=self.io, skip=_SKIP, nosigint=True, readrc=False)
+        io = cast(IO[str], self.io)  # pdb needs write, flush and readline only
+        super().__init__(stdin=io, stdout=io, skip=_SKIP, nosigint=True, readrc=False)
         self.io.debugger = self
         self.use_rawinput = False
         self.prompt = f"(Pdb {_remote.worker_name()}) "
