@@ -15,6 +15,9 @@ Figures (medians and p90 over interleaved repeats):
   first boot and its re-run, against a plain torch script (``mp.spawn``) and
   ipyparallel's default start.
 - 04's model split over 3 processes against the same model in one process.
+- Ray, when it is installed (``pip install -e '.[ray]'``; otherwise skipped with a line
+  saying so): a tiny actor call, 64 MB as a torch tensor and as a numpy array, and boot to
+  a call answered by each of 2 actors (``ray_peer.py``, in its own processes).
 Ratios are against torch RPC in the same processes (the baseline a user would otherwise
 write). Results: ``benchmarks/results/latest.json`` and the plot ``docs/benchmarks.png``.
 """
@@ -221,7 +224,7 @@ def report(results: dict) -> None:
                 f"{row['median'] / base:8.2f}x   {row['median'] / floor:8.1f}x"
             )
     boot = results["boot"]
-    base = boot["plain torch script"]["median"]
+    base = base_boot = boot["plain torch script"]["median"]
     print("boot, 2 workers, to a call answered by each   median   min..max   vs plain torch script")
     for name, row in boot.items():
         if name.startswith("phases"):
@@ -231,6 +234,28 @@ def report(results: dict) -> None:
     for name in ("phases, first boot", "phases, re-run"):
         phases = ", ".join(f"{k} {v:.2f} s" for k, v in boot[name].items())
         print(f"  {name}: {phases}")
+    ray = results.get("ray", {})
+    if "skipped" in ray:
+        print(f"Ray: skipped: {ray['skipped']}")
+    elif ray:
+        calls = results["calls"]
+        print(f"Ray {ray['version']} (actor calls)             median        p90   vs torch rpc")
+        for name, figure in (
+            ("small", "small"),
+            ("64MB torch tensor", "64MB"),
+            ("64MB numpy array", "64MB"),
+        ):
+            base = calls[figure]["torch rpc"]["median"]
+            row = ray[name]
+            print(
+                f"  {name:<34}{fmt(row['median'])} {fmt(row['p90'])}   {row['median'] / base:8.2f}x"
+            )
+        boot_ray = ray["boot"]
+        print(
+            f"  boot, 2 actors to a call each   {boot_ray['median']:6.2f} s  "
+            f"{boot_ray['min']:.2f}..{boot_ray['max']:.2f} s  "
+            f"{boot_ray['median'] / base_boot:6.2f}x the plain torch script"
+        )
     split = results["model_split_step_s"]
     print("04's model, one forward+backward+SGD step (64x512 -> 1024 -> 1024 -> 16, float32):")
     for name, row in split.items():
@@ -252,11 +277,14 @@ def plot(results: dict, path: Path) -> None:
         "torch rpc",
         "torch rpc, bare processes",
         "ipyparallel apply",
+        "Ray actor",
+        "Ray actor, numpy",
         "floor",
     ]
-    colors = ["#e65100", "#ffb74d", "#37474f", "#90a4ae", "#6a1b9a", "#2e7d32"]
-    fig, ax = plt.subplots(figsize=(9, 3.6))
-    width = 0.13
+    colors = ["#e65100", "#ffb74d", "#37474f", "#90a4ae", "#6a1b9a", "#0277bd", "#81d4fa"]
+    colors.append("#2e7d32")
+    fig, ax = plt.subplots(figsize=(10, 3.8))
+    width = 0.1
     for i, (peer, color) in enumerate(zip(peers, colors, strict=True)):
         values = []
         for figure in figures:
@@ -264,7 +292,7 @@ def plot(results: dict, path: Path) -> None:
             base = results["calls"][figure]["torch rpc"]["median"]
             values.append(row["median"] / base if row else float("nan"))
         ax.bar(
-            [j + (i - 2) * width for j in range(len(figures))],
+            [j + (i - 3.5) * width for j in range(len(figures))],
             values,
             width,
             label=peer,
@@ -304,6 +332,26 @@ def main() -> int:
     results["model_split_step_s"] = bench_model_split(10 if args.quick else 50)
     nbrpc.shutdown()
 
+    ray = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "ray_peer.py"),
+            str(small_n),
+            str(big_n[64]),
+            str(boots),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    try:
+        results["ray"] = json.loads(ray.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        results["ray"] = {"skipped": f"Ray failed: {ray.stderr.strip()[-500:]}"}
+    if "small" in results["ray"]:
+        results["calls"]["small"]["Ray actor"] = results["ray"]["small"]
+        results["calls"]["64MB"]["Ray actor"] = results["ray"]["64MB torch tensor"]
+        results["calls"]["64MB"]["Ray actor, numpy"] = results["ray"]["64MB numpy array"]
     results["calls"]["small"]["floor"] = small_floor
     for figure, row in raw["calls"].items():
         results["calls"][figure]["torch rpc, bare processes"] = row
