@@ -64,3 +64,42 @@ def test_unpicklable_argument_names_the_call_and_the_fix():
 
     with pytest.raises(SerializationError, match=r"cannot send a call of .*f over RPC.*lock"):
         _pickling.serialize(PythonUDF(f, (threading.Lock(),), {}))
+
+
+def test_code_is_marshalled_once_while_globals_travel_every_call(nb):
+    cell = nb("OFFSET = 5\ndef add(x):\n    return x + OFFSET\n")
+    first, _ = _pickling.serialize(PythonUDF(cell.add, (1,), {}))
+    key = _pickling._code_sent[cell.add.__code__][0]
+    cell.add.__globals__["OFFSET"] = 9  # a later cell changes the global
+    second, _ = _pickling.serialize(PythonUDF(cell.add, (1,), {}))
+    assert _pickling._code_sent[cell.add.__code__][0] == key  # the same code: one key
+    got_first, got_second = pickle.loads(first).func, pickle.loads(second).func
+    assert got_first(1) == 6
+    assert got_second(1) == 10  # the changed global arrived
+    assert got_second.__code__ is got_first.__code__  # the receiver kept the code
+    cell2 = nb("def add(x):\n    return x - 1\n")  # redefined: new code, new key
+    third, _ = _pickling.serialize(PythonUDF(cell2.add, (1,), {}))
+    assert pickle.loads(third).func(1) == 0
+
+
+def test_a_module_registered_by_value_after_a_call_travels_by_value(tmp_path, monkeypatch):
+    import sys
+
+    import cloudpickle
+
+    import nbrpc
+
+    (tmp_path / "nbrpc_helper_mod.py").write_text("def twice(x):\n    return 2 * x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import nbrpc_helper_mod
+
+    by_ref, _ = _pickling.serialize(PythonUDF(nbrpc_helper_mod.twice, (1,), {}))
+    assert b"twice" in by_ref
+    assert b"_load_code" not in by_ref
+    nbrpc.register_by_value(nbrpc_helper_mod)
+    try:
+        by_value, _ = _pickling.serialize(PythonUDF(nbrpc_helper_mod.twice, (1,), {}))
+        assert b"_load_code" in by_value  # its code travels now
+    finally:
+        cloudpickle.unregister_pickle_by_value(nbrpc_helper_mod)
+        sys.modules.pop("nbrpc_helper_mod", None)
