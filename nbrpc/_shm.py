@@ -6,25 +6,31 @@ measured here, a 64 MB round trip took 74 ms, most of it the OS handing out and 
 new pages. When every process of the group is on one host (a
 local cluster: its store is a private file, so it must be; across hosts, the processes
 that share one ``/dev/shm``, see :func:`configure`), nbrpc's pickler sends a large
-CPU tensor as a name instead: the sender copies the tensor's storage once into a segment
-under ``/dev/shm`` (owner-only), the receiver maps that segment. One copy in all.
+CPU tensor as a name instead: the sender copies the tensor's storage once into shared
+memory under ``/dev/shm`` (owner-only), the receiver uses that memory as the tensor's own.
+One copy in all.
 
-Fresh shared memory is slow to write (the OS allocates and zeroes every page first:
-measured 40–90 ms for 64 MB here, against 10 ms into pages that exist). So segments are
-recycled: when the receiver's tensor is freed, its segment is renamed into a pool
-(``...-pool-<bytes>-...``, bounded by :data:`POOL_BYTES`), and the next sender of a
-storage of that size claims it with an atomic rename. A pooled segment is mapped by
-nobody, so reusing it cannot alias a live tensor.
+Where it goes: first a slot of the sender's **arena** (:mod:`nbrpc._arena`), a file mapped
+once in each process and kept mapped, so neither side pays for mapping, unmapping or page
+faults per message (64 MB round trip: 26 ms with a segment per message, see
+docs/benchmarks.md for the arena's). The slot is the received tensor's memory until the
+receiver frees it. A message that does not fit in the arena takes a **segment**: a
+file of its own, mapped by the receiver for that message. Fresh shared memory is slow to
+write (the OS allocates and zeroes every page first: measured 40–90 ms for 64 MB here,
+against 10 ms into pages that exist), so segments are recycled: when the receiver's tensor
+is freed, its segment is renamed into a pool (``...-pool-<bytes>-...``, bounded by
+:data:`POOL_BYTES`), and the next sender of a storage of that size claims it with an atomic
+rename. A pooled segment is mapped by nobody, so reusing it cannot alias a live tensor.
 
 What the receiver sees does not change: a tensor with the same values, dtype, shape,
-strides and storage offset, backed by memory of its own (a fresh segment per message, so
-nothing aliases the sender's tensor; tensors of one message that shared a storage still
+strides and storage offset, backed by memory of its own (a slot or segment per message,
+so nothing aliases the sender's tensor; tensors of one message that shared a storage still
 share it). Tensors that require grad keep torch's path, because distributed autograd
 attaches its send/recv functions to the tensors torch itself transports; so do CUDA,
 sparse and quantized tensors, tensor subclasses, and anything below the threshold.
 
-Segments are named ``nbrpc-<kernel pid>-...``. A segment whose message never arrived
-(the receiver died) is removed when the cluster shuts down, or by the kernel's watchdog
+Arenas and segments are named ``nbrpc-<kernel pid>-...``. A segment whose message never
+arrived (the receiver died), and every arena, are removed when the cluster shuts down, or by the kernel's watchdog
 if the kernel dies (:func:`nbrpc._reaper.sweep_segments`).
 """
 
@@ -42,19 +48,30 @@ from typing import Any
 
 import torch
 
+from . import _arena
+
 __all__ = ["DEFAULT_THRESHOLD", "configure", "eligible", "enabled", "make_reducer"]
 
-#: Tensors whose storage is at least this large take the fast path (bytes). Measured on the
-#: dev machine (round trips, nbrpc fast path vs TensorPipe's uv transport + cma channel):
-#: 4 MB 3.4 vs 2.8 ms, 16 MB 10.3 vs 8.5 ms, 32 MB 16.7 vs 21.0 ms, 64 MB 27 vs 74 ms.
-DEFAULT_THRESHOLD = 32 << 20
+#: Tensors whose storage is at least this large take the fast path (bytes). Measured here
+#: with the arena (round trips, fast path vs TensorPipe's uv transport + cma channel, medians
+#: of 20): 0.25 MB 1.8 vs 1.5 ms, 1 MB 2.6-3.1 vs 2.6 ms, 4 MB 2.7-3.7 vs 4.8-5.1 ms, 16 MB
+#: 6.0-6.8 vs 11.9-13.2 ms, 64 MB 16.4-17.6 vs 106-109 ms. (Segments alone, before the
+#: arena, won only from 32 MB.)
+DEFAULT_THRESHOLD = 1 << 20
 SHM_DIR = "/dev/shm"
 #: Most bytes kept in recycled segments, all processes of a cluster together.
 POOL_BYTES = 1 << 30
 
 # sent: segments filled; peers: None when every peer sees this /dev/shm (a local cluster),
 # else the names of those that do (a cluster across hosts)
-_state: dict[str, Any] = {"threshold": None, "prefix": "", "sent": 0, "peers": None}
+_state: dict[str, Any] = {
+    "threshold": None,
+    "prefix": "",
+    "sent": 0,
+    "peers": None,
+    "arena": None,  # this process's _arena.Arena, made at its first large message
+    "use_arena": True,
+}
 #: Where the message this thread is pickling goes, when only some peers share memory:
 #: .dest (a call being sent), .pickling (the destination of the message being pickled now).
 _route = threading.local()
@@ -80,6 +97,11 @@ def configure(prefix: str, threshold: int | None, peers: list[str] | None = None
     _state["threshold"] = int(threshold) if usable and threshold is not None else None
     _state["prefix"] = prefix
     _state["peers"] = None if peers is None else frozenset(peers)
+    arena = _state["arena"]
+    if arena is not None and not arena.usable(prefix):
+        arena.close()  # a new cluster, whose start swept the old file (off: kept, warm)
+        _state["arena"] = None
+    _arena.forget_mappings()
     _replies.clear()
 
 
@@ -207,11 +229,32 @@ def _recycle(path: str, nbytes: int) -> None:
             os.unlink(path)
 
 
-def _export(storage: torch.UntypedStorage) -> str:
+def _export(storage: torch.UntypedStorage) -> str | tuple[str, int, int]:
+    """Copy a storage where the receiver will find it: a slot of this process's arena,
+    ``(arena name, record, offset)``; else (no room) a segment, by name."""
+    _state["sent"] += 1
+    arena = _arena_here()
+    if arena is not None:
+        slot = arena.put(storage)
+        if slot is not None:
+            return (arena.name, *slot)
+    return _export_segment(storage)
+
+
+def _arena_here() -> _arena.Arena | None:
+    arena = _state["arena"]
+    if arena is None and _state["use_arena"]:
+        try:
+            arena = _state["arena"] = _arena.Arena(_state["prefix"])
+        except OSError:  # no room for the file: segments only
+            _state["use_arena"] = False
+    return arena
+
+
+def _export_segment(storage: torch.UntypedStorage) -> str:
     """Copy a storage into an owner-only segment (a recycled one if free); return its name."""
     nbytes = storage.nbytes()
     name = f"{_state['prefix']}-{os.getpid()}-{next(_counter)}-{uuid.uuid4().hex[:8]}"
-    _state["sent"] += 1
     path = os.path.join(SHM_DIR, name)
     if _claim(name, nbytes):
         fd = os.open(path, os.O_RDWR)
@@ -232,13 +275,16 @@ def _export(storage: torch.UntypedStorage) -> str:
 
 
 def _import(
-    name: str, nbytes: int, dtype: torch.dtype, shape: tuple, stride: tuple, offset: int
+    where: str | tuple, nbytes: int, dtype: torch.dtype, shape: tuple, stride: tuple, offset: int
 ) -> torch.Tensor:
-    """Unpickling side: map the segment (once per message) and wrap it in a tensor.
-
-    When the last tensor on it is freed, the mapping goes, then :func:`_recycle` runs
-    (``mmap`` unmaps before it calls its finalizers).
-    """
+    """Unpickling side: the tensor over an arena slot, or over a segment (mapped once per
+    message; when the last tensor on it is freed, the mapping goes, then :func:`_recycle`
+    runs: ``mmap`` unmaps before it calls its finalizers)."""
+    if isinstance(where, tuple):
+        arena_name, record, slot_offset = where
+        storage = _arena.attach(arena_name, record, slot_offset, nbytes)
+        return torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
+    name = where
     with _opened_lock:
         mm = _opened.get(name)
         if mm is None:
@@ -256,7 +302,8 @@ def _import(
 
 def make_reducer(torch_reducer: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
     """The tensor reducer of one pickled message: the fast path, else torch's own."""
-    exported: dict[int, str] = {}  # storage address -> segment, so shared storages stay shared
+    # storage address -> where it went, so storages shared in the message stay shared
+    exported: dict[int, str | tuple[str, int, int]] = {}
 
     def reduce(t: torch.Tensor) -> Any:
         threshold = _state["threshold"]

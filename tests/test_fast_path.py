@@ -1,7 +1,9 @@
 """The same-host fast path: large CPU tensors through shared memory, same semantics."""
 
+import contextlib
 import gc
 import os
+import time
 
 import pytest
 import torch
@@ -129,11 +131,87 @@ def test_segments_are_recycled_not_leaked(fast):
         del out
     gc.collect()
     names = [n for n in os.listdir(_shm.SHM_DIR) if n.startswith(prefix + "-")]
-    in_flight = [n for n in names if "-pool-" not in n]
+    in_flight = [n for n in names if "-pool-" not in n and "-arena-" not in n]
+    assert len([n for n in names if "-arena-" in n]) <= len(nbrpc.workers())  # one each
     pooled = sum(int(n.split("-pool-")[1].split("-")[0]) for n in names if "-pool-" in n)
     live_here = [t for t in CASES.values()]  # the cases are the kernel's own memory
     assert len(in_flight) <= 2 * len(live_here), in_flight  # only what tensors still hold
     assert pooled <= _shm.POOL_BYTES
+
+
+def _arena_files(prefix: str) -> list[str]:
+    return [n for n in os.listdir(_shm.SHM_DIR) if n.startswith(prefix + "-arena-")]
+
+
+def test_the_arena_is_reused_and_never_overwrites_a_live_tensor(fast):
+    """One arena per process, mapped once; a slot is reused only after its receiver let go."""
+    prefix = _shm._state["prefix"]
+    held = nbrpc.rpc_sync("worker1", fast.echo, args=(BASE,))  # kept: its slot stays in use
+    for _ in range(10):
+        other = torch.randn(1024, 1024)
+        assert torch.equal(nbrpc.rpc_sync("worker1", fast.echo, args=(other,)), other)
+    assert torch.equal(held, BASE)  # ten more messages did not touch the held slot
+    arenas = _arena_files(prefix)
+    assert 1 <= len(arenas) <= len(fast_cluster_processes())  # one per process, no growth
+    arena = _shm._state["arena"]
+    assert arena is not None
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while arena.in_use() and time.monotonic() < deadline:  # the worker let go of its args
+        time.sleep(0.05)
+    assert arena.in_use() == 0
+    assert torch.equal(held, BASE)
+    del held
+
+
+def fast_cluster_processes() -> list[str]:
+    return nbrpc.workers()
+
+
+def test_a_full_arena_falls_back_to_segments():
+    from nbrpc import _arena
+
+    prefix = f"nbrpc-test-{os.getpid()}"
+    arena = _arena.Arena(prefix, capacity=3 * _arena.ALIGN)
+    try:
+        one = torch.ones(_arena.ALIGN, dtype=torch.uint8).untyped_storage()
+        slots = [arena.put(one) for _ in range(4)]
+        assert slots[:3] == [(0, 0), (1, _arena.ALIGN), (2, 2 * _arena.ALIGN)]
+        assert slots[3] is None  # full: the caller takes a segment instead
+        storage = _arena.attach(arena.name, 1, _arena.ALIGN, _arena.ALIGN)  # as a receiver
+        assert arena.in_use() == 3
+        del storage
+        gc.collect()
+        assert arena.in_use() == 2  # the receiver let go of record 1
+        assert arena.put(one) == (1, _arena.ALIGN)  # its slot, and only its, is reused
+    finally:
+        os.unlink(os.path.join(_arena.SHM_DIR, arena.name))
+
+
+def test_a_peer_killed_mid_transfer_leaves_nothing_and_corrupts_nothing():
+    nbrpc.shutdown()
+    try:
+        cluster = nbrpc.init(n=2, shm_threshold=1 << 20, progress=False)
+        prefix = _shm._state["prefix"]
+        code = notebook_code(CELL)
+        mine = torch.randn(2048, 1024)  # 8 MB
+        kept = nbrpc.rpc_sync("worker1", code.echo, args=(mine,))  # in worker1's arena
+        calls = [nbrpc.rpc_async("worker1", code.echo, args=(mine,)) for _ in range(20)]
+        os.kill(cluster.workers[1].pid, 9)  # while those transfers are under way
+        for fut in calls:
+            with contextlib.suppress(nbrpc.WorkerDiedError):
+                assert torch.equal(fut.wait(), mine)  # each one that arrived is whole
+        assert torch.equal(kept, mine)  # the dead sender's slot: still this tensor's memory
+        other = torch.randn(2048, 1024)
+        for _ in range(5):  # the kernel's arena keeps serving the live worker
+            assert torch.equal(nbrpc.rpc_sync("worker2", code.echo, args=(other,)), other)
+        assert _arena_files(prefix)
+    finally:
+        nbrpc.shutdown()
+    left = [n for n in os.listdir(_shm.SHM_DIR) if n.startswith(prefix + "-")]
+    assert left == [], left  # arenas and segments, the dead worker's included
+    assert torch.equal(kept, mine)
+    ensure_cluster()
 
 
 def test_off_with_an_option():
