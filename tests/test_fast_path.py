@@ -25,6 +25,10 @@ def scribble(t):
     t.fill_(-1.0)  # the callee's own tensor: the caller's must not change
     return float(t.sum())
 
+def segments_made():
+    from nbrpc import _shm
+    return _shm._state["sent"]
+
 def same_storage(a, b):
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 """
@@ -162,6 +166,15 @@ def test_the_arena_is_reused_and_never_overwrites_a_live_tensor(fast):
     assert arena.in_use() == 0
     assert torch.equal(held, BASE)
     del held
+
+
+def test_remote_and_to_here_take_the_arena(fast):
+    sent_here = _segments_made()
+    sent_there = nbrpc.rpc_sync("worker1", fast.segments_made)
+    rref = nbrpc.remote("worker1", fast.echo, args=(BASE,))  # the argument: this arena
+    assert torch.equal(rref.to_here(), BASE)  # the value: worker1's arena
+    assert _segments_made() == sent_here + 1
+    assert nbrpc.rpc_sync("worker1", fast.segments_made) == sent_there + 1
 
 
 def fast_cluster_processes() -> list[str]:
