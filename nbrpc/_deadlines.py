@@ -7,8 +7,9 @@ theirs instead, measured on :data:`clock`, which :mod:`nbrpc._debugger` pauses f
 as a debugger session is open and resumes when it ends (``c`` or ``q``).
 
 One daemon thread serves every deadline from a heap; a deadline whose future finished
-first is dropped when it comes due (or when the heap is compacted), and holds the future
-only weakly, so a finished call's result is not kept alive for the length of its timeout.
+first is dropped when it comes due (or when the heap is compacted, amortized over pushes),
+and holds the future only weakly, so a finished call's result is not kept alive for the
+length of its timeout.
 """
 
 from __future__ import annotations
@@ -62,12 +63,12 @@ class Clock:
 
 clock = Clock()
 
-# [due on clock, sequence, weakref to the future or None once it finished, make_error]
+# [due on clock, sequence, weakref to the future, make_error]
 _heap: list[list[Any]] = []
 _cv = threading.Condition()
 _seq = itertools.count()
-_state: dict[str, Any] = {"thread": None, "finished": 0}
-_COMPACT_AT = 4096  # entries; below this, finished entries simply wait for their due time
+_state: dict[str, Any] = {"thread": None, "compact_at": 4096}
+_COMPACT_AT = 4096  # entries; below this, finished calls' entries wait for their due time
 
 
 def expire_after(seconds: float, future: Any, make_error: Callable[[], BaseException]) -> None:
@@ -79,21 +80,18 @@ def expire_after(seconds: float, future: Any, make_error: Callable[[], BaseExcep
             thread = threading.Thread(target=_serve, name="nbrpc-deadlines", daemon=True)
             _state["thread"] = thread
             thread.start()
-        if len(_heap) >= _COMPACT_AT and _state["finished"] * 2 > len(_heap):
-            _heap[:] = [e for e in _heap if e[2] is not None]
+        if len(_heap) >= _state["compact_at"]:  # drop finished calls' entries (amortized)
+            _heap[:] = [e for e in _heap if _pending(e[2])]
             heapq.heapify(_heap)
-            _state["finished"] = 0
+            _state["compact_at"] = max(_COMPACT_AT, 2 * len(_heap))
         heapq.heappush(_heap, entry)
         if _heap[0] is entry:
             _cv.notify()
-    future.add_done_callback(lambda _: _finished(entry))
 
 
-def _finished(entry: list[Any]) -> None:
-    with _cv:
-        if entry[2] is not None:
-            entry[2] = None
-            _state["finished"] += 1
+def _pending(ref: Any) -> bool:
+    future = ref()
+    return future is not None and not future.done()
 
 
 def _wake() -> None:
@@ -110,12 +108,7 @@ def _serve() -> None:
                     continue
                 due = _heap[0][0] - clock.now()
                 if due <= 0:
-                    entry = heapq.heappop(_heap)
-                    ref, make_error = entry[2], entry[3]
-                    if ref is None:
-                        _state["finished"] -= 1
-                        continue
-                    entry[2] = None  # out of the heap: its future's end counts nothing
+                    ref, make_error = heapq.heappop(_heap)[2:]
                     break
                 _cv.wait(due)
         future = ref()

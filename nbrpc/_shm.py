@@ -30,8 +30,8 @@ attaches its send/recv functions to the tensors torch itself transports; so do C
 sparse and quantized tensors, tensor subclasses, and anything below the threshold.
 
 Arenas and segments are named ``nbrpc-<kernel pid>-...``. A segment whose message never
-arrived (the receiver died), and every arena, are removed when the cluster shuts down, or by the kernel's watchdog
-if the kernel dies (:func:`nbrpc._reaper.sweep_segments`).
+arrived (the receiver died), and every arena, are removed when the cluster shuts down, or
+by the kernel's watchdog if the kernel dies (:func:`nbrpc._reaper.sweep_segments`).
 """
 
 from __future__ import annotations
