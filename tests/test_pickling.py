@@ -103,3 +103,26 @@ def test_a_module_registered_by_value_after_a_call_travels_by_value(tmp_path, mo
     finally:
         cloudpickle.unregister_pickle_by_value(nbrpc_helper_mod)
         sys.modules.pop("nbrpc_helper_mod", None)
+
+
+def test_a_forked_process_sends_code_under_keys_of_its_own(nb):
+    """Workers are forked from one zygote: with its keys, two workers sent different code
+    under one key and the kernel rebuilt the wrong function (a full run found it)."""
+    import os
+
+    cell = nb("def one():\n    return 1\n")
+    parent_key = _pickling._reduce_code(cell.one.__code__)[1][0]
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: the same code object, as a forked worker would send it
+        try:
+            os.write(write_end, _pickling._reduce_code(cell.one.__code__)[1][0].encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    child_key = os.read(read_end, 200).decode()
+    os.waitpid(pid, 0)
+    os.close(read_end)
+    assert child_key
+    assert child_key.split(".")[0] == str(pid)
+    assert child_key != parent_key
