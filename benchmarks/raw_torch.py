@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ def main() -> int:
     import torch.distributed.rpc as rpc
 
     from benchmarks.peers import echo
+    from benchmarks.stats import stats
 
     url = f"file://{tempfile.mkdtemp()}/store"
     t0 = time.perf_counter()
@@ -60,11 +60,7 @@ def main() -> int:
         )
     rpc.shutdown()
     worker.wait(timeout=60)
-
-    def row(s):
-        return {"median": statistics.median(s), "p90": s[int(0.9 * (len(s) - 1))], "n": len(s)}
-
-    print(json.dumps({"boot_s": boot, "calls": {k: row(v) for k, v in calls.items()}}))
+    print(json.dumps({"boot_s": boot, "calls": {k: stats(v) for k, v in calls.items()}}))
     return 0
 
 

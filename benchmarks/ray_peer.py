@@ -16,6 +16,11 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.stats import stats
 
 BOOT = """
 import time, torch, ray
@@ -32,15 +37,6 @@ ray.get([a.echo.remote(1) for a in actors])
 print(time.perf_counter() - t0)
 ray.shutdown()
 """
-
-
-def stats(samples: list[float]) -> dict:
-    ordered = sorted(samples)
-    return {
-        "median": statistics.median(ordered),
-        "p90": ordered[int(0.9 * (len(ordered) - 1))],
-        "n": len(ordered),
-    }
 
 
 def main() -> int:

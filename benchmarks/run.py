@@ -28,7 +28,6 @@ import argparse
 import json
 import multiprocessing
 import random
-import statistics
 import subprocess
 import sys
 import time
@@ -42,6 +41,7 @@ import torch.distributed.rpc as rpc  # noqa: E402
 
 import nbrpc  # noqa: E402
 from benchmarks.peers import Shard, echo  # noqa: E402
+from benchmarks.stats import stats  # noqa: E402
 from nbrpc import _shm  # noqa: E402
 
 SIZES_MB = (4, 64, 256)
@@ -52,15 +52,6 @@ def notebook_echo():
     namespace = {"__name__": "__main__"}
     exec("def echo(x):\n    return x\n", namespace)
     return namespace["echo"]
-
-
-def stats(samples: list[float]) -> dict:
-    ordered = sorted(samples)
-    return {
-        "median": statistics.median(ordered),
-        "p90": ordered[int(0.9 * (len(ordered) - 1))],
-        "n": len(ordered),
-    }
 
 
 def interleaved(calls: dict, repeats: int) -> dict:
