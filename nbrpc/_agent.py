@@ -301,15 +301,9 @@ def _await_creation(rref: Any, timeout: float) -> None:
     created = _torch.rref_creation_future(rref)
     if created is None or created.done():
         return
-    limit = _limit(None if timeout == _torch.UNSET_RPC_TIMEOUT else timeout)
-    if not wait_on_main_thread(created, limit):
-        owner = rref.owner().name
-        raise _timeout_error(
-            None,
-            "to_here() of an RRef",
-            owner,
-            None if timeout == _torch.UNSET_RPC_TIMEOUT else timeout,
-        )
+    given = None if timeout == _torch.UNSET_RPC_TIMEOUT else timeout
+    if not wait_on_main_thread(created, _limit(given)):
+        raise _timeout_error(None, "to_here() of an RRef", rref.owner().name, given)
 
 
 def install() -> None:

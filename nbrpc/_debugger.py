@@ -427,7 +427,7 @@ def serve() -> None:
             _answer(request, ("line", None))
         except KeyboardInterrupt:
             _answer(request, ("quit", "the stop button"))
-            _quit_all("the stop button")
+            _answer_waiting(("quit", "the stop button"))  # the other waiting ones too
             raise
         except Exception as exc:  # e.g. IPython's StdinNotImplementedError
             _answer(request, ("skip", f"input() failed here ({type(exc).__name__}: {exc})"))
@@ -436,12 +436,15 @@ def serve() -> None:
             _answer(request, ("line", line))
 
 
-def _quit_all(why: str) -> None:
+def _answer_waiting(answer: tuple, worker: str | None = None) -> None:
+    """Answer every waiting prompt (of ``worker`` only, if given) with ``answer`` and end
+    the open session (if it is ``worker``'s): the stop button, a death, a shutdown."""
     with _cond:
-        waiting, _queue[:] = list(_queue), []
-        for request in waiting:
-            request.answer = ("quit", why)
-        session = _open_session.get("session")
+        for request in [r for r in _queue if worker is None or r.worker == worker]:
+            _queue.remove(request)
+            request.answer = answer
+        ours = worker is None or _open_session.get("worker") == worker
+        session = _open_session.get("session") if ours else None
         _cond.notify_all()
     if session:
         _end(session)
@@ -449,24 +452,10 @@ def _quit_all(why: str) -> None:
 
 def forget_worker(name: str) -> None:
     """A worker died: its prompts are dropped and its open session ends."""
-    with _cond:
-        for request in [r for r in _queue if r.worker == name]:
-            _queue.remove(request)
-            request.answer = ("skip", "")
-        session = _open_session.get("session") if _open_session.get("worker") == name else None
-        _cond.notify_all()
-    if session:
-        _end(session)
+    _answer_waiting(("skip", ""), name)
 
 
 def reset(why: str = "the cluster is shutting down") -> None:
     """Shutdown: waiting prompts are answered (the workers run on), sessions end."""
-    with _cond:
-        waiting, _queue[:] = list(_queue), []
-        for request in waiting:
-            request.answer = ("skip", why)
-        session = _open_session.get("session")
-        _cond.notify_all()
-    if session:
-        _end(session)
+    _answer_waiting(("skip", why))
     _remote.forget_failures()

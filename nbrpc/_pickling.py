@@ -107,7 +107,8 @@ def _load_code(key: str, data: bytes) -> CodeType:
 
 _BASE_TABLE = {**_CLOUDPICKLE_TABLE, MethodType: _reduce_method, CodeType: _reduce_code}
 # Functions and classes cloudpickle found importable (pickled by reference), by id; they
-# are module attributes, alive anyway. Emptied when a module is registered by value.
+# are module attributes, alive anyway. Emptied when cloudpickle's set of modules registered
+# by value changes size (RpcPickler.dump checks).
 _by_reference: dict[int, Any] = {}
 _BY_REFERENCE_KEEP = 8192
 _BY_VALUE_MODULES = cloudpickle.cloudpickle._PICKLE_BY_VALUE_MODULES  # cloudpickle's own set
@@ -217,8 +218,7 @@ def register_by_value(module: ModuleType) -> None:
 
     Thin wrapper over ``cloudpickle.register_pickle_by_value``; call it in the kernel.
     """
-    cloudpickle.register_pickle_by_value(module)
-    _by_reference.clear()  # its functions and classes now travel by value
+    cloudpickle.register_pickle_by_value(module)  # RpcPickler.dump then forgets its memo
 
 
 def _describe(obj: Any) -> str:
