@@ -32,6 +32,7 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
 
+import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
@@ -229,6 +230,12 @@ def loopback_ifname() -> str:
     return "lo"
 
 
+def uses_cuda(device_maps: dict | None, devices: list | None) -> bool:
+    """Whether this process's RPC options move CUDA tensors (maps, or a CUDA device)."""
+    mapped = any(device_maps.values()) if device_maps else False
+    return mapped or any(isinstance(d, int) or str(d).startswith("cuda") for d in devices or ())
+
+
 # this process's name in the group; torch allows one join
 _joined: dict[str, str | None] = {"name": None}
 
@@ -255,6 +262,12 @@ def join(
             "engines: restart the engines) and attach again."
         )
     _pickling.install()
+    if uses_cuda(device_maps, devices):
+        # A dynamic group (world_size=None) skips the step of a static init_rpc that brings
+        # CUDA up, and the first CUDA tensor TensorPipe hands a process that has not used
+        # CUDA yet aborts it in C++ (measured on an H100 with torch 2.11: "Allocator not
+        # initialized for device", the worker gone, no Python error). Bring it up first.
+        torch.cuda.init()
     options = _torch.tensorpipe_options(
         transports(),
         init_method=f"{SCHEME}://group",
