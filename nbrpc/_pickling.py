@@ -18,6 +18,13 @@ answer "importable: by reference" for a function or class is remembered
 (:meth:`RpcPickler.reducer_override`). A function's globals, defaults and closure are still
 pickled on every call, so a changed global is seen by the next call.
 
+With devices in the RPC options (CUDA device maps), torch also pickles every call's value
+and reply a second time with the standard library, only to list its tensors, and a
+notebook class or lambda fails there ("Can't pickle <class '__main__.Model'>: attribute
+lookup Model on __main__ failed"), even though the RPC itself would carry it.
+:class:`TensorFinder` treats classes, functions and modules as holding no tensors, as
+that pickle does for every importable one.
+
 The private torch names this relies on (the hooks in ``torch.distributed.rpc.internal``,
 the pickler torch instantiates) live in :mod:`nbrpc._torch`, pinned by
 ``tests/test_torch_seam.py``.
@@ -32,7 +39,7 @@ import os
 import pickle
 import threading
 import weakref
-from types import CodeType, FunctionType, MethodType, ModuleType
+from types import BuiltinFunctionType, CodeType, FunctionType, MethodType, ModuleType
 from typing import Any
 
 import cloudpickle
@@ -190,6 +197,26 @@ class RpcPickler(cloudpickle.Pickler):
         _C_DISPATCH_TABLE.__set__(self, _DispatchTable(merged))
 
 
+#: What a pickle by reference would record as a name: no tensors are found inside them.
+_NAMED_ONLY = (type, FunctionType, BuiltinFunctionType, ModuleType, CodeType)
+
+
+class TensorFinder(_torch.TENSOR_EXTRACTOR):
+    """torch's tensor-listing pickler, for values that hold notebook classes and lambdas.
+
+    The standard library pickles a class or function as its importable name, so torch's
+    own pickler never looks inside one; it only fails when the name does not resolve,
+    which is the case for everything defined in a notebook and sent by value. Answering
+    ``""`` (a persistent id) for those types skips the lookup and keeps the search the
+    same: an instance's own state, where tensors live, is still walked.
+    """
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _NAMED_ONLY):
+            return ""
+        return super().persistent_id(obj)
+
+
 _original: dict[str, Any] = {}
 
 
@@ -202,6 +229,7 @@ def install() -> None:
         return
     _original["installed"] = True
     _torch.install_rpc_hooks(RpcPickler, _remote.run_function, _remote.handle_exception)
+    _torch.install_tensor_extractor(TensorFinder)
     _ledger.install()
 
 

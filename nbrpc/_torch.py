@@ -19,6 +19,8 @@ What is here, by topic:
 * the hooks nbrpc installs into ``torch.distributed.rpc.internal`` and the two patches of
   ``torch.distributed.rpc.api`` (``install_rpc_hooks``, ``patch_api``);
 * TensorPipe options that are not public (``tensorpipe_options``, ``TP_SOCKET_IFNAME``);
+* the pickler CUDA-aware futures use to find a value's tensors (``TENSOR_EXTRACTOR``,
+  ``install_tensor_extractor``);
 * distributed autograd's context internals (``autograd_context``, ...);
 * TorchScript's builtin table (``is_builtin``);
 * torch's error wording (``is_timeout``, ``missing_module``, ``is_connection_loss``).
@@ -38,6 +40,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 import torch.distributed.rpc.api as rpc_api
 import torch.distributed.rpc.internal as rpc_internal
+from torch import _jit_internal
 from torch._C._distributed_rpc import (
     PyRRef,
     _delete_all_user_and_unforked_owner_rrefs,
@@ -54,6 +57,7 @@ __all__ = [
     "INTERNAL_DEPRECATIONS",
     "INTERNAL_PICKLER",
     "MEMBER_LIST_KEY",
+    "TENSOR_EXTRACTOR",
     "TORCH_INTERNAL_HOOKS",
     "TORCH_OWN_CALL_MODULES",
     "TP_SOCKET_IFNAME",
@@ -70,6 +74,7 @@ __all__ = [
     "delete_user_rrefs",
     "forget_locally",
     "install_rpc_hooks",
+    "install_tensor_extractor",
     "is_builtin",
     "is_connection_loss",
     "is_timeout",
@@ -309,6 +314,26 @@ PythonUDF = rpc_internal.PythonUDF
 def run_udf(udf: Any) -> Any:
     """Run torch's ``PythonUDF`` (a namedtuple ``func, args, kwargs``) as torch does."""
     return udf.func(*udf.args, **udf.kwargs)
+
+
+# -- CUDA-aware futures ---------------------------------------------------------------------
+
+#: The ``pickle.Pickler`` subclass torch uses to list a value's tensors. Once a process has
+#: devices in its RPC options, every call's value and reply is a CUDA-aware future, and
+#: completing one pickles the value with this class (``_jit_internal._extract_tensors``,
+#: called from C++, which looks the class up by name on each call) to learn which tensors
+#: to synchronise streams for. The pickle itself is thrown away.
+TENSOR_EXTRACTOR = _jit_internal._TensorExtractor
+
+
+def install_tensor_extractor(extractor: type[_jit_internal._TensorExtractor]) -> None:
+    """Make ``extractor`` (a subclass of :data:`TENSOR_EXTRACTOR`) what torch uses."""
+    if not hasattr(_jit_internal, "_extract_tensors"):
+        raise ImportError(
+            f"torch._jit_internal._extract_tensors is gone in torch {torch.__version__}: "
+            "nbrpc needs a release that supports this torch version."
+        )
+    _jit_internal._TensorExtractor = extractor  # type: ignore[misc]
 
 
 # -- TensorPipe ----------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.distributed.rpc.internal import PythonUDF
 
-from nbrpc import SerializationError, _pickling, _shm
+from nbrpc import SerializationError, _pickling, _shm, _torch
 
 
 @pytest.fixture(autouse=True)
@@ -126,3 +126,30 @@ def test_a_forked_process_sends_code_under_keys_of_its_own(nb):
     assert child_key
     assert child_key.split(".")[0] == str(pid)
     assert child_key != parent_key
+
+
+def test_cuda_aware_futures_find_tensors_in_notebook_objects(nb):
+    """With device maps, torch lists every value's tensors with the standard pickler, which
+    cannot name a notebook class; nbrpc's finder walks the same state and names none."""
+    import io
+
+    from torch import _jit_internal
+
+    cell = nb(
+        "import torch\n"
+        "class Net(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.lin = torch.nn.Linear(3, 2)\n"
+        "        self.act = lambda x: x.relu()\n"
+    )
+    net, x = cell.Net(), torch.ones(3)
+    value = {"model": net, "type": cell.Net, "fn": lambda: 0, "x": x, "n": [1, "a"]}
+    with pytest.raises(pickle.PicklingError, match="Net"):  # torch's own, as it ships
+        _torch.TENSOR_EXTRACTOR(io.BytesIO(), protocol=-1, tensors=[]).dump(value)
+    found = _jit_internal._extract_tensors(value)  # what torch's C++ calls
+    assert [t.data_ptr() for t in found] == [
+        net.lin.weight.data_ptr(),
+        net.lin.bias.data_ptr(),
+        x.data_ptr(),
+    ]

@@ -53,6 +53,22 @@ def test_rpc_internal_hooks_are_still_there_and_installed():
     )
 
 
+def test_cuda_futures_list_tensors_with_the_class_nbrpc_replaces():
+    from torch import _jit_internal
+
+    _pickling.install()
+    _pin(
+        "_TensorExtractor(" in inspect.getsource(_jit_internal._extract_tensors),
+        "_jit_internal._extract_tensors no longer instantiates _TensorExtractor",
+        "install_tensor_extractor",
+    )
+    _pin(
+        _jit_internal._TensorExtractor is _pickling.TensorFinder,
+        "_TensorExtractor is not ours",
+        "install_tensor_extractor",
+    )
+
+
 def test_python_udf_shape():
     udf = rpc_internal.PythonUDF(max, (1, 2), {})
     _pin(_torch.udf_function(udf) is max, "PythonUDF has no .func/.args", "udf_function")
@@ -186,7 +202,7 @@ def test_no_private_torch_name_outside_the_seam():
     import tokenize
 
     private = re.compile(
-        r"rpc_api\.|torch\._C|torch\.jit\._|rpc\.internal|\brpc\._|dist_autograd\._|"
+        r"rpc_api\.|torch\._C|torch\.jit\._|_jit_internal|rpc\.internal|\brpc\._|dist_autograd\._|"
         r"\._(serialize|deserialize|get_type)\(|(?<!_torch\.)(TP|GLOO)_SOCKET_IFNAME|_transports"
     )
     package = pathlib.Path(nbrpc.__file__).parent
