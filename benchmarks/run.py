@@ -15,6 +15,9 @@ Figures (medians and p90 over interleaved repeats):
   first boot and its re-run, against a plain torch script (``mp.spawn``) and
   ipyparallel's default start.
 - 04's model split over 3 processes against the same model in one process.
+- CUDA RPC, when there is a CUDA device (``cuda_rpc.py``, its own table; otherwise a line
+  saying why not): the CUDA-RPC tutorial's benchmark and a 64 MB CUDA round trip, against
+  a plain torch script.
 - Ray, when it is installed (``pip install -e '.[ray]'``; otherwise skipped with a line
   saying so): a tiny actor call, 64 MB as a torch tensor and as a numpy array, and boot to
   a call answered by each of 2 actors (``ray_peer.py``, in its own processes).
@@ -199,6 +202,17 @@ def bench_calls(small_n: int, big_n: dict[int, int]) -> dict:
     return results
 
 
+def bench_cuda(quick: bool) -> dict:
+    """``cuda_rpc.py`` in processes of its own (it prints its own table), or why not."""
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA device: torch.cuda.is_available() is False here"}
+    command = [sys.executable, str(ROOT / "benchmarks" / "cuda_rpc.py")]
+    done = subprocess.run(command + (["--quick"] if quick else []), timeout=1800)
+    if done.returncode != 0:
+        return {"skipped": f"cuda_rpc.py failed (exit {done.returncode}); its output is above"}
+    return json.loads((ROOT / "benchmarks" / "results" / "cuda.json").read_text())
+
+
 def report(results: dict) -> None:
     def fmt(seconds: float) -> str:
         if seconds < 1e-3:
@@ -227,6 +241,8 @@ def report(results: dict) -> None:
     for name in ("phases, first boot", "phases, re-run"):
         phases = ", ".join(f"{k} {v:.2f} s" for k, v in boot[name].items())
         print(f"  {name}: {phases}")
+    if "skipped" in results.get("cuda", {}):
+        print(f"CUDA RPC: skipped: {results['cuda']['skipped']}")
     ray = results.get("ray", {})
     if "skipped" in ray:
         print(f"Ray: skipped: {ray['skipped']}")
@@ -345,6 +361,7 @@ def main() -> int:
         results["calls"]["small"]["Ray actor"] = results["ray"]["small"]
         results["calls"]["64MB"]["Ray actor"] = results["ray"]["64MB torch tensor"]
         results["calls"]["64MB"]["Ray actor, numpy"] = results["ray"]["64MB numpy array"]
+    results["cuda"] = bench_cuda(args.quick)
     results["calls"]["small"]["floor"] = small_floor
     for figure, row in raw["calls"].items():
         results["calls"][figure]["torch rpc, bare processes"] = row

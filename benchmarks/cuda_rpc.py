@@ -1,0 +1,204 @@
+"""CUDA RPC: the tutorial's benchmark (seeds/004) and a CUDA tensor round trip, nbrpc
+against a plain torch RPC script, measured in the same run.
+
+    python benchmarks/cuda_rpc.py [--quick]      (make bench runs it when CUDA is there)
+
+Two processes share this host's GPUs the way ``gpus="auto"`` places them: one GPU, both on
+``cuda:0``; two or more, ``cuda:0`` and ``cuda:1`` as in the tutorial.
+
+- torch: a two-process script (``mp.spawn``, a static group, ``set_device_map``) that
+  imports no nbrpc: the baseline a user would otherwise write;
+- nbrpc: ``nbrpc.init(n=1, gpus="auto")``, the kernel process and one worker.
+
+Figures, each a median over repeats after a warm-up:
+- the tutorial's 10 forward/backward passes through two ``Linear(1000, 1000)`` shards, the
+  output staged through CPU memory ("cpu") and sent device to device ("cuda");
+- a 64 MB CUDA tensor sent to the other process and back (device map both ways); its
+  floor is one device-to-device copy of 64 MB in one process (``clone``).
+
+Prints a table and writes ``benchmarks/results/cuda.json``; without CUDA it says so and
+exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from benchmarks.peers import SeedShard, echo  # noqa: E402
+from benchmarks.stats import stats  # noqa: E402
+
+ECHO_MB = 64
+ROWS = ("torch script", "nbrpc", "nbrpc, check=False")
+
+
+def devices() -> tuple[str, str]:
+    """Where the two processes compute: (caller, callee)."""
+    return "cuda:0", "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+
+
+def timed(fn, repeats: int) -> dict:
+    fn()  # warm-up: the first pass also sets up TensorPipe's channels and CUDA kernels
+    samples = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t)
+    return stats(samples)
+
+
+def measure(remote, rpc_sync, backward, local: str, callee: str, repeats: int) -> dict:
+    """The tutorial's measure() for both modes, and the echo; ``remote``/``rpc_sync``/
+    ``backward`` are torch's or nbrpc's (``backward(context_id, roots)``)."""
+    import torch.distributed.autograd as dist_autograd  # nbrpc.autograd.context is this
+
+    out = {}
+    for mode in ("cpu", "cuda"):
+        lm = SeedShard(local, mode, 0)
+        rm = remote("worker1", SeedShard, args=(callee, mode, 1))
+        torch.manual_seed(2)
+        x = torch.randn(1000, 1000).to(local)
+
+        def ten_passes(lm=lm, rm=rm, x=x) -> None:
+            for _ in range(10):
+                with dist_autograd.context() as ctx:
+                    y = rm.rpc_sync().forward(lm(x))
+                    backward(ctx, [y.sum()])
+            torch.cuda.synchronize(local)
+
+        out[f"10 passes, {mode}"] = timed(ten_passes, repeats)
+    big = torch.randn(ECHO_MB * 1024 * 1024 // 4, device=local)
+
+    def round_trip() -> None:
+        back = rpc_sync("worker1", echo, args=(big,))
+        assert back.device == big.device
+        torch.cuda.synchronize(local)
+
+    out[f"{ECHO_MB}MB round trip"] = timed(round_trip, 4 * repeats)
+    return out
+
+
+def _raw_process(rank: int, url: str, repeats: int, result: str) -> None:
+    import torch.distributed.autograd as dist_autograd
+    import torch.distributed.rpc as rpc
+
+    local, callee = devices()
+    options = rpc.TensorPipeRpcBackendOptions(init_method=url)
+    mine, theirs = (local, callee) if rank == 0 else (callee, local)
+    options.set_device_map(f"worker{1 - rank}", {mine: theirs})
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=options)
+    if rank == 0:
+        figures = measure(rpc.remote, rpc.rpc_sync, dist_autograd.backward, local, callee, repeats)
+        Path(result).write_text(json.dumps(figures))
+    rpc.shutdown()
+
+
+def run_raw(repeats: int) -> dict:
+    """The torch script, in processes of its own (nbrpc's hooks are process-wide)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "raw.json")
+        code = (
+            "import sys, torch.multiprocessing as mp\n"
+            f"sys.path.insert(0, {str(ROOT)!r})\n"
+            "from benchmarks.cuda_rpc import _raw_process\n"
+            "if __name__ == '__main__':\n"
+            f"    mp.spawn(_raw_process, args=({'file://' + tmp + '/store'!r}, {repeats}, "
+            f"{result!r}), nprocs=2)\n"
+        )
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=900)
+        return json.loads(Path(result).read_text())
+
+
+def run_nbrpc(repeats: int) -> dict:
+    """nbrpc's calls, with its ``autograd.backward`` as a notebook calls it (first checking
+    the graph for a pass that would hang: one more RPC round) and with ``check=False``."""
+    import functools
+
+    import nbrpc
+    from nbrpc import autograd
+
+    cluster = nbrpc.init(n=1, gpus="auto", progress=False)
+    try:
+        local = "cuda:0"
+        callee = cluster.device_maps["worker0"]["worker1"][local]
+        unchecked = functools.partial(autograd.backward, check=False)
+        return {
+            "nbrpc": measure(
+                nbrpc.remote, nbrpc.rpc_sync, autograd.backward, local, callee, repeats
+            ),
+            "nbrpc, check=False": measure(
+                nbrpc.remote, nbrpc.rpc_sync, unchecked, local, callee, repeats
+            ),
+        }
+    finally:
+        nbrpc.shutdown()
+
+
+def floor(repeats: int) -> dict:
+    big = torch.randn(ECHO_MB * 1024 * 1024 // 4, device="cuda:0")
+
+    def copy() -> None:
+        big.clone()
+        torch.cuda.synchronize("cuda:0")
+
+    return timed(copy, 4 * repeats)
+
+
+def report(results: dict) -> None:
+    raw = results["torch script"]
+    print(
+        f"\nCUDA RPC on {results['gpu']} (torch {results['torch']}): caller "
+        f"{results['devices'][0]}, callee {results['devices'][1]}; medians, ratio to torch"
+    )
+    for figure in raw:
+        unit, scale = ("s", 1) if figure.startswith("10") else ("ms", 1e3)
+        print(f"{figure}:")
+        for name in ROWS:
+            value = results[name][figure]["median"]
+            ratio = value / raw[figure]["median"]
+            print(f"  {name:<22}{value * scale:>9.3f} {unit:<3}{ratio:>6.2f}x")
+    for name in ROWS:
+        row = results[name]
+        speedup = row["10 passes, cpu"]["median"] / row["10 passes, cuda"]["median"]
+        print(f"device map against CPU staging, {name}: {speedup:.1f}x faster")
+    copy = results["floor"]["median"] * 1e3
+    print(f"floor: a {ECHO_MB} MB device-to-device copy in one process, {copy:.3f} ms")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("CUDA benchmark skipped: torch.cuda.is_available() is False on this machine")
+        return 0
+    repeats = 3 if args.quick else 10
+    results = {
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "devices": devices(),
+        "torch script": run_raw(repeats),
+        **run_nbrpc(repeats),
+        "floor": floor(repeats),
+    }
+    report(results)
+    out = ROOT / "benchmarks" / "results"
+    out.mkdir(exist_ok=True)
+    (out / "cuda.json").write_text(json.dumps(results, indent=2))
+    print(f"wrote {out / 'cuda.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
