@@ -46,8 +46,9 @@ __all__ = [
 T = TypeVar("T")
 
 # Set by the cluster layer: "active" while a cluster is up; "cancelled" from the moment a
-# non-graceful shutdown starts, so calls it cuts off say so instead of "worker died".
-_session = {"active": False, "cancelled": False}
+# non-graceful shutdown starts, so calls it cuts off say so instead of "worker died";
+# "last_output": what a dead worker printed last, by name, for its WorkerDiedError.
+_session: dict[str, Any] = {"active": False, "cancelled": False, "last_output": None}
 
 
 class Future(torch.futures.Future):
@@ -93,8 +94,9 @@ def wait_on_main_thread(fut: Any, limit: float = 0) -> bool:
     return True
 
 
-def set_active(active: bool) -> None:
+def set_active(active: bool, last_output: Callable[[str], str] | None = None) -> None:
     _session["active"] = active
+    _session["last_output"] = last_output if active else None
     if active:
         _session["cancelled"] = False
 
@@ -229,8 +231,16 @@ def _translate(exc: BaseException, what: str, dest: str, timeout: float | None) 
                 "shut down with graceful=False while it ran. Use a graceful shutdown "
                 "(the default) to let calls in flight finish."
             )
-        return WorkerDiedError(dest, str(exc).splitlines()[0])
+        return WorkerDiedError(dest, str(exc).splitlines()[0], _last_output(dest))
     return exc
+
+
+def _last_output(dest: str) -> str:
+    last_output = _session["last_output"]
+    try:
+        return last_output(dest) if last_output is not None else ""
+    except Exception:  # an error message must not fail while it is being written
+        return ""
 
 
 def _as_python_call(func: Any, args: tuple, kwargs: dict | None) -> tuple:

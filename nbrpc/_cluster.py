@@ -178,7 +178,7 @@ class Cluster:
                 f"a cluster that is {self.state.value} cannot become {state.value}"
             )
         self.state = state
-        _agent.set_active(state is ClusterState.READY)
+        _agent.set_active(state is ClusterState.READY, last_output=self.last_output)
         if state in (ClusterState.SHUTTING_DOWN, ClusterState.CLOSED):
             _debugger.reset()  # a prompt waiting for the kernel must not hold shutdown up
         if state is ClusterState.CLOSED and _current and _current[0] is self:
@@ -492,6 +492,15 @@ class Cluster:
                 record.state = "dead"
                 _debugger.forget_worker(record.name)
         return [r.name for r in self.records[1:] if r.state == "dead"]
+
+    def last_output(self, name: str) -> str:
+        """What worker ``name``'s process printed last outside calls (its engine log): the
+        reason a crash leaves, such as a C++ abort's message. "" for a worker on another
+        host, or one that printed nothing (``kill -9`` and the OOM killer leave no trace)."""
+        record = next((r for r in self.records[1:] if r.name == name), None)
+        if record is None or not record.local:
+            return ""
+        return self._engines.last_output(record.pid)
 
     def _live_engine_ids(self) -> list[int]:
         if self._engines.client is None or not self._engine_of:

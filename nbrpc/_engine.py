@@ -99,8 +99,13 @@ def _run_ipengine(argv: list[str]) -> int:
     missing the controller's heartbeats) must not wait in torch RPC's exit handlers for
     a group it can no longer leave cleanly.
     """
+    import faulthandler
+
     from ipyparallel.engine.app import main as ipengine
 
+    # a crash (a C++ abort, a segfault) writes the Python stack of its thread to the log,
+    # where the kernel reads it for the WorkerDiedError (``_launch.last_words``)
+    faulthandler.enable(all_threads=False)
     sys.argv = ["ipengine", *argv]
     code = 0
     try:

@@ -73,6 +73,10 @@ class Engines:
         elif self.hosts is not None:
             self.hosts.spawn()
 
+    def last_output(self, pid: int) -> str:
+        """What a local engine printed last, outside calls (see ``_launch.last_words``)."""
+        return self.local.last_output(pid) if self.local is not None else ""
+
     @property
     def remote(self) -> bool:
         """The engines run on other hosts (their pids are not this host's)."""

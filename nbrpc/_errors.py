@@ -114,15 +114,16 @@ class DeviceMapError(NbrpcError, ValueError):
 class WorkerDiedError(NbrpcError, ConnectionError):
     """A worker's process is gone (killed, crashed, out of memory) or unreachable."""
 
-    def __init__(self, worker: str, detail: str = "") -> None:
+    def __init__(self, worker: str, detail: str = "", last_output: str = "") -> None:
         self.worker = worker
-        self._init_args = (worker, detail)
+        self._init_args = (worker, detail, last_output)
         super().__init__(
             f"{worker} is gone: its connection closed (the process died or was killed)"
             + (f"; torch said: {detail}" if detail else "")
             + f". Calls to {worker} fail and the objects it owned (RRefs) are lost. "
             "%rpc_status shows which workers are dead; %rpc_shutdown then %rpc_init "
             "rebuilds the cluster in this kernel."
+            + (f"\nThe last output of {worker}'s process:\n{last_output}" if last_output else "")
         )
 
 

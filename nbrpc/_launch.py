@@ -35,6 +35,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import select
 import shutil
 import subprocess
@@ -312,6 +313,8 @@ class LocalEngines(Controller):
         # loopback unless --listen opens it
         super().__init__(listen or "127.0.0.1", workdir, ForkedEngineSetLauncher)
         self._launchers: dict[int, Any] = {}  # pid -> launcher of every engine still ours
+        # pid -> (its log, the log's size when it started): kept after the engine died
+        self._logs: dict[int, tuple[str, int]] = {}
         self._handed_out: set[int] = set()  # engine ids given to a cluster: never again
         self._watch()  # the watchdog first: a kernel killed from here on leaves nothing
         # then the zygote: a bad interpreter fails here, before the controller starts
@@ -344,7 +347,14 @@ class LocalEngines(Controller):
             raise BootError(f"could not start an engine: {exc}") from exc
         for launcher in self._ipp.engines[set_id].launchers.values():
             self._launchers[launcher.pid] = launcher
+            log = launcher.output_file
+            self._logs[launcher.pid] = (log, os.path.getsize(log) if os.path.exists(log) else 0)
         self._watch()
+
+    def last_output(self, pid: int) -> str:
+        """What engine ``pid`` printed last (see :func:`last_words`); "" if nothing."""
+        path, start = self._logs.get(pid, ("", 0))
+        return last_words(path, start) if path else ""
 
     def _spare_ids(self) -> list[int]:
         return [i for i in sorted(self.client().ids) if i not in self._handed_out]
@@ -431,6 +441,7 @@ class LocalEngines(Controller):
         while time.monotonic() < deadline and any(process_alive(p) for p in pids):
             time.sleep(0.02)
         for pid in pids:
+            self._logs.pop(pid, None)
             launcher = self._launchers.pop(pid, None)
             if process_alive(pid) and launcher is not None:
                 _reaper.reap([pid])
@@ -476,6 +487,33 @@ class LocalEngines(Controller):
             log.warning("stopping ipyparallel's controller and engines: %s", exc)
         self._launchers.clear()
         self._stop_watchdog()
+
+
+#: Lines of an engine's log that never say why its process died: ipyparallel's own
+#: ("2026-11-22 22:14:28.813 [IPEngine.0] Handling apply_request: ...") and the list of
+#: loaded extension modules that faulthandler adds to a crash report.
+_ROUTINE_LINE = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[.,]\d+ \[IPEngine|Extension modules: )"
+)
+LAST_WORDS_LINES = 12
+
+
+def last_words(path: str, start: int = 0) -> str:
+    """The last lines of an engine's log from byte ``start`` on, ipyparallel's own left out:
+    what its process printed outside any call (a call's prints go to the calling cell),
+    such as a C++ abort's message and the Python stack faulthandler writes then. "" when
+    there is none or the log cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(start, size - 16384))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    kept = [
+        line[:300] for line in text.splitlines() if line.strip() and not _ROUTINE_LINE.match(line)
+    ][-LAST_WORDS_LINES:]
+    return "\n".join(f"    {line}" for line in kept)
 
 
 def _tail(text: str, lines: int = 25) -> str:

@@ -21,6 +21,12 @@ def slow(seconds):
 
 def param():
     return torch.ones(2, requires_grad=True)
+
+def crash(message):
+    # what a C++ library does when it gives up: a line on stderr, then abort()
+    import os
+    os.write(2, message.encode())
+    os.abort()
 """
 
 
@@ -36,8 +42,9 @@ def test_killed_worker_fails_calls_fast_and_the_cluster_rebuilds(cluster):
     os.kill(victim.pid, signal.SIGKILL)
 
     t0 = time.monotonic()
-    with pytest.raises(nbrpc.WorkerDiedError, match=r"worker2 is gone.*%rpc_shutdown"):
+    with pytest.raises(nbrpc.WorkerDiedError, match=r"worker2 is gone.*%rpc_shutdown") as died:
         in_flight.wait()
+    assert "last output" not in str(died.value)  # kill -9 leaves nothing to show
     noticed = time.monotonic() - t0
     assert noticed < 10, f"a call waiting on a dead worker took {noticed:.1f} s to fail"
     print(f"in-flight call failed {noticed:.2f} s after the kill")
@@ -68,6 +75,25 @@ def test_killed_worker_fails_calls_fast_and_the_cluster_rebuilds(cluster):
     assert nbrpc.workers() == ["worker0", "worker1", "worker2"]
     assert nbrpc.rpc_sync("worker2", cell.slow, args=(0,)) == 0
     assert all(r.state == "ready" for r in again.workers)
+
+
+def test_a_crashed_worker_s_last_output_is_in_the_error(cluster):
+    """A worker that aborts (found on a GPU: torch's C++ allocator gave up) left only "its
+    connection closed"; the error now ends with what the process printed last."""
+    cell = notebook_code(CELL)
+    message = "terminate called after throwing an instance of 'c10::Error' (a test)\n"
+    with pytest.raises(nbrpc.WorkerDiedError) as caught:
+        nbrpc.rpc_sync("worker1", cell.crash, args=(message,))
+    text = str(caught.value)
+    print(text)
+    last = text.split("The last output of worker1's process:\n", 1)[1].splitlines()
+    assert last[0] == "    " + message.strip()
+    assert "    Fatal Python error: Aborted" in last  # faulthandler, with the call's stack
+    assert any("in crash" in line for line in last), last
+    assert not any("[IPEngine" in line for line in last), "ipyparallel's routine lines"
+    assert nbrpc.rpc_sync("worker2", min, args=(1, 2)) == 1  # the kernel and others live
+    nbrpc.shutdown()
+    ensure_cluster()
 
 
 HALF_JOIN = '''
