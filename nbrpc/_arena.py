@@ -76,9 +76,7 @@ class Arena:
                 return None
             self._live[record] = (offset, size)
             self._mm[record] = 1
-        start = HEADER + offset
-        src = torch.empty(0, dtype=torch.uint8).set_(storage)
-        self._data[start : start + nbytes].copy_(src)
+        copy(self._data.data_ptr() + HEADER + offset, storage.data_ptr(), nbytes)
         return record, offset
 
     def _fit(self, size: int) -> int | None:
@@ -107,6 +105,87 @@ class Arena:
         """Slots whose receiver has not let go yet."""
         with self._lock:
             return sum(1 for r in self._live if self._mm[r] != 0)
+
+
+# -- the copy ---------------------------------------------------------------------------
+
+#: At most this many threads copy one message (this one and helpers): a copy is bound by
+#: memory bandwidth, which a few threads already saturate.
+COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
+#: Below this size one thread copies alone: waking a helper costs more than it saves.
+SPLIT_BYTES = 4 << 20
+
+
+class _Copier:
+    """Copies a message into the arena with this thread and idle helper threads, each a
+    part, with ``memmove`` (ctypes releases the GIL around it).
+
+    Not torch's ``copy_``: its OpenMP threads spin for milliseconds after each parallel
+    region, and the processes of a cluster share this host's cores. Measured in a 64 MB
+    round trip on 2 cores: the worker's copy took 9.5 ms while the kernel's copy threads
+    were still spinning, 6.5 ms without them; two memmoves take 5.9 ms against copy_'s
+    5.7 ms alone, and leave nothing spinning behind.
+    """
+
+    def __init__(self, threads: int) -> None:
+        self._busy = threading.Lock()  # one split copy at a time; others copy alone
+        self._helpers = [_Helper() for _ in range(threads - 1)]
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        if nbytes < SPLIT_BYTES or not self._helpers or not self._busy.acquire(blocking=False):
+            ctypes.memmove(dst, src, nbytes)
+            return
+        try:
+            part = -(-nbytes // (len(self._helpers) + 1) // ALIGN) * ALIGN
+            jobs = []
+            for helper, start in zip(self._helpers, range(part, nbytes, part), strict=False):
+                size = min(part, nbytes - start)
+                helper.start(dst + start, src + start, size)
+                jobs.append(helper)
+            ctypes.memmove(dst, src, min(part, nbytes))
+            for helper in jobs:
+                helper.join()
+        finally:
+            self._busy.release()
+
+
+class _Helper:
+    """One thread that waits (blocked, no CPU) for a part of a copy."""
+
+    def __init__(self) -> None:
+        self._go = threading.Semaphore(0)
+        self._done = threading.Semaphore(0)
+        self._job = (0, 0, 0)
+        threading.Thread(target=self._run, name="nbrpc-copy", daemon=True).start()
+
+    def start(self, dst: int, src: int, nbytes: int) -> None:
+        self._job = (dst, src, nbytes)
+        self._go.release()
+
+    def join(self) -> None:
+        self._done.acquire()
+
+    def _run(self) -> None:
+        while True:
+            self._go.acquire()
+            ctypes.memmove(*self._job)
+            self._done.release()
+
+
+_copier: list[_Copier] = []  # made on first use; a forked child makes its own
+_copier_lock = threading.Lock()
+
+
+def copy(dst: int, src: int, nbytes: int) -> None:
+    """``memmove`` ``nbytes`` from address ``src`` to ``dst``, split over threads."""
+    if not _copier:
+        with _copier_lock:
+            if not _copier:
+                _copier.append(_Copier(COPY_THREADS))
+    _copier[0].copy(dst, src, nbytes)
+
+
+os.register_at_fork(after_in_child=_copier.clear)  # helper threads do not survive a fork
 
 
 # -- receiving side -------------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """The same-host fast path: large CPU tensors through shared memory, same semantics."""
 
 import contextlib
+import ctypes
 import gc
 import os
+import threading
 import time
 
 import pytest
@@ -10,7 +12,7 @@ import torch
 from conftest import STAGE_CELL, ensure_cluster, notebook_code
 
 import nbrpc
-from nbrpc import _shm, autograd
+from nbrpc import _arena, _shm, autograd
 
 CELL = """
 import torch
@@ -240,3 +242,35 @@ def test_off_with_an_option():
     finally:
         nbrpc.shutdown()
         ensure_cluster()
+
+
+@pytest.mark.parametrize("nbytes", [1, 4095, _arena.SPLIT_BYTES - 1, _arena.SPLIT_BYTES + 12345])
+def test_the_arena_copy_splits_over_threads_and_copies_every_byte(nbytes):
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    dsts = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(3)]
+    threads = [  # concurrent copies: one takes the helpers, the others copy alone
+        threading.Thread(target=_arena.copy, args=(d.data_ptr(), src.data_ptr(), nbytes))
+        for d in dsts
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for d in dsts:
+        assert torch.equal(d, src)
+
+
+def test_a_forked_child_copies_with_helpers_of_its_own():
+    n = _arena.SPLIT_BYTES * 2
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    expected = bytes(src.numpy())
+    dst = torch.zeros(n, dtype=torch.uint8)
+    _arena.copy(dst.data_ptr(), src.data_ptr(), n)  # the parent's helpers exist now
+    pid = os.fork()
+    if pid == 0:  # their threads are gone here: a copy must not wait on them (no torch ops:
+        child = ctypes.create_string_buffer(n)  # OpenMP is not safe after a fork)
+        _arena.copy(ctypes.addressof(child), src.data_ptr(), n)
+        os._exit(0 if child.raw == expected else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert bytes(dst.numpy()) == expected
