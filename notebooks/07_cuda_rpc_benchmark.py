@@ -20,7 +20,7 @@
 # `worker1`, 10 forward/backward passes in a distributed autograd context, once staging
 # every tensor through CPU memory and once sending CUDA tensors device to device with a
 # **device map**. The seed measured 2.31 s vs 0.069 s (34x) on two GPUs. On one H100
-# (both processes on `cuda:0`) this notebook measured 0.633 s vs 0.117 s (5.4x); see
+# (both processes on `cuda:0`) this notebook measured 0.697 s vs 0.125 s (5.6x); see
 # docs/benchmarks.md for the same passes against a plain torch script.
 #
 # `%rpc_init --gpus auto` gives each process one GPU (round-robin; with one GPU both share
