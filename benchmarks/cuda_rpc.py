@@ -28,7 +28,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from benchmarks.peers import SeedShard, echo  # noqa: E402
-from benchmarks.stats import stats  # noqa: E402
+from benchmarks.stats import stats, timed  # noqa: E402
 
 ECHO_MB = 64
 ROWS = ("torch script", "nbrpc", "nbrpc, check=False")
@@ -46,16 +45,6 @@ ROWS = ("torch script", "nbrpc", "nbrpc, check=False")
 def devices() -> tuple[str, str]:
     """Where the two processes compute: (caller, callee)."""
     return "cuda:0", "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
-
-
-def timed(fn, repeats: int) -> dict:
-    fn()  # warm-up: the first pass also sets up TensorPipe's channels and CUDA kernels
-    samples = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t)
-    return stats(samples)
 
 
 def measure(remote, rpc_sync, backward, local: str, callee: str, repeats: int) -> dict:
@@ -77,7 +66,7 @@ def measure(remote, rpc_sync, backward, local: str, callee: str, repeats: int) -
                     backward(ctx, [y.sum()])
             torch.cuda.synchronize(local)
 
-        out[f"10 passes, {mode}"] = timed(ten_passes, repeats)
+        out[f"10 passes, {mode}"] = stats(timed(ten_passes, repeats))
     big = torch.randn(ECHO_MB * 1024 * 1024 // 4, device=local)
 
     def round_trip() -> None:
@@ -85,7 +74,7 @@ def measure(remote, rpc_sync, backward, local: str, callee: str, repeats: int) -
         assert back.device == big.device
         torch.cuda.synchronize(local)
 
-    out[f"{ECHO_MB}MB round trip"] = timed(round_trip, 4 * repeats)
+    out[f"{ECHO_MB}MB round trip"] = stats(timed(round_trip, 4 * repeats))
     return out
 
 
@@ -152,7 +141,7 @@ def floor(repeats: int) -> dict:
         big.clone()
         torch.cuda.synchronize("cuda:0")
 
-    return timed(copy, 4 * repeats)
+    return stats(timed(copy, 4 * repeats))
 
 
 def report(results: dict) -> None:

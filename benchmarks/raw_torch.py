@@ -31,7 +31,7 @@ def main() -> int:
     import torch.distributed.rpc as rpc
 
     from benchmarks.peers import echo
-    from benchmarks.stats import stats
+    from benchmarks.stats import stats, timed
 
     url = f"file://{tempfile.mkdtemp()}/store"
     t0 = time.perf_counter()
@@ -41,20 +41,10 @@ def main() -> int:
     rpc.rpc_sync("worker1", min, args=(1, 2))
     boot = time.perf_counter() - t0
 
-    def timed(fn, n):
-        out = []
-        for _ in range(n):
-            t = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t)
-        return sorted(out)
-
     tiny = torch.ones(1)
-    timed(lambda: rpc.rpc_sync("worker1", echo, args=(tiny,)), 50)
-    calls = {"small": timed(lambda: rpc.rpc_sync("worker1", echo, args=(tiny,)), small_n)}
+    calls = {"small": timed(lambda: rpc.rpc_sync("worker1", echo, args=(tiny,)), small_n, 50)}
     for mb, repeats in sizes:
         big = torch.randn(mb * 1024 * 1024 // 4)
-        rpc.rpc_sync("worker1", echo, args=(big,))
         calls[f"{mb}MB"] = timed(
             lambda big=big: rpc.rpc_sync("worker1", echo, args=(big,)), repeats
         )
