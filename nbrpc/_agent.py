@@ -299,7 +299,10 @@ def _to_here(rref: Any, timeout: float = _torch.UNSET_RPC_TIMEOUT) -> Any:
     except Exception as exc:
         if _remote.is_rebuilt(exc):
             raise
-        owner = rref.owner().name
+        owner = _torch.owner_name(rref)
+        if owner is None:
+            # it left the group (died, or belonged to a cluster since shut down)
+            raise WorkerDiedError("the worker that owned this RRef", str(exc)) from None
         limit = None if timeout == _torch.UNSET_RPC_TIMEOUT else timeout
         error = _translate(exc, "to_here() of an RRef", owner, limit)
         if error is exc:

@@ -489,31 +489,43 @@ class LocalEngines(Controller):
         self._stop_watchdog()
 
 
-#: Lines of an engine's log that never say why its process died: ipyparallel's own
-#: ("2026-11-22 22:14:28.813 [IPEngine.0] Handling apply_request: ...") and the list of
-#: loaded extension modules that faulthandler adds to a crash report.
-_ROUTINE_LINE = re.compile(
-    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[.,]\d+ \[IPEngine|Extension modules: )"
-)
-LAST_WORDS_LINES = 12
+#: faulthandler's first line when a process gets a fatal signal (a segfault; an abort,
+#: which is how C++ ends on an uncaught exception). Engines enable faulthandler.
+_FATAL = "Fatal Python error: "
+#: Lines that are not a dying process's own words: ipyparallel's log ("2026-11-22
+#: 22:14:28.813 [IPEngine.0] ...") and torch's ("[E1122 23:09:46.506 file.cpp:561] ...",
+#: errors of earlier calls that their callers already got).
+_LOGGED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[.,]\d+ \[|\[[EWIF]\d{4} )")
+BEFORE_LINES, STACK_LINES = 4, 12
 
 
 def last_words(path: str, start: int = 0) -> str:
-    """The last lines of an engine's log from byte ``start`` on, ipyparallel's own left out:
-    what its process printed outside any call (a call's prints go to the calling cell),
-    such as a C++ abort's message and the Python stack faulthandler writes then. "" when
-    there is none or the log cannot be read."""
+    """What an engine wrote as it crashed, from its log (bytes ``start`` on): the lines
+    just before faulthandler's report (a C++ abort's "terminate called ... what(): ..."),
+    and the report itself (the crashing thread's Python stack). "" when the log holds no
+    crash report (``kill -9``, the OOM killer, ``os._exit``) or cannot be read."""
     try:
         with open(path, "rb") as f:
             size = f.seek(0, os.SEEK_END)
             f.seek(max(start, size - 16384))
-            text = f.read().decode(errors="replace")
+            lines = f.read().decode(errors="replace").splitlines()
     except OSError:
         return ""
-    kept = [
-        line[:300] for line in text.splitlines() if line.strip() and not _ROUTINE_LINE.match(line)
-    ][-LAST_WORDS_LINES:]
-    return "\n".join(f"    {line}" for line in kept)
+    fatal = [i for i, line in enumerate(lines) if line.startswith(_FATAL)]
+    if not fatal:
+        return ""
+    at = fatal[-1]
+    before: list[str] = []
+    for line in reversed(lines[max(0, at - BEFORE_LINES) : at]):
+        if not line.strip() or _LOGGED.match(line):
+            break
+        before.insert(0, line)
+    report = []
+    for line in lines[at : at + STACK_LINES]:
+        if line.startswith("Extension modules: "):
+            break
+        report.append(line)
+    return "\n".join(f"    {line[:300]}" for line in before + report if line.strip())
 
 
 def _tail(text: str, lines: int = 25) -> str:

@@ -118,6 +118,10 @@ def _type_of(rref: PyRRef, entry: _Entry, pending: list) -> None:
         entry.type = "?"
 
 
+#: The owner shown for an RRef whose owner is no longer in the group.
+GONE = "(gone)"
+
+
 def snapshot() -> dict[str, Any]:
     """This process's handles and figures (runs in every process, asked by the kernel)."""
     with _lock:
@@ -139,7 +143,8 @@ def snapshot() -> dict[str, Any]:
         rows.append(
             {
                 "id": rref_id(rref),
-                "owner": rref.owner_name(),
+                # an RRef whose owner left the group (a dead worker, an earlier cluster)
+                "owner": _torch.owner_name(rref) or GONE,
                 "is_owner": rref.is_owner(),
                 "type": entry.type,
                 "created_by": entry.created_by,

@@ -61,6 +61,7 @@ __all__ = [
     "TORCH_INTERNAL_HOOKS",
     "TORCH_OWN_CALL_MODULES",
     "TP_SOCKET_IFNAME",
+    "UNKNOWN_DESTINATION",
     "UNSET_RPC_TIMEOUT",
     "PyRRef",
     "PythonUDF",
@@ -82,6 +83,7 @@ __all__ = [
     "missing_module",
     "original_to_here",
     "owned_rref_count",
+    "owner_name",
     "patch_api",
     "patch_rref_method",
     "quiet_internal_deprecations",
@@ -415,6 +417,21 @@ CONNECTION_LOST = (
     "pipe closed",
     "Connection reset by peer",
 )
+
+
+#: torch's words when a handle names a worker id its agent does not know: an RRef whose
+#: owner left the group (a worker that died, or one of an earlier cluster).
+UNKNOWN_DESTINATION = "could not find destination id"
+
+
+def owner_name(rref: PyRRef) -> str | None:
+    """The name of an RRef's owner; ``None`` when it left the group (torch raises)."""
+    try:
+        return rref.owner_name()
+    except RuntimeError as exc:
+        if UNKNOWN_DESTINATION in str(exc):
+            return None
+        raise
 
 
 def is_connection_loss(exc: BaseException) -> bool:

@@ -9,6 +9,7 @@ import torch
 from conftest import ensure_cluster, notebook_code, run_script
 
 import nbrpc
+from nbrpc import _torch
 from nbrpc.optim import DistributedOptimizer
 
 CELL = """
@@ -81,6 +82,8 @@ def test_a_crashed_worker_s_last_output_is_in_the_error(cluster):
     """A worker that aborts (found on a GPU: torch's C++ allocator gave up) left only "its
     connection closed"; the error now ends with what the process printed last."""
     cell = notebook_code(CELL)
+    held = nbrpc.remote("worker1", cell.param)
+    held.to_here()
     message = "terminate called after throwing an instance of 'c10::Error' (a test)\n"
     with pytest.raises(nbrpc.WorkerDiedError) as caught:
         nbrpc.rpc_sync("worker1", cell.crash, args=(message,))
@@ -90,10 +93,49 @@ def test_a_crashed_worker_s_last_output_is_in_the_error(cluster):
     assert last[0] == "    " + message.strip()
     assert "    Fatal Python error: Aborted" in last  # faulthandler, with the call's stack
     assert any("in crash" in line for line in last), last
-    assert not any("[IPEngine" in line for line in last), "ipyparallel's routine lines"
     assert nbrpc.rpc_sync("worker2", min, args=(1, 2)) == 1  # the kernel and others live
     nbrpc.shutdown()
     ensure_cluster()
+    # an RRef kept from the crashed worker: the views say its owner is gone, and using it
+    # says so too (torch: "could not find destination id 1")
+    assert nbrpc.status()[0]["name"] == "worker0"
+    assert [r["owner"] for r in nbrpc.ownership() if r["id"] == _torch.rref_id(held)] == ["(gone)"]
+    with pytest.raises(nbrpc.WorkerDiedError, match="the worker that owned this RRef is gone"):
+        held.to_here()
+
+
+def test_last_words_are_a_crash_report_not_earlier_errors(tmp_path):
+    """An engine's log also holds torch's error lines of earlier calls (their callers got
+    them already): a worker killed by SIGKILL has no last words, not those lines."""
+    from nbrpc._launch import last_words
+
+    log = tmp_path / "engine.log"
+    earlier = (
+        "2026-11-22 22:14:28.813 [IPEngine.0] Handling apply_request: 1\n"
+        "[E1122 23:09:46.506011825 request_callback_no_python.cpp:561] Received error "
+        "while processing request type 258: ModuleNotFoundError: No module named 'x'\n"
+        "At:\n  internal.py(163): deserialize\n"
+    )
+    log.write_text(earlier)
+    assert last_words(str(log)) == ""
+    crash = (
+        "[W1122 23:10:01.1 tensorpipe_agent.cpp:723] RPC agent for worker1 encountered error\n"
+        "terminate called after throwing an instance of 'c10::Error'\n"
+        "  what():  Allocator not initialized for device\n"
+        "Fatal Python error: Aborted\n\n"
+        "Current thread 0x00007f (most recent call first):\n"
+        '  File "<notebook-cell-3>", line 2 in step\n\n'
+        "Extension modules: numpy._core._multiarray_umath, torch._C\n"
+    )
+    log.write_text(earlier + crash)
+    assert last_words(str(log)).splitlines() == [
+        "    terminate called after throwing an instance of 'c10::Error'",
+        "      what():  Allocator not initialized for device",
+        "    Fatal Python error: Aborted",
+        "    Current thread 0x00007f (most recent call first):",
+        '      File "<notebook-cell-3>", line 2 in step',
+    ]
+    assert last_words(str(log), start=len(earlier + crash)) == ""  # before this engine
 
 
 HALF_JOIN = '''
