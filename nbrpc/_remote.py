@@ -362,22 +362,24 @@ def unwrap(exc: BaseException) -> BaseException | None:
         return _rebuilt.pop(int(match.group(1)), None)
 
 
-def settle(raw: Any, out: Any, translate: Any) -> None:
-    """Complete future ``out`` from finished torch future ``raw``, keeping error types.
-
-    ``translate(exc)`` may swap torch's own errors (timeouts) for nbrpc's.
-    """
+def outcome(raw: Any, translate: Any) -> tuple[Any, BaseException | None]:
+    """``(value, None)`` or ``(None, error)`` of finished torch future ``raw``, keeping
+    error types: a remote exception as it was raised there, and torch's own errors as
+    ``translate(exc)`` makes them (timeouts, a lost worker: nbrpc's)."""
     try:
-        value = raw.wait()
+        return raw.wait(), None
     except BaseException as exc:
         original = unwrap(exc)
-        if original is not None:
-            original.__notes__ = [n for n in original.__notes__ if not _KEY.fullmatch(n)]
-            _complete(out, error=original)
-        else:
-            _complete(out, error=translate(exc))
-        return
-    _complete(out, value=value)
+        if original is None:
+            return None, translate(exc)
+        original.__notes__ = [n for n in original.__notes__ if not _KEY.fullmatch(n)]
+        return None, original
+
+
+def settle(raw: Any, out: Any, translate: Any) -> None:
+    """Complete future ``out`` from finished torch future ``raw`` (see :func:`outcome`)."""
+    value, error = outcome(raw, translate)
+    _complete(out, value=value, error=error)
 
 
 def _complete(out: Any, value: Any = None, error: BaseException | None = None) -> None:
