@@ -117,8 +117,9 @@ SPLIT_BYTES = 4 << 20
 
 
 class _Copier:
-    """Copies a message into the arena with this thread and idle helper threads, each a
-    part, with ``memmove`` (ctypes releases the GIL around it).
+    """Copies a message into shared memory (an arena slot, or a segment when the arena is
+    full) with this thread and idle helper threads, each a part, with ``memmove`` (ctypes
+    releases the GIL around it).
 
     Not torch's ``copy_``: its OpenMP threads spin for milliseconds after each parallel
     region, and the processes of a cluster share this host's cores. Measured in a 64 MB

@@ -267,7 +267,7 @@ def _export_segment(storage: torch.UntypedStorage) -> str:
         os.close(fd)
     try:
         dst = torch.frombuffer(mm, dtype=torch.uint8)
-        dst.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+        _arena.copy(dst.data_ptr(), storage.data_ptr(), nbytes)  # as into a slot
         del dst
     finally:
         mm.close()

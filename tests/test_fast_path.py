@@ -203,6 +203,26 @@ def test_a_full_arena_falls_back_to_segments():
         os.unlink(os.path.join(_arena.SHM_DIR, arena.name))
 
 
+def test_a_segment_carries_every_byte(monkeypatch):
+    """The path a message takes when the arena is full: a segment of its own, copied into
+    as a slot is, mapped by the receiver."""
+    prefix = f"nbrpc-test-{os.getpid()}"
+    monkeypatch.setitem(_shm._state, "prefix", prefix)
+    sent = torch.randn(3, _arena.SPLIT_BYTES // 4 + 7)  # split over the copy's threads
+    name = _shm._export_segment(sent.untyped_storage())
+    try:
+        got = _shm._import(
+            name, sent.untyped_storage().nbytes(), sent.dtype, sent.shape, sent.stride(), 0
+        )
+        assert torch.equal(got, sent)
+        del got
+        gc.collect()
+    finally:
+        for entry in os.listdir(_shm.SHM_DIR):  # the segment, or the pool it went to
+            if entry.startswith(prefix + "-"):
+                os.unlink(os.path.join(_shm.SHM_DIR, entry))
+
+
 def test_a_peer_killed_mid_transfer_leaves_nothing_and_corrupts_nothing():
     nbrpc.shutdown()
     try:
