@@ -73,17 +73,10 @@ def _reduce_method(method: MethodType) -> Any:
 # while the code object lives), under a key the receiver keeps it by.
 _code_sent: weakref.WeakKeyDictionary[CodeType, tuple[str, bytes]] = weakref.WeakKeyDictionary()
 _code_keys = itertools.count(1)
-_code_token = [f"{os.getpid()}.{os.urandom(4).hex()}"]
-
-
-def _new_code_token() -> None:
-    """A forked process (every worker is forked from the zygote) gets keys of its own:
-    with the parent's, two workers would send different code under one key."""
-    _code_token[0] = f"{os.getpid()}.{os.urandom(4).hex()}"
-    _code_sent.clear()
-
-
-os.register_at_fork(after_in_child=_new_code_token)
+# A forked process (every worker is forked from the zygote) sends code under keys of its
+# own (its process token): with the parent's keys, two workers would send different code
+# under one key. What the parent marshalled is forgotten with them.
+os.register_at_fork(after_in_child=_code_sent.clear)
 _code_loaded: collections.OrderedDict[str, CodeType] = collections.OrderedDict()
 _code_lock = threading.Lock()
 _CODE_KEEP = 4096  # code objects kept by a receiver (least recently used go first)
@@ -94,7 +87,8 @@ def _reduce_code(code: CodeType) -> Any:
     minor version: preflight checks it for other hosts)."""
     sent = _code_sent.get(code)
     if sent is None:
-        sent = _code_sent[code] = (f"{_code_token[0]}.{next(_code_keys)}", marshal.dumps(code))
+        key = f"{_remote.process_token()}.{next(_code_keys)}"
+        sent = _code_sent[code] = (key, marshal.dumps(code))
     return _load_code, sent
 
 

@@ -115,10 +115,21 @@ def worker_name() -> str:
 _kept: dict[str, Any] = {}
 _seen: dict[str, Any] = {}
 _failure_ids = itertools.count(1)
-_token = [f"{os.getpid()}.{os.urandom(4).hex()}"]
-os.register_at_fork(  # workers are forked from the zygote: each gets a token of its own
-    after_in_child=lambda: _token.__setitem__(0, f"{os.getpid()}.{os.urandom(4).hex()}")
-)
+_token = [""]
+
+
+def _new_token() -> None:
+    _token[0] = f"{os.getpid()}.{os.urandom(4).hex()}"
+
+
+_new_token()
+os.register_at_fork(after_in_child=_new_token)  # workers are forked from the zygote
+
+
+def process_token() -> str:
+    """This process's own prefix for ids it hands out (failure ids, code keys): unique to
+    it, also among processes forked from one parent, which get a new one at the fork."""
+    return _token[0]
 
 
 def kept_failure() -> tuple[str, BaseException] | None:
@@ -140,7 +151,7 @@ def forget_failures() -> None:
 def _failure(exc: BaseException, keep: bool = False) -> RemoteException:
     failure_id = None
     if keep:  # the previous one (and its frames' locals) is released here
-        failure_id = f"{_token[0]}.{next(_failure_ids)}"
+        failure_id = f"{process_token()}.{next(_failure_ids)}"
         _kept.update(id=failure_id, exc=exc)
     frames = [
         (f.filename, f.lineno or 0, f.name, f.line) for f in traceback.extract_tb(exc.__traceback__)
