@@ -178,12 +178,10 @@ def rpc_sync(
         return _start("rpc_sync", to, func, args, kwargs, timeout).wait()
     # The notebook's case, without the future rpc_async returns (measured ~40 µs a call):
     # the main thread waits on torch's future itself and settles it here.
-    raw, dest, limit = _send("rpc_sync", to, func, args, kwargs, timeout)
-    if not wait_on_main_thread(raw, limit):
-        raise _timeout_error(None, f"call of {_name_of(func)}", dest.name, timeout)
-    value, error = _remote.outcome(
-        raw, lambda exc: _translate(exc, f"call of {_name_of(func)}", dest.name, timeout)
-    )
+    raw, call = _send("rpc_sync", to, func, args, kwargs, timeout)
+    if not wait_on_main_thread(raw, call.limit):
+        raise call.expired()
+    value, error = _remote.outcome(raw, call.translate)
     if error is not None:
         raise error
     return value
@@ -200,34 +198,44 @@ def rpc_async(
     return _start("rpc_async", to, func, args, kwargs, timeout)
 
 
+class _Sent:
+    """A call torch has started: the limit in seconds nbrpc keeps, and the errors that
+    name the call and its worker. Not its future: a deadline holds ``expired`` for the
+    length of the timeout, and must not keep a finished call's result alive."""
+
+    __slots__ = ("dest", "limit", "timeout", "what")
+
+    def __init__(self, dest: str, what: str, limit: float, timeout: float | None) -> None:
+        self.dest, self.what, self.limit, self.timeout = dest, what, limit, timeout
+
+    def translate(self, exc: BaseException) -> Any:
+        return _translate(exc, self.what, self.dest, self.timeout)
+
+    def expired(self) -> RpcTimeoutError:
+        return _timeout_error(None, self.what, self.dest, self.timeout)
+
+
 def _send(
     what: str, to: Any, func: Any, args: tuple, kwargs: dict | None, timeout: float | None
-) -> tuple[torch.futures.Future, WorkerInfo, float]:
-    """Start the call with torch: its raw future (torch's errors), the destination, and
-    the limit in seconds that nbrpc keeps (bad input fails before anything is sent)."""
+) -> tuple[torch.futures.Future, _Sent]:
+    """Start the call with torch: its raw future (torch's errors), and what nbrpc keeps of
+    the call. Bad input fails before anything is sent."""
     dest = _destination(to, what)
     limit = _limit(timeout)
     sent, args, kwargs = _as_python_call(func, tuple(args), kwargs)
     with _shm.sending_to(dest.name):  # torch's timeout: none; nbrpc's clock keeps it
-        return rpc.rpc_async(dest, sent, args=args, kwargs=kwargs, timeout=0), dest, limit
+        raw = rpc.rpc_async(dest, sent, args=args, kwargs=kwargs, timeout=0)
+    return raw, _Sent(dest.name, f"call of {_name_of(func)}", limit, timeout)
 
 
 def _start(
     what: str, to: Any, func: Any, args: tuple, kwargs: dict | None, timeout: float | None
 ) -> torch.futures.Future:
-    raw, dest, limit = _send(what, to, func, args, kwargs, timeout)
+    raw, call = _send(what, to, func, args, kwargs, timeout)
     out = Future()
-    raw.add_done_callback(
-        lambda done: _remote.settle(
-            done, out, lambda exc: _translate(exc, f"call of {_name_of(func)}", dest.name, timeout)
-        )
-    )
-    if limit > 0:
-        _deadlines.expire_after(
-            limit,
-            out,
-            lambda: _timeout_error(None, f"call of {_name_of(func)}", dest.name, timeout),
-        )
+    raw.add_done_callback(lambda done: _remote.settle(done, out, call.translate))
+    if call.limit > 0:
+        _deadlines.expire_after(call.limit, out, call.expired)
     return out
 
 
