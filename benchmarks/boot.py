@@ -55,7 +55,7 @@ if __name__ == "__main__":
 NBRPC = """
 import json, time
 import nbrpc
-from nbrpc import _launch
+from nbrpc._engines import local
 
 def boot():
     t0 = time.perf_counter()
@@ -68,7 +68,7 @@ out = {}
 out["nbrpc first boot"], out["phases, first boot"] = boot()
 nbrpc.shutdown()
 deadline = time.monotonic() + 60
-while _launch.current().registered_spares() < 2 and time.monotonic() < deadline:
+while local.kept().registered_spares() < 2 and time.monotonic() < deadline:
     time.sleep(0.05)
 time.sleep(0.5)
 out["nbrpc re-run"], out["phases, re-run"] = boot()

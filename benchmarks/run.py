@@ -45,7 +45,7 @@ import torch.distributed.rpc as rpc  # noqa: E402
 import nbrpc  # noqa: E402
 from benchmarks.peers import Shard, echo  # noqa: E402
 from benchmarks.stats import stats  # noqa: E402
-from nbrpc import _shm  # noqa: E402
+from nbrpc._wire import shm  # noqa: E402
 
 SIZES_MB = (4, 64, 256)
 
@@ -147,7 +147,7 @@ def bench_model_split(steps: int) -> dict:
 def bench_calls(small_n: int, big_n: dict[int, int]) -> dict:
     """Small calls and tensor round trips, every peer interleaved, on one running cluster."""
     cluster = nbrpc.current()
-    engine = cluster._engines.client[cluster.records[1].engine_id]  # worker1's ipyparallel engine
+    engine = cluster.engines.client[cluster.records[1].engine_id]  # worker1's ipyparallel engine
     nb_echo = notebook_echo()
     tiny = torch.ones(1)
     for _ in range(50):  # warm up pipes and caches
@@ -165,12 +165,12 @@ def bench_calls(small_n: int, big_n: dict[int, int]) -> dict:
             small_n,
         )
     }
-    prefix, threshold = _shm._state["prefix"], cluster.shm_threshold
+    prefix, threshold = shm.prefix(), cluster.shm_threshold
 
     def fast_path(on: bool) -> None:  # every process: shared memory on, or TensorPipe only
         for worker in ("worker1", "worker2"):
-            rpc.rpc_sync(worker, _shm.configure, args=(prefix, threshold if on else None))
-        _shm.configure(prefix, threshold if on else None)
+            rpc.rpc_sync(worker, shm.configure, args=(prefix, threshold if on else None))
+        shm.configure(prefix, threshold if on else None)
 
     for mb, repeats in big_n.items():
         big = torch.randn(mb * 1024 * 1024 // 4)

@@ -11,11 +11,12 @@ From a script::
     with nbrpc.init(n=2):
         nbrpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
 
-Layers, top to bottom (a module never imports one above it): ``_magics`` → ``widgets``
-(live views; ``_views`` draws them) → ``_cluster`` (ipyparallel control plane) → ``_agent``
-(call facade, ``ownership()``) → ``_group`` (RPC membership) → ``_pickling`` / ``_ledger``
-(RRef handles per process) / ``_remote`` (what travels, and how failures and output come
-back).
+The package is in layers, each importing only those below it; docs/architecture.md
+declares them (and ``tests/test_layers.py`` holds the code to that declaration): the
+magics on top, then the widgets, ``%%rpc`` cells, the cluster's lifecycle and boot, the
+engine sources (``_engines/``), the options, the call facade, the debugger
+(``_debugger/``), RPC membership, what travels (``_wire/``), the ledger and autograd,
+the torch seam, and plain data at the bottom.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from torch.distributed.rpc import RRef, WorkerInfo
 from . import autograd
 from ._agent import get_worker_info, ownership, remote, rpc_async, rpc_sync, workers
 from ._cells import CellResults, RpcCellError, pull, push, worker_namespace
-from ._cluster import Cluster, ClusterState, WorkerRecord, current, init, shutdown, status
+from ._cluster import Cluster, ClusterState, current, init, shutdown, status
+from ._debugger.postmortem import post_mortem
 from ._errors import (
     AlreadyInitializedError,
     AutogradContextError,
@@ -44,9 +46,8 @@ from ._errors import (
     UnknownWorkerError,
     WorkerDiedError,
 )
-from ._pickling import register_by_value
-from ._postmortem import post_mortem
-from ._rows import OwnershipRow, StatusRow, Trace
+from ._rows import OwnershipRow, StatusRow, Trace, WorkerRecord
+from ._wire.pickling import register_by_value
 from .autograd import trace_backward
 
 __version__ = "0.1.0"

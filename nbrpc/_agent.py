@@ -4,10 +4,10 @@ Each function is torch's own (same arguments, same return types: a ``torch.futur
 a torch ``RRef``) with what a notebook needs in front: a clear error before init, an
 unknown worker named together with the known ones, ``timeout=None`` for "the cluster's
 default", and timeouts raised as :class:`~nbrpc.RpcTimeoutError` naming the call and the
-worker. Notebook-defined code travels because :mod:`nbrpc._pickling` is installed.
+worker. Notebook-defined code travels because :mod:`nbrpc._wire.pickling` is installed.
 
 Timeouts are nbrpc's, not torch's: calls go to torch with no timeout and
-:mod:`nbrpc._deadlines` fails them on a clock that stands still while a worker's
+:mod:`nbrpc._debugger.deadlines` fails them on a clock that stands still while a worker's
 debugger is open (a person typing pdb commands must not see the call time out). While the
 main thread waits on a call it also serves those debuggers' prompts (:mod:`nbrpc._debugger`).
 """
@@ -16,39 +16,39 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed.rpc as rpc
 from torch.distributed.rpc import RRef, WorkerInfo
 
-from . import _deadlines, _debugger, _group, _ledger, _remote, _shm, _torch
+from . import _group, _ledger, _process, _torch
+from ._debugger import deadlines, prompts
 from ._errors import (
     ClusterClosedError,
-    NotInitializedError,
     RpcTimeoutError,
     SerializationError,
     UnknownWorkerError,
     WorkerDiedError,
 )
 from ._rows import OwnershipRow
-
-__all__ = [
-    "get_worker_info",
-    "ownership",
-    "remote",
-    "rpc_async",
-    "rpc_sync",
-    "snapshots",
-    "workers",
-]
+from ._wire import callee, failures, shm
 
 T = TypeVar("T")
 
-# Set by the cluster layer: "active" while a cluster is up; "cancelled" from the moment a
-# non-graceful shutdown starts, so calls it cuts off say so instead of "worker died";
-# "last_output": what a dead worker printed last, by name, for its WorkerDiedError.
-_session: dict[str, Any] = {"active": False, "cancelled": False, "last_output": None}
+
+@dataclass
+class _Calls:
+    """Set by the cluster layer: ``cancelled`` from the moment a non-graceful shutdown
+    starts, so calls it cuts off say so instead of "worker died"; ``last_output``: what a
+    dead worker printed last, by name, for its WorkerDiedError."""
+
+    cancelled: bool = False
+    last_output: Callable[[str], str] | None = None
+
+
+_calls = _Calls()
 
 
 class Future(torch.futures.Future):
@@ -57,53 +57,28 @@ class Future(torch.futures.Future):
 
     torch's own ``wait()`` blocks in C++, where Python cannot deliver SIGINT: a
     KeyboardInterrupt would only arrive when the remote call ends. On the main thread
-    this waits on a ``threading.Event`` instead (:func:`wait_on_main_thread`).
+    this waits on a ``threading.Event`` instead
+    (:func:`nbrpc._debugger.prompts.wait_on_main_thread`).
     """
 
     def wait(self) -> Any:
         if not self.done() and threading.current_thread() is threading.main_thread():
-            wait_on_main_thread(self)
+            prompts.wait_on_main_thread(self)
         return super().wait()
 
 
-SIGNAL_CHECK_S = 0.1  # how often a waiting main thread lets Python run signal handlers
-
-
-def wait_on_main_thread(fut: Any, limit: float = 0) -> bool:
-    """Wait for ``fut`` on the main thread; False if ``limit`` seconds passed first.
-
-    The wait is in slices of :data:`SIGNAL_CHECK_S`: the kernel's SIGINT may land on any
-    of its threads, and then only the main thread's next bytecode runs Python's handler
-    (found by a full test run: with the signal on another thread, an untimed wait slept
-    through it). A worker's debugger prompt wakes it at once, and it is served here, in
-    the waiting cell. ``limit`` (0: none) is measured on :data:`_deadlines.clock`, which
-    stands still while a debugger session is open.
-    """
-    woke = threading.Event()
-    fut.add_done_callback(lambda _: woke.set())
-    deadline = _deadlines.clock.now() + limit if limit > 0 else None
-    with _debugger.main_thread_waits(woke):
-        while not fut.done():
-            woke.wait(SIGNAL_CHECK_S)
-            woke.clear()
-            if fut.done():
-                break
-            _debugger.serve()
-            if deadline is not None and _deadlines.clock.now() >= deadline:
-                return False
-    return True
-
-
 def set_active(active: bool, last_output: Callable[[str], str] | None = None) -> None:
-    _session["active"] = active
-    _session["last_output"] = last_output if active else None
+    """A cluster is up (calls may go out) or not; ``last_output`` names what a dead
+    worker printed last."""
+    _group.set_active(active)
+    _calls.last_output = last_output if active else None
     if active:
-        _session["cancelled"] = False
+        _calls.cancelled = False
 
 
 def cancel_calls_in_flight() -> None:
     """A non-graceful shutdown begins: calls it cuts off fail as cancelled."""
-    _session["cancelled"] = True
+    _calls.cancelled = True
 
 
 def calls_in_flight() -> int:
@@ -112,19 +87,14 @@ def calls_in_flight() -> int:
     return int(metrics.get("agent.client_active_calls", 0))
 
 
-def _require(what: str) -> None:
-    if not _session["active"]:
-        raise NotInitializedError(what)
-
-
 def workers() -> list[str]:
     """Names of the live processes in the group, the kernel first."""
-    _require("nbrpc.workers()")
+    _group.require_active("nbrpc.workers()")
     return _group.member_names()
 
 
 def _destination(to: str | WorkerInfo | int, what: str) -> WorkerInfo:
-    _require(what)
+    _group.require_active(what)
     if isinstance(to, WorkerInfo):
         return to
     if isinstance(to, str):
@@ -138,7 +108,7 @@ def _destination(to: str | WorkerInfo | int, what: str) -> WorkerInfo:
 def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
     """torch's ``WorkerInfo`` (name and id) of a worker, or of this process."""
     if worker_name is None:
-        _require("nbrpc.get_worker_info()")
+        _group.require_active("nbrpc.get_worker_info()")
         return rpc.get_worker_info()
     return _destination(worker_name, "nbrpc.get_worker_info()")
 
@@ -172,16 +142,16 @@ def rpc_sync(
 ) -> T:
     """Run ``func(*args, **kwargs)`` on worker ``to`` and return its result.
 
-    An exception raised there is raised here with its own type (see ``nbrpc._remote``).
+    An exception raised there is raised here with its own type (see :mod:`nbrpc._wire.failures`).
     """
     if threading.current_thread() is not threading.main_thread():
         return _start("rpc_sync", to, func, args, kwargs, timeout).wait()
     # The notebook's case, without the future rpc_async returns (measured ~40 µs a call):
     # the main thread waits on torch's future itself and settles it here.
     raw, call = _send("rpc_sync", to, func, args, kwargs, timeout)
-    if not wait_on_main_thread(raw, call.limit):
+    if not prompts.wait_on_main_thread(raw, call.limit):
         raise call.expired()
-    value, error = _remote.outcome(raw, call.translate)
+    value, error = failures.outcome(raw, call.translate)
     if error is not None:
         raise error
     return value
@@ -223,7 +193,7 @@ def _send(
     dest = _destination(to, what)
     limit = _limit(timeout)
     sent, args, kwargs = _as_python_call(func, tuple(args), kwargs)
-    with _shm.sending_to(dest.name):  # torch's timeout: none; nbrpc's clock keeps it
+    with shm.sending_to(dest.name):  # torch's timeout: none; nbrpc's clock keeps it
         raw = rpc.rpc_async(dest, sent, args=args, kwargs=kwargs, timeout=0)
     return raw, _Sent(dest.name, f"call of {_name_of(func)}", limit, timeout)
 
@@ -233,9 +203,9 @@ def _start(
 ) -> torch.futures.Future:
     raw, call = _send(what, to, func, args, kwargs, timeout)
     out = Future()
-    raw.add_done_callback(lambda done: _remote.settle(done, out, call.translate))
+    raw.add_done_callback(lambda done: failures.settle(done, out, call.translate))
     if call.limit > 0:
-        _deadlines.expire_after(call.limit, out, call.expired)
+        deadlines.expire_after(call.limit, out, call.expired)
     return out
 
 
@@ -253,7 +223,7 @@ def _translate(exc: BaseException, what: str, dest: str, timeout: float | None) 
             f"nbrpc.register_by_value({missing.split('.')[0]}) before the call."
         )
     if _torch.is_connection_loss(exc):
-        if _session["cancelled"]:
+        if _calls.cancelled:
             return ClusterClosedError(
                 f"{what} on {dest} was cancelled: the cluster was "
                 "shut down with graceful=False while it ran. Use a graceful shutdown "
@@ -264,7 +234,7 @@ def _translate(exc: BaseException, what: str, dest: str, timeout: float | None) 
 
 
 def _last_output(dest: str) -> str:
-    last_output = _session["last_output"]
+    last_output = _calls.last_output
     try:
         return last_output(dest) if last_output is not None else ""
     except Exception:  # an error message must not fail while it is being written
@@ -282,7 +252,7 @@ def _as_python_call(func: Any, args: tuple, kwargs: dict | None) -> tuple:
     """
     if not _torch.is_builtin(func):
         return func, args, kwargs
-    return _remote.call_builtin, (func, args, kwargs), None
+    return callee.call_builtin, (func, args, kwargs), None
 
 
 def remote(
@@ -303,13 +273,16 @@ def remote(
     sent, args, kwargs = _as_python_call(func, tuple(args), kwargs)
     limit = 0 if timeout is None else _limit(timeout)
     try:
-        with _shm.sending_to(dest.name, "remote"):
-            return rpc.remote(dest, sent, args=args, kwargs=kwargs, timeout=limit)
+        with shm.sending_to(dest.name, "remote"):
+            rref = rpc.remote(dest, sent, args=args, kwargs=kwargs, timeout=limit)
     except Exception as exc:  # a lost connection at send time
         error = _translate(exc, f"remote call of {_name_of(func)}", dest.name, timeout)
         if error is exc:
             raise
         raise error from None
+    if sent is not func:  # a builtin sent as a Python call: the ownership view names it
+        _ledger.label(rref, dest, func)
+    return rref
 
 
 def _to_here(rref: Any, timeout: float = _torch.UNSET_RPC_TIMEOUT) -> Any:
@@ -325,7 +298,7 @@ def _to_here(rref: Any, timeout: float = _torch.UNSET_RPC_TIMEOUT) -> Any:
             _await_creation(rref, timeout)
         return _torch.original_to_here(rref, timeout)
     except Exception as exc:
-        if _remote.is_rebuilt(exc):
+        if failures.is_rebuilt(exc):
             raise
         owner = _torch.owner_name(rref)
         if owner is None:
@@ -343,7 +316,7 @@ def _await_creation(rref: Any, timeout: float) -> None:
     if created is None or created.done():
         return
     given = None if timeout == _torch.UNSET_RPC_TIMEOUT else timeout
-    if not wait_on_main_thread(created, _limit(given)):
+    if not prompts.wait_on_main_thread(created, _limit(given)):
         raise _timeout_error(None, "to_here() of an RRef", rref.owner().name, given)
 
 
@@ -355,6 +328,18 @@ def install() -> None:
 SNAPSHOT_TIMEOUT_S = 5.0
 
 
+def figures() -> dict[str, Any]:
+    """This process's ledger snapshot and the user calls it served (run in every process,
+    asked by the kernel for ``%rpc_status`` and ``nbrpc.ownership()``)."""
+    calls = callee.call_counts()
+    return {
+        **_ledger.snapshot(),
+        "name": _process.name(),
+        "calls_in_flight": calls["in_flight"],
+        "calls_done": calls["done"],
+    }
+
+
 def snapshots(
     timeout: float = SNAPSHOT_TIMEOUT_S, skip: set[str] | frozenset = frozenset()
 ) -> dict:
@@ -363,14 +348,14 @@ def snapshots(
     Asked of all processes at once. A process that does not answer within ``timeout``
     (or is in ``skip``, e.g. known dead) is left out: its RRefs are unknown, not absent.
     """
-    _require("nbrpc.ownership()")
+    _group.require_active("nbrpc.ownership()")
     me = rpc.get_worker_info().name
     asked = {
-        name: _start("ownership", name, _ledger.snapshot, (), None, timeout)
+        name: _start("ownership", name, figures, (), None, timeout)
         for name in _group.member_names()
         if name != me and name not in skip
     }
-    found = {me: _ledger.snapshot()}
+    found = {me: figures()}
     for name, fut in asked.items():
         try:
             found[name] = fut.wait()

@@ -13,7 +13,7 @@ This module holds both sides:
   :func:`pull_value`, :func:`worker_namespace`;
 * kernel side: :func:`run`, which the magic calls, and :func:`push` / :func:`pull`.
 
-A cell's output is forwarded like any call's (:mod:`nbrpc._remote`): live, line by line,
+A cell's output is forwarded like any call's (:mod:`nbrpc._wire.output`): live, line by line,
 marked ``[worker1]``. The value of its last expression comes back and is shown once per
 worker as ``Out[worker1]:``.
 """
@@ -33,20 +33,6 @@ from typing import Any
 
 from . import _agent
 from ._errors import ConfigError
-
-__all__ = [
-    "CellInterrupted",
-    "CellResults",
-    "RpcCellError",
-    "interrupt",
-    "pull",
-    "pull_value",
-    "push",
-    "push_values",
-    "run",
-    "run_cell",
-    "worker_namespace",
-]
 
 INTERRUPT_GRACE_S = 2.0  # how long the kernel waits for interrupted cells to stop
 

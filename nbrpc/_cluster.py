@@ -1,10 +1,10 @@
 """The lifecycle of a cluster: boot, run, shut down; one cluster current at a time.
 
 A cluster is the kernel plus worker processes that joined its torch RPC group. Its pieces
-live in their own modules: what was asked for in :mod:`nbrpc._settings` (frozen, checked
-before anything starts), the ipyparallel engines in :mod:`nbrpc._engines` (the control
-plane: start, run bootstrap code, stop), the RPC group in :mod:`nbrpc._group` (the data
-plane), the tables it prints in :mod:`nbrpc._views`. This module orders them.
+live in their own modules: what was asked for in :mod:`nbrpc._options` (frozen, checked
+before anything starts), where engines come from in :mod:`nbrpc._engines` (the control
+plane: start, run bootstrap code, stop), the boot's steps in :mod:`nbrpc._boot`, the RPC
+group in :mod:`nbrpc._group` (the data plane). This module holds the state machine.
 
 Lifecycle (``Cluster.state``), the one record of whether a cluster is up::
 
@@ -24,32 +24,18 @@ import atexit
 import enum
 import logging
 import os
+import textwrap
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Unpack
 
-from . import (
-    _agent,
-    _collective,
-    _debugger,
-    _devices,
-    _group,
-    _launch,
-    _ledger,
-    _reaper,
-    _shm,
-    _torch,
-    _views,
-    _worker,
-)
-from ._engines import JOIN_TIMEOUT_S, Engines, remote_message
+from . import _agent, _boot, _collective, _devices, _engines, _group, _ledger, _torch, _views
+from ._debugger import prompts
+from ._engines.watchdog import process_alive, segment_prefix, sweep_segments
 from ._errors import AlreadyInitializedError, BootError, ClusterClosedError, NotInitializedError
-from ._progress import BootProgress
-from ._reaper import process_alive
-from ._rows import StatusRow
-from ._settings import Settings, validate_names
-
-__all__ = ["Cluster", "ClusterState", "WorkerRecord", "current", "init", "shutdown", "status"]
+from ._options import Options, Settings, options_doc
+from ._rows import StatusRow, WorkerRecord
+from ._wire import shm
 
 log = logging.getLogger("nbrpc")
 
@@ -79,88 +65,35 @@ _NEXT = {
 
 
 @dataclass
-class WorkerRecord:
-    """One process of the group, as the notebook shows it."""
+class _Current:
+    """The current cluster, from BOOTING until CLOSED."""
 
-    name: str
-    rank: int
-    pid: int
-    host: str
-    role: str  # "kernel" or "engine N"
-    devices: list[str] = field(default_factory=list)
-    engine_id: int | None = None
-    state: str = "ready"
-    local: bool = True  # on the kernel's host: its pid is this host's
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+    cluster: Cluster | None = None
 
 
-_current: list[Cluster] = []  # the current cluster, from BOOTING until CLOSED
+_current = _Current()
 
 
 class Cluster:
     """A group: the kernel plus its workers. :func:`nbrpc.init` makes and starts one;
-    ``nbrpc.Cluster(n=2).start()`` does the same, also as ``with ... as cluster:``."""
+    ``nbrpc.Cluster(n=2).start()`` does the same, also as ``with ... as cluster:``.
+
+    ``nbrpc.Cluster(n, **options)`` takes :func:`nbrpc.init`'s options; nothing starts
+    before :meth:`start`, but bad options are refused here.
+    """
 
     def __init__(
         self,
         n: int | None = None,
+        /,
         *,
-        names: list[str] | None = None,
-        self_name: str = "worker0",
-        num_worker_threads: int | None = None,
-        rpc_timeout: float | None = None,
-        init_method: str | None = None,
-        profile: str | None = None,
-        cluster_id: str | None = None,
-        progress: str | bool = "auto",
-        listen: str | None = None,
-        gpus: str | None = None,
-        device_maps: dict[str, dict] | None = None,
-        shm_threshold: int | None = _shm.DEFAULT_THRESHOLD,
-        python: str | None = None,
-        process_group: str | None = None,
-        process_group_workers: list[str] | None = None,
-        hosts: str | list[str] | None = None,
-        ssh_args: str | list[str] | None = None,
-        remote_python: str | None = None,
         settings: Settings | None = None,
+        **options: Unpack[Options],
     ) -> None:
-        self.settings = settings or Settings.make(
-            n,
-            names=names,
-            self_name=self_name,
-            num_worker_threads=num_worker_threads,
-            rpc_timeout=rpc_timeout,
-            init_method=init_method,
-            profile=profile,
-            cluster_id=cluster_id,
-            progress=progress,
-            listen=listen,
-            gpus=gpus,
-            device_maps=device_maps,
-            shm_threshold=shm_threshold,
-            python=python,
-            process_group=process_group,
-            process_group_workers=process_group_workers,
-            hosts=hosts,
-            ssh_args=ssh_args,
-            remote_python=remote_python,
-        )
+        self.settings = settings or _engines.resolve(Settings.make(n, **options))
         self.state = ClusterState.NOT_STARTED
-        self.records: list[WorkerRecord] = []
-        #: where the boot's time went, in seconds from its start: "controller" (connected;
-        #: 0 when kept from the last cluster), "engines" (all registered), "torch import"
-        #: (the zygote's imports, 0 when it ran before), "join" (its own length), "total"
-        self.boot_seconds: dict[str, float] = {}
-        self.device_maps: dict = {}  # every process's maps, once booted
-        self.fast_path = False  # large CPU tensors through shared memory (decided at boot)
-        #: across hosts: each process's peers that see its /dev/shm (the fast path's reach)
-        self.shm_peers: dict[str, list[str]] = {}
-        self.process_group: _collective.ProcessGroupInfo | None = None
-        self._engines = Engines(self.settings)
-        self._engine_of: dict[str, int] = {}
+        self.booted = _boot.Booted()
+        self.engines = _engines.Engines(self.settings)
 
     # settings the notebook and tests read from the cluster itself
     n = property(lambda self: self.settings.n)
@@ -168,6 +101,13 @@ class Cluster:
     self_name = property(lambda self: self.settings.self_name)
     attached = property(lambda self: self.settings.attached)
     shm_threshold = property(lambda self: self.settings.shm_threshold)
+    # what the boot found and made
+    records = property(lambda self: self.booted.records)
+    boot_seconds = property(lambda self: self.booted.seconds)
+    device_maps = property(lambda self: self.booted.device_maps)
+    fast_path = property(lambda self: self.booted.fast_path)
+    shm_peers = property(lambda self: self.booted.shm_peers)
+    process_group = property(lambda self: self.booted.process_group)
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -180,9 +120,9 @@ class Cluster:
         self.state = state
         _agent.set_active(state is ClusterState.READY, last_output=self.last_output)
         if state in (ClusterState.SHUTTING_DOWN, ClusterState.CLOSED):
-            _debugger.reset()  # a prompt waiting for the kernel must not hold shutdown up
-        if state is ClusterState.CLOSED and _current and _current[0] is self:
-            _current.clear()
+            prompts.reset()  # a prompt waiting for the kernel must not hold shutdown up
+        if state is ClusterState.CLOSED and _current.cluster is self:
+            _current.cluster = None
 
     def start(self) -> Cluster:
         """Boot: start (or attach to) the engines and join them; this becomes current."""
@@ -191,260 +131,23 @@ class Cluster:
                 f"this cluster is {self.state.value}: a Cluster starts once. Start a new one "
                 "with nbrpc.init() (or %rpc_init)."
             )
-        if _current:
-            running = ", ".join(r.name for r in _current[0].records) or "booting"
+        if _current.cluster is not None:
+            running = ", ".join(r.name for r in _current.cluster.records) or "booting"
             raise AlreadyInitializedError(
                 f"an nbrpc cluster is already running ({running}). Run %rpc_shutdown "
                 "(or nbrpc.shutdown()) first, then start a new one."
             )
-        _current.append(self)
+        _current.cluster = self
         self._enter(ClusterState.BOOTING)
         try:
-            self._boot()
+            _route_torch_shutdown()
+            _boot.boot(self.settings, self.engines, self.booted)
         except BaseException as exc:
             # an engine that failed to start: the others were started the same way
             self._abandon(release=isinstance(exc, BootError))
             raise
         self._enter(ClusterState.READY)
         return self
-
-    def _boot(self) -> None:
-        t0 = time.monotonic()
-        _route_torch_shutdown()
-        settings, engines, phases = self.settings, self._engines, self.boot_seconds
-        placeholder = settings.worker_names(settings.n or 0)
-        progress = BootProgress(placeholder, settings.progress if settings.n else "off")
-        kernel = _worker.describe_process()
-        if settings.wants_devices:  # the kernel's own side is known now: refuse before any start
-            _devices.check_local(
-                settings.self_name,
-                settings.device_maps,
-                settings.gpus,
-                kernel["devices"],
-                kernel["host"],
-            )
-        engines.start()  # local engines start now and import torch while the kernel joins
-        if engines.reused:
-            progress.phase("controller", 0.0, "kept from the last cluster")
-        member = None
-        if not settings.wants_devices:  # join at once; device maps must wait for the workers
-            member = self._join_kernel({}, None)
-        engines.reserve(settings.n or 0)
-        engines.connect()
-        if engines.local is not None and not phases.get("controller"):
-            phases["controller"] = (
-                0.0 if engines.reused else min(engines.controller_seconds or 0.0, _since(t0))
-            )
-            if not engines.reused:
-                progress.phase("controller", phases["controller"])
-
-        def registered(count: int) -> None:
-            for name in placeholder[:count]:
-                progress.update(name, 1)
-
-        engine_ids = engines.wait(settings.n, registered)
-        phases["engines"] = _since(t0)
-        progress.phase("engines", phases["engines"], "registered")
-        names = settings.worker_names(len(engine_ids))
-        validate_names(names, settings.self_name)
-        if settings.process_group:  # refuse unknown members before any join
-            pg_members = _collective.members_of(settings.process_group_workers, names)
-        maps: dict = {}
-        chosen: dict = {}
-        if settings.wants_devices:
-            maps, chosen = self._plan_devices(engine_ids, names, kernel)
-            member = self._join_kernel(
-                maps.get(settings.self_name, {}), chosen.get(settings.self_name)
-            )
-        assert member is not None
-        ranks = member.allocate_ranks(len(engine_ids))
-        pending = {}
-        t_join = time.monotonic()
-        for name, rank, eid in zip(names, ranks, engine_ids, strict=True):
-            progress.update(name, 2)
-            pending[name] = engines.apply(
-                eid,
-                _worker.join,
-                name,
-                rank,
-                member.spec.to_dict(),
-                member.name,
-                settings.rpc_timeout,
-                settings.num_worker_threads,
-                maps.get(name),
-                chosen.get(name),
-            )
-            self._engine_of[name] = eid
-        infos = self._wait_for_joins(pending, progress)
-        if engines.local is not None:
-            phases["torch import"] = 0.0 if engines.reused else (engines.torch_import_seconds or 0)
-            progress.phase(
-                "torch import",
-                phases["torch import"],
-                "done before this cluster"
-                if engines.reused
-                else "once, in the process engines fork from",
-            )
-        phases["join"] = _since(t_join)
-        progress.phase("join", phases["join"], "init_rpc")
-        if engines.remote:
-            self.shm_peers = self._share_memory_by_host(member.name)
-            self.fast_path = any(self.shm_peers.values())
-        else:
-            self.fast_path = self._configure_fast_path(member.spec.loopback_only)
-        if settings.process_group:
-            t_pg = time.monotonic()
-            prefix = f"nbrpc-process-group/{os.getpid()}/{ranks[0]}"  # ranks are never reused
-            self.process_group = _collective.start(
-                settings.process_group,
-                pg_members,
-                member.spec.to_dict(),
-                prefix,
-                {name: infos[name]["devices"] for name in names},
-            )
-            phases["process group"] = _since(t_pg)
-            progress.phase("process group", phases["process group"], settings.process_group)
-        self.device_maps = maps
-        self.records = [
-            WorkerRecord(member.name, 0, kernel["pid"], kernel["host"], "kernel", kernel["devices"])
-        ]
-        for name in names:
-            info, eid = infos[name], self._engine_of[name]
-            self.records.append(
-                WorkerRecord(
-                    name,
-                    info["rank"],
-                    info["pid"],
-                    info["host"],
-                    f"engine {eid}",
-                    info["devices"],
-                    eid,
-                    local=not engines.remote,
-                )
-            )
-        phases["total"] = _since(t0)
-
-    def _configure_fast_path(self, local: bool) -> bool:
-        """Shared memory for large tensors, if every worker sees this kernel's /dev/shm.
-
-        All or none: a process that sent a segment name to one that cannot open it would
-        break the call. A probe segment tells "same host and same /dev/shm" apart from
-        "same hostname".
-        """
-        prefix = _reaper.segment_prefix(os.getpid())
-        threshold = self.settings.shm_threshold
-        if threshold is None or not local:
-            _shm.configure(prefix, None)
-            return False
-        probe = os.path.join(_shm.SHM_DIR, f"{prefix}-probe")
-        try:
-            with open(probe, "w"):
-                pass
-        except OSError:
-            _shm.configure(prefix, None)
-            return False
-        ids = list(self._engine_of.values())
-        try:  # bounded: an engine may have died
-            on = all(
-                self._engines.run_on(ids, _worker.configure_fast_path, prefix, threshold, probe)
-            )
-            if not on:
-                self._engines.run_on(ids, _worker.configure_fast_path, prefix, None, probe)
-        finally:
-            os.unlink(probe)
-        _shm.configure(prefix, threshold if on else None)
-        return _shm.enabled()
-
-    def _share_memory_by_host(self, me: str) -> dict[str, list[str]]:
-        """Across hosts: the fast path between the processes that share a ``/dev/shm``.
-
-        Every process leaves a probe file in its ``/dev/shm``; then each one lists the
-        probes it sees (its peers on the same host, whatever their hostnames say) and
-        turns the fast path on towards those alone; then the probes go.
-        """
-        prefix = _reaper.segment_prefix(os.getpid())
-        threshold = self.settings.shm_threshold
-        if threshold is None:
-            _shm.configure(prefix, None)
-            return {}
-
-        def each(step: str) -> dict[str, Any]:
-            asked = {
-                name: self._engines.apply(eid, _worker.share_memory, prefix, name, threshold, step)
-                for name, eid in self._engine_of.items()
-            }
-            found = {me: _worker.share_memory(prefix, me, threshold, step)}
-            for name, ar in asked.items():
-                found[name] = ar.get(timeout=JOIN_TIMEOUT_S)
-            return found
-
-        try:
-            each("probe")
-            return each("configure")
-        finally:
-            each("done")
-
-    @property
-    def wants_devices(self) -> bool:
-        return self.settings.wants_devices
-
-    def _join_kernel(self, device_maps: dict, devices: list[str] | None) -> Any:
-        settings = self.settings
-        return _group.kernel_membership(
-            settings.self_name,
-            init_method=settings.init_method,
-            listen=settings.listen,
-            rpc_timeout=settings.rpc_timeout,
-            num_worker_threads=settings.num_worker_threads,
-            device_maps=device_maps,
-            devices=devices,
-        )
-
-    def _plan_devices(
-        self, engine_ids: list[int], names: list[str], kernel: dict
-    ) -> tuple[dict, dict]:
-        """Ask each engine for its devices, then plan and check every map before any join."""
-        asked = [self._engines.apply(eid, _worker.describe_process) for eid in engine_ids]
-        described = {self.settings.self_name: kernel}
-        for name, ar in zip(names, asked, strict=True):
-            try:
-                described[name] = ar.get(timeout=JOIN_TIMEOUT_S)
-            except Exception as exc:
-                raise BootError(f"{name} could not describe its devices: {exc}") from exc
-        devices = {name: info["devices"] for name, info in described.items()}
-        hosts = {name: info["host"] for name, info in described.items()}
-        chosen: dict = {}
-        maps: dict = {}
-        if self.settings.gpus == "auto":
-            chosen, maps = _devices.plan_gpus(devices, hosts)
-        for src, by_dest in self.settings.device_maps.items():
-            for dest, mapping in by_dest.items():
-                maps.setdefault(src, {})[dest] = mapping  # given by hand: wins over the plan
-        _devices.validate(maps, devices, hosts)
-        return maps, chosen
-
-    def _wait_for_joins(self, pending: dict[str, Any], progress: BootProgress) -> dict[str, dict]:
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
-        infos: dict[str, dict] = {}
-        while len(infos) < len(pending):
-            for name, ar in pending.items():
-                if name in infos or not ar.ready():
-                    continue
-                try:
-                    infos[name] = ar.get()
-                except Exception as exc:
-                    progress.fail(name, type(exc).__name__)
-                    raise BootError(
-                        f"{name} could not join the RPC group: {remote_message(exc)}"
-                    ) from None
-                progress.update(name, 3, f"pid {infos[name]['pid']}")
-            if time.monotonic() > deadline:
-                missing = [n for n in pending if n not in infos]
-                raise BootError(
-                    f"{', '.join(missing)} did not join the RPC group within {JOIN_TIMEOUT_S:.0f} s"
-                )
-            time.sleep(0.02)
-        return infos
 
     def _abandon(self, release: bool) -> None:
         """After a failed boot: stop what was started, leave the kernel usable.
@@ -454,21 +157,21 @@ class Cluster:
         group member, a device map the workers' devices refuse): the launcher knows those
         engines by id only, and a later boot would take their exit for a failed start.
         """
-        release = release or bool(self._engines.taken)
+        release = release or bool(self.engines.taken)
         self._enter(ClusterState.SHUTTING_DOWN)
-        names = list(self._engine_of)  # every worker asked to join, joined or not
+        names = list(self.booted.engine_of)  # every worker asked to join, joined or not
         try:
             # stopped, not asked to leave: torch's leave waits for the group's join token,
             # which a worker whose join failed half way may hold (30 s, then an error)
-            self._engines.stop([r.pid for r in self.records[1:] if r.local], keep_spares=False)
+            self.engines.stop([r.pid for r in self.records[1:] if r.local], keep_spares=False)
         finally:
             try:
                 if names and _torch.agent_is_set():
                     _group.forget_names(names)
             except Exception as exc:
                 log.warning("removing %s from the group: %s", ", ".join(names), exc)
-            if release and self._engines.local is not None:
-                _launch.release()
+            if release:
+                _engines.release_kept()
             self._enter(ClusterState.CLOSED)
 
     def dead_workers(self, ask_ipyparallel: bool = True) -> list[str]:
@@ -479,9 +182,9 @@ class Cluster:
         ``ask_ipyparallel=False`` checks pids only: the ipyparallel client is not
         thread-safe, and the live views call this from their own thread.
         """
-        if self._engines.client is None:
+        if self.engines.client is None:
             return [r.name for r in self.records[1:] if r.state == "dead"]
-        engines = self._engines.alive() if ask_ipyparallel else None
+        engines = self.engines.alive() if ask_ipyparallel else None
         for record in self.records[1:]:
             if record.state != "ready":
                 continue
@@ -490,7 +193,7 @@ class Cluster:
                 gone = not process_alive(record.pid)
             if gone:
                 record.state = "dead"
-                _debugger.forget_worker(record.name)
+                prompts.forget_worker(record.name)
         return [r.name for r in self.records[1:] if r.state == "dead"]
 
     def last_output(self, name: str) -> str:
@@ -500,13 +203,13 @@ class Cluster:
         record = next((r for r in self.records[1:] if r.name == name), None)
         if record is None or not record.local:
             return ""
-        return self._engines.last_output(record.pid)
+        return self.engines.last_output(record.pid)
 
     def _live_engine_ids(self) -> list[int]:
-        if self._engines.client is None or not self._engine_of:
+        if self.engines.client is None or not self.booted.engine_of:
             return []
         dead = set(self.dead_workers())
-        return [eid for name, eid in self._engine_of.items() if name not in dead]
+        return [eid for name, eid in self.booted.engine_of.items() if name not in dead]
 
     def shutdown(
         self, graceful: bool = True, timeout: float = LEAVE_TIMEOUT_S, release: bool = False
@@ -514,7 +217,7 @@ class Cluster:
         """Workers leave the group; engines this cluster started are stopped.
 
         ``release``: also stop the controller and the warm spare engines that make the
-        next ``init`` fast (see :mod:`nbrpc._launch`); interpreter exit does it anyway.
+        next ``init`` fast (see :mod:`nbrpc._engines.local`); interpreter exit does it anyway.
 
         ``graceful``: workers finish their calls in flight (bounded by ``timeout``) and
         leave. Otherwise the kernel drops them from the group at once and the engines are
@@ -524,46 +227,49 @@ class Cluster:
         """
         if self.state is not ClusterState.READY:  # never started, or already closed
             if release:
-                _launch.release()
+                _engines.release_kept()
             return
         self._enter(ClusterState.SHUTTING_DOWN)
         try:
-            dead = self.dead_workers()
-            if graceful:
-                self._wait_for_calls_in_flight(timeout)
-            else:
-                _agent.cancel_calls_in_flight()
-            if not graceful:  # nobody leaves by themselves: the kernel forgets them all
-                dead = [r.name for r in self.records[1:]]
-                for record in self.records[1:]:
-                    record.state = "stopped"
-            if dead:
-                live = [r.name for r in self.records[1:] if r.state == "ready"]
-                try:
-                    _group.forget(dead, live)
-                except Exception as exc:
-                    log.warning("removing %s from the group: %s", ", ".join(dead), exc)
-            if graceful:
-                try:
-                    _group.release_user_rrefs(self._release_timeout(timeout, bool(dead)))
-                except Exception as exc:
-                    log.warning("releasing the kernel's RRefs: %s", exc)
-                if self.process_group:
-                    live = [r.name for r in self.records[1:] if r.state == "ready"]
-                    _collective.destroy(self.process_group, live)
-                self._engines.leave(self._live_engine_ids(), graceful, timeout)
-            if dead:
-                _group.release_stale_token()
+            self._leave(graceful, timeout)
         finally:
             local = [r.pid for r in self.records[1:] if r.local]
-            self._engines.stop(local, keep_spares=not release)
+            self.engines.stop(local, keep_spares=not release)
             if release:
-                _launch.release()
-            _reaper.sweep_segments(_reaper.segment_prefix(os.getpid()))
+                _engines.release_kept()
+            sweep_segments(segment_prefix(os.getpid()))
             for record in self.records[1:]:
                 if record.state == "ready":
                     record.state = "stopped"
             self._enter(ClusterState.CLOSED)
+
+    def _leave(self, graceful: bool, timeout: float) -> None:
+        """The workers leave the RPC group (the dead ones are removed on their behalf)."""
+        dead = self.dead_workers()
+        if graceful:
+            self._wait_for_calls_in_flight(timeout)
+        else:  # nobody leaves by themselves: the kernel forgets them all
+            _agent.cancel_calls_in_flight()
+            dead = [r.name for r in self.records[1:]]
+            for record in self.records[1:]:
+                record.state = "stopped"
+        if dead:
+            live = [r.name for r in self.records[1:] if r.state == "ready"]
+            try:
+                _group.forget(dead, live)
+            except Exception as exc:
+                log.warning("removing %s from the group: %s", ", ".join(dead), exc)
+        if graceful:
+            try:
+                _group.release_user_rrefs(self._release_timeout(timeout, bool(dead)))
+            except Exception as exc:
+                log.warning("releasing the kernel's RRefs: %s", exc)
+            if self.process_group:
+                live = [r.name for r in self.records[1:] if r.state == "ready"]
+                _collective.destroy(self.process_group, live)
+            self.engines.leave(self._live_engine_ids(), graceful, timeout)
+        if dead:
+            _group.release_stale_token()
 
     @staticmethod
     def _release_timeout(timeout: float, dead: bool) -> float:
@@ -651,29 +357,16 @@ class Cluster:
 
     def summary(self) -> str:
         """The processes, their ranks, pids, hosts and states, as text."""
-        notes = []
-        shared = sorted({n for peers in self.shm_peers.values() for n in peers})
-        if self.shm_peers and shared:
-            notes.append(
-                f"CPU tensors of {(self.settings.shm_threshold or 0) / 2**20:g} MB and more "
-                f"travel through shared memory between processes of one host "
-                f"({', '.join(shared)}), through TensorPipe between hosts"
-            )
-        elif self.state is ClusterState.READY or self.fast_path:
-            notes.append(
-                f"CPU tensors of {(self.settings.shm_threshold or 0) / 2**20:g} MB and more "
-                "travel through shared memory"
-                if self.fast_path
-                else "CPU tensors travel through TensorPipe only"
-            )
-        group = _collective.describe(self.process_group)
-        if group:
-            notes.append(group)
-        if self.device_maps:
-            notes.append("device maps (and where replies go):")
-            notes.extend(f"  {line}" for line in _devices.describe(self.device_maps))
-        return _views.records_text(
-            self._rows(), self.state.value, self.boot_seconds.get("total"), notes
+        tensors = None
+        if self.shm_peers or self.state is ClusterState.READY or self.fast_path:
+            tensors = shm.describe(self.settings.shm_threshold, self.fast_path, self.shm_peers)
+        return _views.summary_text(
+            self._rows(),
+            self.state.value,
+            self.boot_seconds.get("total"),
+            tensors,
+            _collective.describe(self.process_group),
+            _devices.describe(self.device_maps),
         )
 
     def __repr__(self) -> str:
@@ -683,94 +376,30 @@ class Cluster:
         return _views.cluster_html(self._rows(), self.state.value)
 
 
-def _since(t0: float) -> float:
-    return time.monotonic() - t0
-
-
-def init(
-    n: int | None = None,
-    *,
-    names: list[str] | None = None,
-    self_name: str = "worker0",
-    num_worker_threads: int | None = None,
-    rpc_timeout: float | None = None,
-    init_method: str | None = None,
-    profile: str | None = None,
-    cluster_id: str | None = None,
-    progress: str | bool = "auto",
-    listen: str | None = None,
-    gpus: str | None = None,
-    device_maps: dict[str, dict] | None = None,
-    shm_threshold: int | None = _shm.DEFAULT_THRESHOLD,
-    python: str | None = None,
-    process_group: str | None = None,
-    process_group_workers: list[str] | None = None,
-    hosts: str | list[str] | None = None,
-    ssh_args: str | list[str] | None = None,
-    remote_python: str | None = None,
-) -> Cluster:
+def init(n: int | None = None, /, **options: Unpack[Options]) -> Cluster:
     """Start ``n`` workers (or attach to a running ipyparallel cluster) and join them.
 
     The calling process joins as ``self_name`` (rank 0); workers are named ``worker1`` ...
-    ``workerN`` unless ``names`` is given. ``profile`` / ``cluster_id`` attach to an
-    ipyparallel cluster that already runs (engines on other hosts included) instead of
-    starting engines here; ``n`` then picks how many of its engines join (default: all).
-    Without ``n``, ``names`` or an ipyparallel cluster: 2 workers.
-
-    ``hosts=["root@h1", "h1", "h2"]`` starts one worker per entry on other hosts over ssh
-    (through ipyparallel's SSH launcher), named in list order; ``ssh_args`` adds ssh options
-    (the user's ssh config is read; BatchMode is always on), ``remote_python`` names the
-    hosts' interpreter (default: this one's path). Each host is checked first (ssh login,
-    same Python, torch, cloudpickle, ipyparallel and nbrpc versions, reaching this host),
-    and ``listen`` defaults to this host's address on the route towards the first host.
-    See docs/multi-host.md.
-
-    Everything listens on loopback unless ``listen`` names one of this host's addresses:
-    then the kernel's RPC endpoint, its membership store and the ipyparallel controller
-    it starts listen there, for workers on other hosts. torch RPC has no authentication:
-    whoever reaches those ports can run code here (docs/security.md).
-
-    CUDA: ``gpus="auto"`` gives each process one GPU (round-robin per host) and maps every
-    pair; ``device_maps={"worker1": {"cuda:0": "cuda:1"}}`` sets the kernel's maps by hand.
-    Both are checked against the devices each process reports, before any ``init_rpc``.
-
-    ``shm_threshold``: CPU tensors whose storage has at least this many bytes travel
-    through shared memory when every process is on this host (``None``: never); see
-    :mod:`nbrpc._shm`.
-
-    ``process_group="gloo"`` (or ``"nccl"``): the workers also form a ``torch.distributed``
-    process group, for collectives and DDP in ``%%rpc`` cells; ``process_group_workers``
-    picks its members in rank order (default: every worker). See :mod:`nbrpc._collective`.
+    ``workerN`` unless ``names`` is given. Without ``n``, ``names``, ``hosts`` or an
+    ipyparallel cluster to attach to: 2 workers. Every option is checked before anything
+    starts (:class:`~nbrpc.ConfigError`). Returns the started :class:`Cluster`.
     """
-    settings = Settings.make(
-        n,
-        names=names,
-        self_name=self_name,
-        num_worker_threads=num_worker_threads,
-        rpc_timeout=rpc_timeout,
-        init_method=init_method,
-        profile=profile,
-        cluster_id=cluster_id,
-        progress=progress,
-        listen=listen,
-        gpus=gpus,
-        device_maps=device_maps,
-        shm_threshold=shm_threshold,
-        python=python,
-        process_group=process_group,
-        process_group_workers=process_group_workers,
-        hosts=hosts,
-        ssh_args=ssh_args,
-        remote_python=remote_python,
-    )
-    return Cluster(settings=settings).start()
+    return Cluster(n, **options).start()
+
+
+init.__doc__ = (init.__doc__ or "") + "\n    Options:\n\n" + textwrap.indent(options_doc(), "    ")
 
 
 def current() -> Cluster:
     """The running cluster; raises :class:`NotInitializedError` when there is none."""
-    if not _current:
+    if _current.cluster is None:
         raise NotInitializedError("nbrpc.current()")
-    return _current[0]
+    return _current.cluster
+
+
+def running() -> Cluster | None:
+    """The current cluster, or None (no error: for callers that only look)."""
+    return _current.cluster
 
 
 def shutdown(
@@ -781,10 +410,10 @@ def shutdown(
     ``release=True`` also stops the controller and the warm spare engines kept for a fast
     next ``init`` (``%rpc_shutdown --release``).
     """
-    if _current:
-        _current[0].shutdown(graceful=graceful, timeout=timeout, release=release)
+    if _current.cluster is not None:
+        _current.cluster.shutdown(graceful=graceful, timeout=timeout, release=release)
     elif release:
-        _launch.release()
+        _engines.release_kept()
 
 
 def status(timeout: float = _agent.SNAPSHOT_TIMEOUT_S) -> list[StatusRow]:
@@ -794,12 +423,13 @@ def status(timeout: float = _agent.SNAPSHOT_TIMEOUT_S) -> list[StatusRow]:
 
 @atexit.register
 def _at_exit() -> None:
-    for cluster in list(_current):
+    cluster = _current.cluster
+    if cluster is not None:
         try:
             cluster.shutdown(graceful=False, timeout=5)
         except Exception as exc:
             log.warning("at exit: %s", exc)
-    _launch.release()
+    _engines.release_kept()
     member = _group.current_kernel_membership()
     if member is not None:
         member.close()

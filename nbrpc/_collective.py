@@ -20,13 +20,18 @@ to use the same way TensorPipe is: loopback for a local cluster.
 from __future__ import annotations
 
 import logging
+import os
+import socket
+from datetime import timedelta
+from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from . import _remote, _worker
+from . import _group, _torch
 from ._errors import ConfigError
-
-__all__ = ["ProcessGroupInfo", "destroy", "members_of", "start"]
+from ._wire import failures
 
 log = logging.getLogger("nbrpc")
 
@@ -73,7 +78,7 @@ def start(
     futures = {
         name: rpc.rpc_async(
             name,
-            _worker.init_process_group,
+            init_process_group,
             args=(backend, store, prefix, rank, len(members), timeout_s),
             timeout=timeout_s + 10,
         )
@@ -84,14 +89,14 @@ def start(
         try:
             ranks[name] = fut.wait()["rank"]
         except Exception as exc:  # the worker's own exception, as rpc_sync would raise it
-            raise (_remote.unwrap(exc) or exc) from None
+            raise (failures.unwrap(exc) or exc) from None
     return ProcessGroupInfo(backend=backend, ranks=ranks, prefix=prefix)
 
 
 def destroy(info: ProcessGroupInfo, live: list[str]) -> None:
     """Members still alive leave the group (at shutdown; their processes end anyway)."""
     futures = [
-        rpc.rpc_async(name, _worker.destroy_process_group, timeout=DESTROY_TIMEOUT_S)
+        rpc.rpc_async(name, destroy_process_group, timeout=DESTROY_TIMEOUT_S)
         for name in info["ranks"]
         if name in live
     ]
@@ -107,3 +112,36 @@ def describe(info: ProcessGroupInfo | None) -> str | None:
         return None
     ranks = ", ".join(f"{name} (rank {rank})" for name, rank in info["ranks"].items())
     return f"process group ({info['backend']}): {ranks}"
+
+
+# -- worker side ---------------------------------------------------------------------
+
+
+def init_process_group(
+    backend: str, store: dict, prefix: str, rank: int, world_size: int, timeout_s: float
+) -> dict[str, Any]:
+    """Runs on a worker: join the workers' process group (see the module doc)."""
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"--process-group nccl needs a CUDA device in every member; this worker on "
+            f"{socket.gethostname()} has none. Use --process-group gloo (CPU tensors)."
+        )
+    spec = _group.StoreSpec(**store)
+    ifname = spec.interface()
+    if ifname:  # gloo listens where TensorPipe does: loopback for a local cluster
+        os.environ[_torch.GLOO_SOCKET_IFNAME] = ifname
+    base = spec.open(is_master=False, timeout_s=timeout_s)
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(prefix, base),
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
+
+
+def destroy_process_group() -> None:
+    """Runs on a worker: leave the process group."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -20,16 +20,6 @@ from collections.abc import Iterable
 
 from ._errors import DeviceMapError
 
-__all__ = [
-    "canonical",
-    "check_local",
-    "inverse",
-    "merge",
-    "parse_device_map",
-    "plan_gpus",
-    "validate",
-]
-
 Maps = dict[str, dict[str, dict[str, str]]]
 
 _CUDA = re.compile(r"^(?:cuda:)?(\d+)$")
@@ -114,6 +104,23 @@ def plan_gpus(devices: dict[str, list[str]], hosts: dict[str, str]) -> tuple[dic
     for src in devices:
         maps[src] = {dst: {chosen[src]: chosen[dst]} for dst in devices if dst != src}
     return {name: [gpu] for name, gpu in chosen.items()}, maps
+
+
+def plan(described: dict[str, dict], gpus: str | None, by_hand: Maps) -> tuple[Maps, dict]:
+    """Every process's maps, from what each one reported at boot (``described``: name ->
+    its ``describe_process()``, the kernel first), ``--gpus`` and the maps given by hand
+    (which win over the plan); checked. Returns ``(maps, {name: [its gpu]})``."""
+    devices = {name: info["devices"] for name, info in described.items()}
+    hosts = {name: info["host"] for name, info in described.items()}
+    chosen: dict = {}
+    maps: Maps = {}
+    if gpus == "auto":
+        chosen, maps = plan_gpus(devices, hosts)
+    for src, by_dest in by_hand.items():
+        for dest, mapping in by_dest.items():
+            maps.setdefault(src, {})[dest] = mapping
+    validate(maps, devices, hosts)
+    return maps, chosen
 
 
 def validate(maps: Maps, devices: dict[str, list[str]], hosts: dict[str, str]) -> None:

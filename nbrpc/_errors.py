@@ -28,23 +28,6 @@ happened and what to do next.
 
 from __future__ import annotations
 
-__all__ = [
-    "AlreadyInitializedError",
-    "AutogradContextError",
-    "BootError",
-    "ClusterClosedError",
-    "ConfigError",
-    "DebuggerQuitError",
-    "DeviceMapError",
-    "NbrpcError",
-    "NotInitializedError",
-    "RemoteError",
-    "RpcTimeoutError",
-    "SerializationError",
-    "UnknownWorkerError",
-    "WorkerDiedError",
-]
-
 
 class NbrpcError(Exception):
     """Base class of every error nbrpc raises itself."""

@@ -27,7 +27,7 @@ import socket
 import tempfile
 import threading
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
@@ -36,18 +36,46 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from . import _pickling, _torch
-from ._errors import BootError, ConfigError
-
-__all__ = ["KernelMembership", "StoreSpec", "join", "leave"]
+from . import _torch
+from ._errors import BootError, ConfigError, NotInitializedError
+from ._wire import pickling
 
 SCHEME = "nbrpc"
-_handed_store: list[dist.Store] = []  # the store torch receives from the next rendezvous
-_handed_lock = threading.Lock()
+
+
+@dataclass
+class _Membership:
+    """This process's place in the group: the name it joined as (torch allows one join),
+    the kernel's membership (kept for the kernel's lifetime), whether a cluster is up for
+    calls, and the store handed to torch's next rendezvous."""
+
+    joined: str | None = None
+    kernel: KernelMembership | None = None
+    active: bool = False
+    handed: list[dist.Store] = field(default_factory=list)
+    handed_lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_membership = _Membership()
 
 
 def _rendezvous(url: str, **kwargs) -> Iterator[tuple[dist.Store, int, int]]:
-    yield (_handed_store.pop(), 0, 0)
+    yield (_membership.handed.pop(), 0, 0)
+
+
+def set_active(active: bool) -> None:
+    """A cluster is up (calls may go out) or not: set as its state changes."""
+    _membership.active = active
+
+
+def is_active() -> bool:
+    return _membership.active
+
+
+def require_active(what: str) -> None:
+    """Raise :class:`~nbrpc.NotInitializedError` naming ``what`` unless a cluster is up."""
+    if not _membership.active:
+        raise NotInitializedError(what)
 
 
 with contextlib.suppress(RuntimeError):  # already registered by an earlier import
@@ -236,10 +264,6 @@ def uses_cuda(device_maps: dict | None, devices: list | None) -> bool:
     return mapped or any(isinstance(d, int) or str(d).startswith("cuda") for d in devices or ())
 
 
-# this process's name in the group; torch allows one join
-_joined: dict[str, str | None] = {"name": None}
-
-
 def join(
     name: str,
     rank: int,
@@ -255,13 +279,13 @@ def join(
 
     ``store``: one already opened (the kernel opens a TCP store first to learn its port).
     """
-    if _joined["name"] is not None:
+    if _membership.joined is not None:
         raise BootError(
-            f"this process already joined an RPC group as {_joined['name']!r}; torch RPC "
+            f"this process already joined an RPC group as {_membership.joined!r}; torch RPC "
             "cannot join twice from one process. Restart it (for attached ipyparallel "
             "engines: restart the engines) and attach again."
         )
-    _pickling.install()
+    pickling.install()
     if uses_cuda(device_maps, devices):
         # A dynamic group (world_size=None) skips the step of a static init_rpc that brings
         # CUDA up, and the first CUDA tensor TensorPipe hands a process that has not used
@@ -276,13 +300,13 @@ def join(
         device_maps=device_maps or {},
         devices=devices or None,
     )
-    with _handed_lock:
+    with _membership.handed_lock:
         if store is None:
             store = spec.open(is_master=(rank == 0), timeout_s=rpc_timeout)
-        _handed_store.append(store)
+        _membership.handed.append(store)
         with _tensorpipe_interface(spec.interface()):
             rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=options)
-    _joined["name"] = name
+    _membership.joined = name
 
 
 def release_user_rrefs(timeout_s: float) -> None:
@@ -326,7 +350,7 @@ def forget_names(names: list[str]) -> None:
     agent = _torch.agent()
     infos = {w.name: w for w in agent.get_worker_infos()}
     for name in names:
-        if name in infos and name != _joined["name"]:
+        if name in infos and name != _membership.joined:
             _torch.forget_locally(infos[name])
         _remove_from_member_list(agent.store, name, None)
     release_stale_token()
@@ -405,9 +429,6 @@ class KernelMembership:
             shutil.rmtree(self._owned_dir, ignore_errors=True)
 
 
-_kernel: list[KernelMembership] = []
-
-
 def kernel_membership(
     name: str,
     *,
@@ -423,8 +444,8 @@ def kernel_membership(
     What cannot change after the first join (torch fixes it for the process) is checked,
     and a change is refused with a message that says so.
     """
-    if _kernel:
-        member = _kernel[0]
+    if _membership.kernel is not None:
+        member = _membership.kernel
         if name != member.name:
             raise ConfigError(
                 f"this kernel joined torch RPC as {member.name!r}; torch cannot rename a "
@@ -480,7 +501,7 @@ def kernel_membership(
         store=store,
     )
     member = KernelMembership(name, spec, owned_dir, device_maps)
-    _kernel.append(member)
+    _membership.kernel = member
     return member
 
 
@@ -502,7 +523,7 @@ def _raise_open_file_limit() -> None:
 
 
 def current_kernel_membership() -> KernelMembership | None:
-    return _kernel[0] if _kernel else None
+    return _membership.kernel
 
 
 def spec_from_init_method(init_method: str) -> StoreSpec:

@@ -9,7 +9,7 @@ born in that process:
   with a label such as ``remote(worker1, ParameterServer)``;
 * ``RRef(value)``: the local-owner constructor, patched the same way;
 * unpickling: an RRef that arrives as an argument or a return value. nbrpc's pickler
-  (:mod:`nbrpc._pickling`) reduces RRefs through :func:`reduce_rref`, so the label and the
+  (:mod:`nbrpc._wire.pickling`) reduces RRefs through :func:`reduce_rref`, so the label and the
   value's type travel with the fork and the receiver records them.
 
 The kernel asks every process for :func:`snapshot` and :func:`merge` joins them by RRef id:
@@ -21,14 +21,12 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from . import _remote, _torch
+from . import _process, _torch
 from ._rows import OwnershipRow
 from ._torch import PyRRef
-
-__all__ = ["install", "merge", "reduce_rref", "snapshot"]
 
 _TYPE_WAIT_S = 1.0  # how long one snapshot waits for owners to say what their values are
 
@@ -40,14 +38,25 @@ class _Entry:
     creator: str
 
 
-_handles: weakref.WeakKeyDictionary[PyRRef, _Entry] = weakref.WeakKeyDictionary()
-_lock = threading.Lock()
-_original: dict[str, Any] = {}
+@dataclass
+class _Ledger:
+    """The Python RRef handles this process holds (weakly), and torch's originals of the
+    two places nbrpc patches to record them."""
+
+    handles: weakref.WeakKeyDictionary[PyRRef, _Entry] = field(
+        default_factory=weakref.WeakKeyDictionary
+    )
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    remote: Any = None  # torch.distributed.rpc.remote
+    rref_init: Any = None  # RRef.__init__
+
+
+_ledger = _Ledger()
 
 
 def _record(rref: PyRRef, created_by: str, type_name: str | None, creator: str) -> PyRRef:
-    with _lock:
-        _handles[rref] = _Entry(created_by, type_name, creator)
+    with _ledger.lock:
+        _ledger.handles[rref] = _Entry(created_by, type_name, creator)
     return rref
 
 
@@ -63,18 +72,22 @@ def _destination_name(to: Any) -> str:
 
 
 def _patched_remote(to: Any, func: Any, *args: Any, **kwargs: Any) -> PyRRef:
-    rref = _original["remote"](to, func, *args, **kwargs)
-    if func is _remote.call_builtin:  # a builtin sent as a Python call: label the builtin
-        func = (kwargs["args"] if "args" in kwargs else args[0])[0]
+    rref = _ledger.remote(to, func, *args, **kwargs)
+    return label(rref, to, func)
+
+
+def label(rref: PyRRef, to: Any, func: Any) -> PyRRef:
+    """Record ``rref`` as made by ``remote(to, func)`` (``func``: what the user asked to
+    run, also where another function carried it to the worker)."""
     type_name = func.__qualname__ if isinstance(func, type) else None
-    label = f"remote({_destination_name(to)}, {_callable_name(func)})"
-    return _record(rref, label, type_name, _remote.worker_name())
+    created_by = f"remote({_destination_name(to)}, {_callable_name(func)})"
+    return _record(rref, created_by, type_name, _process.name())
 
 
 def _rref_init(self: PyRRef, value: Any, *args: Any, **kwargs: Any) -> None:
-    _original["RRef.__init__"](self, value, *args, **kwargs)
+    _ledger.rref_init(self, value, *args, **kwargs)
     type_name = type(value).__qualname__
-    _record(self, f"RRef({type_name})", type_name, _remote.worker_name())
+    _record(self, f"RRef({type_name})", type_name, _process.name())
 
 
 def _receive(fork_data: tuple, created_by: str, type_name: str | None, creator: str) -> PyRRef:
@@ -84,16 +97,16 @@ def _receive(fork_data: tuple, created_by: str, type_name: str | None, creator: 
 
 def reduce_rref(rref: PyRRef) -> tuple:
     """Pickle an RRef as torch does (a fork of it), carrying its label and type along."""
-    entry = _handles.get(rref) or _Entry("unknown", None, "?")
+    entry = _ledger.handles.get(rref) or _Entry("unknown", None, "?")
     return (_receive, (_torch.rref_fork(rref), entry.created_by, entry.type, entry.creator))
 
 
 def install() -> None:
     """Patch the places where RRef handles are born (idempotent; every process)."""
-    if _original:
+    if _ledger.remote is not None:
         return
-    _original["remote"] = _torch.patch_api("remote", _patched_remote)
-    _original["RRef.__init__"] = _torch.patch_api("RRef.__init__", _rref_init)
+    _ledger.remote = _torch.patch_api("remote", _patched_remote)
+    _ledger.rref_init = _torch.patch_api("RRef.__init__", _rref_init)
 
 
 rref_id = _torch.rref_id
@@ -101,8 +114,8 @@ rref_id = _torch.rref_id
 
 def holds_user_rrefs() -> bool:
     """Whether this process holds a live handle to an RRef another process owns."""
-    with _lock:
-        held = list(_handles)
+    with _ledger.lock:
+        held = list(_ledger.handles)
     return any(not rref.is_owner() for rref in held)
 
 
@@ -123,9 +136,9 @@ GONE = "(gone)"
 
 
 def snapshot() -> dict[str, Any]:
-    """This process's handles and figures (runs in every process, asked by the kernel)."""
-    with _lock:
-        held = list(_handles.items())
+    """This process's handles and how many RRefs it owns (see ``_agent.figures``)."""
+    with _ledger.lock:
+        held = list(_ledger.handles.items())
     pending: list = []
     rows = []
     for rref, entry in held:
@@ -151,14 +164,13 @@ def snapshot() -> dict[str, Any]:
                 "creator": entry.creator,
             }
         )
-    calls = _remote.call_counts()
-    return {
-        "name": _remote.worker_name(),
-        "handles": rows,
-        "owned": _torch.owned_rref_count(),
-        "calls_in_flight": calls["in_flight"],
-        "calls_done": calls["done"],
-    }
+    return {"handles": rows, "owned": _torch.owned_rref_count()}
+
+
+def handle_count() -> int:
+    """How many Python RRef handles this process's ledger holds now."""
+    with _ledger.lock:
+        return len(_ledger.handles)
 
 
 def merge(snapshots: list[dict[str, Any]]) -> list[OwnershipRow]:

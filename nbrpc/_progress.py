@@ -11,18 +11,7 @@ from __future__ import annotations
 import sys
 import time
 
-__all__ = ["BootProgress", "in_notebook"]
-
 STEPS = ("waiting", "engine started", "joining RPC", "ready")
-
-
-def in_notebook() -> bool:
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    shell = get_ipython()
-    return shell is not None and getattr(shell, "kernel", None) is not None
 
 
 class BootProgress:

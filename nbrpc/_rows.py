@@ -1,14 +1,14 @@
 """The shapes of the plain data nbrpc returns: status rows, ownership rows, a trace.
 
 They are ``TypedDict``s: at run time ordinary dicts (they travel by RPC, print, compare
-and serialise as such), for a type checker and an editor named, documented keys.
+and serialise as such), for a type checker and an editor named, documented keys. A
+cluster's own record of each process (:class:`WorkerRecord`) is a small dataclass.
 """
 
 from __future__ import annotations
 
-from typing import Literal, NotRequired, TypedDict
-
-__all__ = ["OwnershipRow", "StatusRow", "Trace", "TraceEdge", "TraceNode", "TraceWorker"]
+from dataclasses import dataclass, field
+from typing import Any, Literal, NotRequired, TypedDict
 
 
 class StatusRow(TypedDict):
@@ -74,3 +74,21 @@ class Trace(TypedDict):
     workers: list[TraceWorker]
     nodes: list[TraceNode]
     edges: list[TraceEdge]
+
+
+@dataclass
+class WorkerRecord:
+    """One process of the group, as the notebook shows it."""
+
+    name: str
+    rank: int
+    pid: int
+    host: str
+    role: str  # "kernel" or "engine N"
+    devices: list[str] = field(default_factory=list)
+    engine_id: int | None = None
+    state: str = "ready"
+    local: bool = True  # on the kernel's host: its pid is this host's
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)

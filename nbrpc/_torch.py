@@ -32,6 +32,7 @@ import re
 import sys
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -48,58 +49,10 @@ from torch._C._distributed_rpc import (
 )
 from torch.distributed.rpc._utils import _update_group_membership
 from torch.distributed.rpc.constants import UNSET_RPC_TIMEOUT
-from torch.distributed.rpc.internal import RemoteException
-from torch.jit._builtins import _find_builtin
 
-__all__ = [
-    "GLOO_SOCKET_IFNAME",
-    "GROUP_TOKEN_KEY",
-    "INTERNAL_DEPRECATIONS",
-    "INTERNAL_PICKLER",
-    "MEMBER_LIST_KEY",
-    "TENSOR_EXTRACTOR",
-    "TORCH_INTERNAL_HOOKS",
-    "TORCH_OWN_CALL_MODULES",
-    "TP_SOCKET_IFNAME",
-    "UNKNOWN_DESTINATION",
-    "UNSET_RPC_TIMEOUT",
-    "PyRRef",
-    "PythonUDF",
-    "RemoteException",
-    "agent",
-    "agent_is_set",
-    "autograd_known_workers",
-    "autograd_messages",
-    "current_autograd_context_id",
-    "default_pickler",
-    "delete_user_rrefs",
-    "forget_locally",
-    "install_rpc_hooks",
-    "install_tensor_extractor",
-    "is_builtin",
-    "is_connection_loss",
-    "is_timeout",
-    "leave_group",
-    "missing_module",
-    "original_to_here",
-    "owned_rref_count",
-    "owner_name",
-    "patch_api",
-    "patch_rref_method",
-    "quiet_internal_deprecations",
-    "quiet_optimizer_notice_if_loaded",
-    "route_user_shutdown",
-    "rref_fork",
-    "rref_from_fork",
-    "rref_id",
-    "rref_type_future",
-    "run_udf",
-    "set_rpc_timeout",
-    "tensorpipe_options",
-    "udf_function",
-    "update_group_membership",
-    "validate_autograd_context",
-]
+# what torch's callee returns for a call that raised (``msg``, ``exception_type``)
+from torch.distributed.rpc.internal import RemoteException as RemoteException
+from torch.jit._builtins import _find_builtin
 
 # -- the current agent ---------------------------------------------------------------------
 
@@ -125,7 +78,8 @@ def leave_group(timeout: float = 0) -> None:
 
 # -- RRef internals ------------------------------------------------------------------------
 
-_RREF_ID = re.compile(r"created_on=(\d+), local_id=(\d+)")
+#: how torch's RRef repr names its id (torch has no accessor)
+RREF_ID = re.compile(r"created_on=(\d+), local_id=(\d+)")
 
 
 def rref_fork(rref: PyRRef) -> tuple:
@@ -155,7 +109,7 @@ def rref_creation_future(rref: PyRRef) -> Any:
 def rref_id(rref: PyRRef) -> str:
     """torch's globally unique RRef id as ``"created_on:local_id"``, read from its repr
     (torch has no accessor; ranks are unique in nbrpc's groups)."""
-    match = _RREF_ID.search(str(rref))
+    match = RREF_ID.search(str(rref))
     return f"{match.group(1)}:{match.group(2)}" if match else str(rref)
 
 
@@ -192,7 +146,7 @@ def forget_locally(info: Any) -> None:
 TORCH_INTERNAL_HOOKS = ("_pickler", "_run_function", "_handle_exception")
 
 #: torch's RPC pickler class: torch assigns ``pickler.dispatch_table = {...}`` on each one
-#: it makes and then sets the RRef reducers item by item (see :mod:`nbrpc._pickling`).
+#: it makes and then sets the RRef reducers item by item (see :mod:`nbrpc._wire.pickling`).
 INTERNAL_PICKLER = rpc_internal._InternalRPCPickler
 
 
@@ -263,12 +217,24 @@ def quiet_internal_deprecations() -> None:
     quiet_optimizer_notice_if_loaded()
 
 
-_OPTIMIZER_NOTICE = "_scripted_functional_optimizer_deprecation_warning"
-_optimizer_notice_quiet = [False]
+#: the name of the notice function torch's functional optimizer modules call
+OPTIMIZER_NOTICE = "_scripted_functional_optimizer_deprecation_warning"
+
+
+@dataclass
+class _Patched:
+    """What this module replaced in torch: whether the optimizer notice is silenced, and
+    torch's own methods of ``PyRRef`` replaced by :func:`patch_rref_method`."""
+
+    optimizer_notice: bool = False
+    rref_methods: dict[str, Any] = field(default_factory=dict)
+
+
+_patched = _Patched()
 
 
 @torch.jit.ignore
-def _no_optimizer_notice(stacklevel: int = 0) -> None:
+def no_optimizer_notice(stacklevel: int = 0) -> None:
     """Stands in for torch's notice, which forces itself past every warnings filter."""
 
 
@@ -276,30 +242,27 @@ def quiet_optimizer_notice_if_loaded() -> None:
     """torch's functional optimizers warn with ``simplefilter("always")`` from their
     ``__init__``; once ``torch.distributed.optim`` is loaded (1.5 s to import, so never
     just for this), their modules call a silent stand-in. Cheap to call before every call."""
-    if _optimizer_notice_quiet[0] or "torch.distributed.optim.utils" not in sys.modules:
+    if _patched.optimizer_notice or "torch.distributed.optim.utils" not in sys.modules:
         return
     from torch.distributed.optim.utils import functional_optim_map
 
     for cls in functional_optim_map.values():
         module = sys.modules[cls.__module__]
-        if hasattr(module, _OPTIMIZER_NOTICE):
-            setattr(module, _OPTIMIZER_NOTICE, _no_optimizer_notice)
-    _optimizer_notice_quiet[0] = True
-
-
-_rref_originals: dict[str, Any] = {}
+        if hasattr(module, OPTIMIZER_NOTICE):
+            setattr(module, OPTIMIZER_NOTICE, no_optimizer_notice)
+    _patched.optimizer_notice = True
 
 
 def patch_rref_method(name: str, replacement: Callable[..., Any]) -> None:
     """Replace ``PyRRef.NAME`` (a pybind11 class, so every RRef handle); idempotent."""
-    if name not in _rref_originals:
-        _rref_originals[name] = getattr(PyRRef, name)
+    if name not in _patched.rref_methods:
+        _patched.rref_methods[name] = getattr(PyRRef, name)
     setattr(PyRRef, name, replacement)
 
 
 def original_to_here(rref: PyRRef, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
     """torch's own ``RRef.to_here``, also after :func:`patch_rref_method` replaced it."""
-    return _rref_originals.get("to_here", PyRRef.to_here)(rref, timeout)
+    return _patched.rref_methods.get("to_here", PyRRef.to_here)(rref, timeout)
 
 
 def udf_function(obj: Any) -> Any:

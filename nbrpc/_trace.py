@@ -38,14 +38,6 @@ import torch.distributed.rpc as rpc
 from . import _torch
 from ._rows import Trace, TraceEdge, TraceNode, TraceWorker
 
-__all__ = [
-    "instrument",
-    "local_graph",
-    "never_reached",
-    "remember_roots",
-    "trace_backward",
-]
-
 _SEND = "torch::distributed::autograd::SendRpcBackward"
 _RECV = "torch::distributed::autograd::RecvRpcBackward"
 _ACCUMULATE = "torch::autograd::AccumulateGrad"

@@ -1,4 +1,5 @@
-"""Plain data in, HTML/SVG/text out: what the widgets draw, as pure functions.
+"""Plain data in, HTML/SVG/text out: what the widgets and the summaries draw, as pure
+functions (it imports nothing of nbrpc, so every layer may draw with it).
 
 Every view is computed here from the lists and dicts that ``nbrpc.status()``,
 ``nbrpc.ownership()`` and ``nbrpc.trace_backward()`` return, so it can be tested without a
@@ -12,16 +13,6 @@ from __future__ import annotations
 from collections import defaultdict
 from html import escape
 from typing import Any
-
-__all__ = [
-    "backward_svg",
-    "backward_text",
-    "cluster_html",
-    "cluster_text",
-    "ownership_svg",
-    "ownership_text",
-    "records_text",
-]
 
 _STATE_COLOR = {
     "ready": "#2e7d32",
@@ -129,6 +120,23 @@ def records_text(
         )
     lines.extend(f"  {note}" for note in notes)
     return "\n".join(lines)
+
+
+def summary_text(
+    rows: list[dict[str, Any]],
+    state: str,
+    boot_s: float | None,
+    tensors: str | None,
+    group: str | None,
+    device_maps: list[str],
+) -> str:
+    """``Cluster.summary()``: the processes, then how CPU tensors travel, the process
+    group and the device maps (each line made by the module that knows it)."""
+    notes = [line for line in (tensors, group) if line]
+    if device_maps:
+        notes.append("device maps (and where replies go):")
+        notes.extend(f"  {line}" for line in device_maps)
+    return records_text(rows, state, boot_s, notes)
 
 
 # -- ownership ----------------------------------------------------------------------------

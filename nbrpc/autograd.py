@@ -42,7 +42,7 @@ def current_context_id() -> int:
         ) from None
 
 
-def _check_valid(context_id: int, what: str) -> None:
+def check_context(context_id: int, what: str) -> None:
     try:
         _torch.validate_autograd_context(context_id)
     except RuntimeError:
@@ -78,7 +78,7 @@ def backward(
     if isinstance(roots, torch.Tensor):
         roots = [roots]
     context_id = int(context_id)  # type: ignore[arg-type]
-    _check_valid(context_id, "backward")
+    check_context(context_id, "backward")
     roots = list(roots)  # type: ignore[arg-type]
     _trace.remember_roots(context_id, roots)
     if check:
@@ -114,11 +114,11 @@ def trace_backward(context_id: int | None = None) -> Trace:
     """
     if context_id is None:
         context_id = current_context_id()
-    _check_valid(context_id, "trace_backward")
+    check_context(context_id, "trace_backward")
     return _trace.trace_backward(context_id)
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
     """Gradients accumulated in this process for ``context_id``: {tensor: grad}."""
-    _check_valid(context_id, "get_gradients")
+    check_context(context_id, "get_gradients")
     return dist_autograd.get_gradients(context_id)

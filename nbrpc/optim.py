@@ -12,7 +12,7 @@ from torch.distributed.optim import DistributedOptimizer as _TorchDistributedOpt
 
 from ._errors import WorkerDiedError  # noqa: E402
 from ._torch import is_connection_loss  # noqa: E402
-from .autograd import _check_valid, current_context_id  # noqa: E402
+from .autograd import check_context, current_context_id  # noqa: E402
 
 _torch.quiet_optimizer_notice_if_loaded()
 
@@ -36,7 +36,7 @@ class DistributedOptimizer(_TorchDistributedOptimizer):
     def step(self, context_id: int | None = None) -> None:
         if context_id is None:
             context_id = current_context_id()
-        _check_valid(context_id, "DistributedOptimizer.step")
+        check_context(context_id, "DistributedOptimizer.step")
         try:
             super().step(context_id)
         except RuntimeError as exc:

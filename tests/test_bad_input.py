@@ -61,11 +61,11 @@ def test_an_exception_that_cannot_be_rebuilt_arrives_as_remote_error():
 
 
 def test_a_worker_on_another_host_with_the_local_store_is_told_the_fix():
-    from nbrpc import _worker
+    from nbrpc._engines import worker
 
     store = {"kind": "file", "path": "/nonexistent-nbrpc-dir/store"}
     with pytest.raises(RuntimeError, match=r"cannot see the kernel's store .* --listen ADDR"):
-        _worker.join("worker9", 9, store, "worker0", 5.0, 4)
+        worker.join("worker9", 9, store, "worker0", 5.0, 4)
 
 
 @pytest.mark.parametrize(

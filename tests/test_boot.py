@@ -15,7 +15,7 @@ import pytest
 from conftest import ensure_cluster, kernel_children, notebook_code, wait_for_exit, wait_until
 
 import nbrpc
-from nbrpc import _launch
+from nbrpc._engines import local
 
 BUSY = """
 import ctypes
@@ -37,7 +37,7 @@ def c_call_holding_the_gil(seconds):
 
 
 def _cluster_processes(cluster: nbrpc.Cluster) -> dict[str, list[int]]:
-    engines = _launch.current()
+    engines = local.kept()
     assert engines is not None
     workers = [r.pid for r in cluster.workers[1:]]
     controller = [engines.controller_pid]
@@ -47,14 +47,14 @@ def _cluster_processes(cluster: nbrpc.Cluster) -> dict[str, list[int]]:
         "controller": controller,
         "its helpers": helpers,
         "zygote": [engines.zygote.pid],
-        "watchdog": [engines._watchdog.pid],
+        "watchdog": [engines.watchdog_pid],
     }
 
 
 def test_a_cluster_is_its_workers_plus_four_processes(cluster):
     """n workers + controller + its heart monitor + the zygote + the watchdog (+ spares)."""
     parts = _cluster_processes(cluster)
-    spares = _launch.current().spares()
+    spares = local.kept().spares()
     children = {p.pid for p in kernel_children() if p.is_running()}
     counted = {pid for pids in parts.values() for pid in pids}
     assert counted <= children, f"not children of this kernel: {counted - children}"
@@ -81,7 +81,7 @@ def test_busy_workers_keep_their_heartbeat(cluster):
     """30 s in a GIL-holding Python loop, and 30 s inside one C call that holds the GIL:
     the controller's heartbeats (every 500 ms, 3 misses allowed) still reach both."""
     cell = notebook_code(BUSY)
-    client = cluster._engines.client
+    client = cluster.engines.client
     engines = {r.name: r.engine_id for r in cluster.workers[1:]}
     loop = nbrpc.rpc_async("worker1", cell.python_loop, args=(30,))
     c_call = nbrpc.rpc_async("worker2", cell.c_call_holding_the_gil, args=(30,))
@@ -100,14 +100,14 @@ def test_busy_workers_keep_their_heartbeat(cluster):
 
 def test_re_run_joins_warm_spares(cluster):
     """After a shutdown the controller stays and fresh engines (torch imported) wait."""
-    controller = _launch.current().controller_pid
+    controller = local.kept().controller_pid
     nbrpc.shutdown()
-    assert wait_until(lambda: _launch.current().registered_spares() >= 2, timeout=60)
+    assert wait_until(lambda: local.kept().registered_spares() >= 2, timeout=60)
     spare_pids = {p.pid for p in psutil.Process().children(recursive=True)}
     again = nbrpc.init(n=2, progress=False)
     workers = {r.pid for r in again.workers[1:]}
     assert workers <= spare_pids, "the re-run started new engines instead of the spares"
-    assert _launch.current().controller_pid == controller
+    assert local.kept().controller_pid == controller
     assert again.boot_seconds["controller"] == 0.0
     assert set(again.boot_seconds) == {"controller", "engines", "torch import", "join", "total"}
     print(f"re-run with warm spares: {again.boot_seconds}")
@@ -116,14 +116,14 @@ def test_re_run_joins_warm_spares(cluster):
 
 def test_release_stops_the_controller_and_the_spares():
     ensure_cluster()
-    engines = _launch.current()
+    engines = local.kept()
     nbrpc.shutdown()
     assert wait_until(lambda: engines.spares() >= 2, timeout=10)
-    everything = [*engines.pids(), engines._watchdog.pid]
+    everything = [*engines.pids(), engines.watchdog_pid]
     t0 = time.monotonic()
     nbrpc.shutdown(release=True)
     print(f"released in {time.monotonic() - t0:.1f} s")
-    assert _launch.current() is None
+    assert local.kept() is None
     assert wait_for_exit(everything, timeout=10) == []
     ensure_cluster()
 
@@ -171,14 +171,14 @@ def test_an_engine_that_cannot_start_is_a_boot_error_within_seconds(tmp_path, ca
     else:
         assert "ImportError: libtorch_cpu.so: cannot open" in str(caught.value)  # its own words
         assert "engines could not start" in str(caught.value)
-    assert _launch.current() is None  # nothing of it left to reuse
+    assert local.kept() is None  # nothing of it left to reuse
     ensure_cluster()
 
 
 def test_a_killed_worker_is_reported_dead_within_3_s():
     cluster = ensure_cluster()
     victim = cluster.workers[1]
-    client = cluster._engines.client
+    client = cluster.engines.client
     os.kill(victim.pid, signal.SIGKILL)
     t0 = time.monotonic()
     assert wait_until(lambda: victim.name in cluster.dead_workers(), timeout=3)
@@ -196,7 +196,7 @@ def test_a_killed_worker_is_reported_dead_within_3_s():
 
 def test_spares_are_bounded(monkeypatch):
     ensure_cluster()
-    engines = _launch.current()
-    monkeypatch.setattr(_launch, "SPARES_MAX", 1)
+    engines = local.kept()
+    monkeypatch.setattr(local, "SPARES_MAX", 1)
     engines.warm(5)
     assert engines.spares() == 1

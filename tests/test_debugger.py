@@ -20,8 +20,7 @@ import pytest
 import torch
 from conftest import Kernel
 
-import nbrpc
-from nbrpc import _deadlines, _debugger
+from nbrpc._debugger import deadlines, prompts
 
 FUNCS = """
 import nbrpc, os, time
@@ -142,7 +141,9 @@ def test_stop_button_leaves_the_debugger_and_interrupts_the_call(kernel):
     start = time.monotonic()
     assert kernel.value("nbrpc.rpc_sync('worker1', len, args=([1],))") == 1
     assert time.monotonic() - start < 10
-    assert kernel.value("nbrpc.rpc_sync('worker1', nbrpc._remote.call_counts)['in_flight']") == 0
+    assert (
+        kernel.value("nbrpc.rpc_sync('worker1', nbrpc._wire.callee.call_counts)['in_flight']") == 0
+    )
 
 
 def test_without_an_input_box_the_breakpoint_is_skipped_with_a_warning(kernel):
@@ -155,8 +156,8 @@ def test_without_an_input_box_the_breakpoint_is_skipped_with_a_warning(kernel):
 
 
 def test_a_kernel_not_waiting_on_a_call_lets_the_worker_run_on(kernel):
-    code = "fut = nbrpc.rpc_async('worker2', f, args=(1,))\ntime.sleep(_debugger.GRACE_S + 2)"
-    out = kernel.run("from nbrpc import _debugger\n" + code)
+    code = "fut = nbrpc.rpc_async('worker2', f, args=(1,))\ntime.sleep(prompts.GRACE_S + 2)"
+    out = kernel.run("from nbrpc._debugger import prompts\n" + code)
     assert kernel.prompts == []
     assert "not waiting on an nbrpc call" in out
     assert kernel.value("fut.wait()") == 3
@@ -270,7 +271,7 @@ def test_a_script_without_a_terminal_skips_the_breakpoint_with_a_warning(tmp_pat
 
 
 def test_the_clock_stands_still_while_paused():
-    clock = _deadlines.Clock()
+    clock = deadlines.Clock()
     t0 = clock.now()
     clock.pause()
     time.sleep(0.2)
@@ -286,8 +287,8 @@ def test_the_clock_stands_still_while_paused():
 
 def test_deadlines_fail_late_futures_and_wait_out_a_pause():
     late, early = torch.futures.Future(), torch.futures.Future()
-    _deadlines.expire_after(0.2, late, lambda: TimeoutError("late"))
-    _deadlines.expire_after(0.2, early, lambda: TimeoutError("early"))
+    deadlines.expire_after(0.2, late, lambda: TimeoutError("late"))
+    deadlines.expire_after(0.2, early, lambda: TimeoutError("early"))
     early.set_result(1)
     time.sleep(0.5)
     with pytest.raises(TimeoutError, match="late"):
@@ -295,24 +296,24 @@ def test_deadlines_fail_late_futures_and_wait_out_a_pause():
     assert early.wait() == 1  # finished first: its deadline did nothing
 
     paused = torch.futures.Future()
-    _deadlines.clock.pause()
+    deadlines.clock.pause()
     try:
-        _deadlines.expire_after(0.2, paused, lambda: TimeoutError("paused"))
+        deadlines.expire_after(0.2, paused, lambda: TimeoutError("paused"))
         time.sleep(0.5)
         assert not paused.done()  # the clock stands still: no deadline passes
     finally:
-        _deadlines.clock.resume()
+        deadlines.clock.resume()
     time.sleep(0.5)
     assert paused.done()
 
 
 def test_the_deadline_heap_drops_finished_entries():
-    futures = [torch.futures.Future() for _ in range(_deadlines._COMPACT_AT + 10)]
+    futures = [torch.futures.Future() for _ in range(deadlines.COMPACT_AT + 10)]
     for fut in futures:
-        _deadlines.expire_after(300, fut, lambda: TimeoutError("never"))
+        deadlines.expire_after(300, fut, lambda: TimeoutError("never"))
         fut.set_result(None)
-    _deadlines.expire_after(300, torch.futures.Future(), lambda: TimeoutError("never"))
-    assert len(_deadlines._heap) < _deadlines._COMPACT_AT
+    deadlines.expire_after(300, torch.futures.Future(), lambda: TimeoutError("never"))
+    assert deadlines.pending() < deadlines.COMPACT_AT
 
 
 def test_no_input_reason_names_the_missing_terminal(monkeypatch):
@@ -320,31 +321,31 @@ def test_no_input_reason_names_the_missing_terminal(monkeypatch):
     # IPython shell counts: other tests create one in this process)
     if sys.stdin is not None and sys.stdin.isatty():
         pytest.skip("stdin is a terminal here: the no-terminal case cannot be shown")
-    monkeypatch.setattr(_debugger, "_ipython", lambda: None)
-    assert "not a terminal" in _debugger.no_input_reason()
+    monkeypatch.setattr(prompts, "ipython_shell", lambda: None)
+    assert "not a terminal" in prompts.no_input_reason()
     os.environ["PYTHONBREAKPOINT"] = "0"
     try:
-        assert _debugger.no_input_reason() == ""
+        assert prompts.no_input_reason() == ""
     finally:
         del os.environ["PYTHONBREAKPOINT"]
 
 
 def test_a_prompt_from_a_worker_is_served_by_the_waiting_main_thread(monkeypatch):
     """The kernel side alone: a prompt on another thread, input() on the main thread."""
-    monkeypatch.setattr(_debugger, "no_input_reason", lambda: None)
+    monkeypatch.setattr(prompts, "no_input_reason", lambda: None)
     typed = iter(["p 1", "c"])
     monkeypatch.setattr("builtins.input", lambda prompt: next(typed))
     answers = []
 
     def worker():
         for _ in range(2):
-            answers.append(_debugger.kernel_prompt("w9", "w9/1", "text\n", "(Pdb w9) ", "w9"))
-        _debugger.kernel_end("w9", "w9/1", "")
+            answers.append(prompts.kernel_prompt("w9", "w9/1", "text\n", "(Pdb w9) ", "w9"))
+        prompts.kernel_end("w9", "w9/1", "")
 
     done = torch.futures.Future()
     thread = threading.Thread(target=lambda: (worker(), done.set_result(None)))
     thread.start()
-    assert nbrpc._agent.wait_on_main_thread(done, limit=30)
+    assert prompts.wait_on_main_thread(done, limit=30)
     thread.join()
     assert answers == [("line", "p 1"), ("line", "c")]
-    assert not _deadlines.clock.paused
+    assert not deadlines.clock.paused

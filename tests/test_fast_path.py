@@ -12,7 +12,9 @@ import torch
 from conftest import STAGE_CELL, ensure_cluster, notebook_code
 
 import nbrpc
-from nbrpc import _arena, _shm, autograd
+from nbrpc import autograd
+from nbrpc._wire import arena as arena_mod
+from nbrpc._wire import shm
 
 CELL = """
 import torch
@@ -28,8 +30,8 @@ def scribble(t):
     return float(t.sum())
 
 def segments_made():
-    from nbrpc import _shm
-    return _shm._state["sent"]
+    from nbrpc._wire import shm
+    return shm.exported()
 
 def same_storage(a, b):
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
@@ -48,17 +50,17 @@ CASES = {
 
 
 def _segments_made() -> int:
-    return _shm._state["sent"]
+    return shm.exported()
 
 
 TEST_THRESHOLD = 1 << 20  # small tensors keep the tests fast; the code path is the same
 
 
 def _threshold_everywhere(cluster, threshold):
-    prefix = _shm._state["prefix"]
+    prefix = shm.prefix()
     for record in cluster.records[1:]:
-        nbrpc.rpc_sync(record.name, _shm.configure, args=(prefix, threshold))
-    _shm.configure(prefix, threshold)
+        nbrpc.rpc_sync(record.name, shm.configure, args=(prefix, threshold))
+    shm.configure(prefix, threshold)
 
 
 @pytest.fixture
@@ -131,27 +133,27 @@ def test_distributed_autograd_through_large_tensors(fast):
 
 
 def test_segments_are_recycled_not_leaked(fast):
-    prefix = _shm._state["prefix"]
+    prefix = shm.prefix()
     for _ in range(20):
         out = nbrpc.rpc_sync("worker1", fast.echo, args=(BASE,))
         del out
     gc.collect()
-    names = [n for n in os.listdir(_shm.SHM_DIR) if n.startswith(prefix + "-")]
+    names = [n for n in os.listdir(shm.SHM_DIR) if n.startswith(prefix + "-")]
     in_flight = [n for n in names if "-pool-" not in n and "-arena-" not in n]
     assert len([n for n in names if "-arena-" in n]) <= len(nbrpc.workers())  # one each
     pooled = sum(int(n.split("-pool-")[1].split("-")[0]) for n in names if "-pool-" in n)
     live_here = [t for t in CASES.values()]  # the cases are the kernel's own memory
     assert len(in_flight) <= 2 * len(live_here), in_flight  # only what tensors still hold
-    assert pooled <= _shm.POOL_BYTES
+    assert pooled <= shm.POOL_BYTES
 
 
 def _arena_files(prefix: str) -> list[str]:
-    return [n for n in os.listdir(_shm.SHM_DIR) if n.startswith(prefix + "-arena-")]
+    return [n for n in os.listdir(shm.SHM_DIR) if n.startswith(prefix + "-arena-")]
 
 
 def test_the_arena_is_reused_and_never_overwrites_a_live_tensor(fast):
     """One arena per process, mapped once; a slot is reused only after its receiver let go."""
-    prefix = _shm._state["prefix"]
+    prefix = shm.prefix()
     held = nbrpc.rpc_sync("worker1", fast.echo, args=(BASE,))  # kept: its slot stays in use
     for _ in range(10):
         other = torch.randn(1024, 1024)
@@ -159,7 +161,7 @@ def test_the_arena_is_reused_and_never_overwrites_a_live_tensor(fast):
     assert torch.equal(held, BASE)  # ten more messages did not touch the held slot
     arenas = _arena_files(prefix)
     assert 1 <= len(arenas) <= len(fast_cluster_processes())  # one per process, no growth
-    arena = _shm._state["arena"]
+    arena = shm.arena()
     assert arena is not None
     gc.collect()
     deadline = time.monotonic() + 5
@@ -184,50 +186,48 @@ def fast_cluster_processes() -> list[str]:
 
 
 def test_a_full_arena_falls_back_to_segments():
-    from nbrpc import _arena
 
     prefix = f"nbrpc-test-{os.getpid()}"
-    arena = _arena.Arena(prefix, capacity=3 * _arena.ALIGN)
+    arena = arena_mod.Arena(prefix, capacity=3 * arena_mod.ALIGN)
     try:
-        one = torch.ones(_arena.ALIGN, dtype=torch.uint8).untyped_storage()
+        one = torch.ones(arena_mod.ALIGN, dtype=torch.uint8).untyped_storage()
         slots = [arena.put(one) for _ in range(4)]
-        assert slots[:3] == [(0, 0), (1, _arena.ALIGN), (2, 2 * _arena.ALIGN)]
+        assert slots[:3] == [(0, 0), (1, arena_mod.ALIGN), (2, 2 * arena_mod.ALIGN)]
         assert slots[3] is None  # full: the caller takes a segment instead
-        storage = _arena.attach(arena.name, 1, _arena.ALIGN, _arena.ALIGN)  # as a receiver
+        storage = arena_mod.attach(arena.name, 1, arena_mod.ALIGN, arena_mod.ALIGN)  # as a receiver
         assert arena.in_use() == 3
         del storage
         gc.collect()
         assert arena.in_use() == 2  # the receiver let go of record 1
-        assert arena.put(one) == (1, _arena.ALIGN)  # its slot, and only its, is reused
+        assert arena.put(one) == (1, arena_mod.ALIGN)  # its slot, and only its, is reused
     finally:
-        os.unlink(os.path.join(_arena.SHM_DIR, arena.name))
+        os.unlink(os.path.join(arena_mod.SHM_DIR, arena.name))
 
 
-def test_a_segment_carries_every_byte(monkeypatch):
+def test_a_segment_carries_every_byte():
     """The path a message takes when the arena is full: a segment of its own, copied into
     as a slot is, mapped by the receiver."""
     prefix = f"nbrpc-test-{os.getpid()}"
-    monkeypatch.setitem(_shm._state, "prefix", prefix)
-    sent = torch.randn(3, _arena.SPLIT_BYTES // 4 + 7)  # split over the copy's threads
-    name = _shm._export_segment(sent.untyped_storage())
+    sent = torch.randn(3, arena_mod.SPLIT_BYTES // 4 + 7)  # split over the copy's threads
+    name = shm.export_segment(sent.untyped_storage(), prefix)
     try:
-        got = _shm._import(
+        got = shm.import_tensor(
             name, sent.untyped_storage().nbytes(), sent.dtype, sent.shape, sent.stride(), 0
         )
         assert torch.equal(got, sent)
         del got
         gc.collect()
     finally:
-        for entry in os.listdir(_shm.SHM_DIR):  # the segment, or the pool it went to
+        for entry in os.listdir(shm.SHM_DIR):  # the segment, or the pool it went to
             if entry.startswith(prefix + "-"):
-                os.unlink(os.path.join(_shm.SHM_DIR, entry))
+                os.unlink(os.path.join(shm.SHM_DIR, entry))
 
 
 def test_a_peer_killed_mid_transfer_leaves_nothing_and_corrupts_nothing():
     nbrpc.shutdown()
     try:
         cluster = nbrpc.init(n=2, shm_threshold=1 << 20, progress=False)
-        prefix = _shm._state["prefix"]
+        prefix = shm.prefix()
         code = notebook_code(CELL)
         mine = torch.randn(2048, 1024)  # 8 MB
         kept = nbrpc.rpc_sync("worker1", code.echo, args=(mine,))  # in worker1's arena
@@ -243,7 +243,7 @@ def test_a_peer_killed_mid_transfer_leaves_nothing_and_corrupts_nothing():
         assert _arena_files(prefix)
     finally:
         nbrpc.shutdown()
-    left = [n for n in os.listdir(_shm.SHM_DIR) if n.startswith(prefix + "-")]
+    left = [n for n in os.listdir(shm.SHM_DIR) if n.startswith(prefix + "-")]
     assert left == [], left  # arenas and segments, the dead worker's included
     assert torch.equal(kept, mine)
     ensure_cluster()
@@ -264,12 +264,14 @@ def test_off_with_an_option():
         ensure_cluster()
 
 
-@pytest.mark.parametrize("nbytes", [1, 4095, _arena.SPLIT_BYTES - 1, _arena.SPLIT_BYTES + 12345])
+@pytest.mark.parametrize(
+    "nbytes", [1, 4095, arena_mod.SPLIT_BYTES - 1, arena_mod.SPLIT_BYTES + 12345]
+)
 def test_the_arena_copy_splits_over_threads_and_copies_every_byte(nbytes):
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
     dsts = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(3)]
     threads = [  # concurrent copies: one takes the helpers, the others copy alone
-        threading.Thread(target=_arena.copy, args=(d.data_ptr(), src.data_ptr(), nbytes))
+        threading.Thread(target=arena_mod.copy, args=(d.data_ptr(), src.data_ptr(), nbytes))
         for d in dsts
     ]
     for t in threads:
@@ -281,15 +283,15 @@ def test_the_arena_copy_splits_over_threads_and_copies_every_byte(nbytes):
 
 
 def test_a_forked_child_copies_with_helpers_of_its_own():
-    n = _arena.SPLIT_BYTES * 2
+    n = arena_mod.SPLIT_BYTES * 2
     src = torch.randint(0, 256, (n,), dtype=torch.uint8)
     expected = bytes(src.numpy())
     dst = torch.zeros(n, dtype=torch.uint8)
-    _arena.copy(dst.data_ptr(), src.data_ptr(), n)  # the parent's helpers exist now
+    arena_mod.copy(dst.data_ptr(), src.data_ptr(), n)  # the parent's helpers exist now
     pid = os.fork()
     if pid == 0:  # their threads are gone here: a copy must not wait on them (no torch ops:
         child = ctypes.create_string_buffer(n)  # OpenMP is not safe after a fork)
-        _arena.copy(ctypes.addressof(child), src.data_ptr(), n)
+        arena_mod.copy(ctypes.addressof(child), src.data_ptr(), n)
         os._exit(0 if child.raw == expected else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0

@@ -107,7 +107,7 @@ def test_a_crashed_worker_s_last_output_is_in_the_error(cluster):
 def test_last_words_are_a_crash_report_not_earlier_errors(tmp_path):
     """An engine's log also holds torch's error lines of earlier calls (their callers got
     them already): a worker killed by SIGKILL has no last words, not those lines."""
-    from nbrpc._launch import last_words
+    from nbrpc._engines.local import last_words
 
     log = tmp_path / "engine.log"
     earlier = (
@@ -140,7 +140,7 @@ def test_last_words_are_a_crash_report_not_earlier_errors(tmp_path):
 
 HALF_JOIN = '''
 import time, nbrpc
-from nbrpc import _cluster
+from nbrpc._engines import worker
 
 def half_join(name, rank, store, *rest):
     """What a worker leaves when its join fails half way: torch's join token taken and
@@ -157,13 +157,13 @@ def half_join(name, rank, store, *rest):
     names.set(key, listed + f"{name}-{rank},")
     raise RuntimeError("connect: ECONNREFUSED (worker0)")
 
-real = _cluster._worker.join
-_cluster._worker.join = half_join
+real = worker.join
+worker.join = half_join
 try:
     nbrpc.init(n=1, progress=False)
 except nbrpc.BootError as e:
     print("failed:", str(e).splitlines()[0])
-_cluster._worker.join = real
+worker.join = real
 c = nbrpc.init(n=1, progress=False)
 print("again:", nbrpc.rpc_sync("worker1", lambda: "ok"))
 nbrpc.shutdown()

@@ -16,8 +16,9 @@ import pytest
 from conftest import Kernel, load_fakehosts
 
 import nbrpc
-from nbrpc import _group, _hosts
-from nbrpc._settings import Settings
+from nbrpc import _group, _options
+from nbrpc._engines import hosts as _hosts
+from nbrpc._options import Settings
 
 fakehosts = load_fakehosts()
 
@@ -26,11 +27,11 @@ fakehosts = load_fakehosts()
 
 
 def test_hosts_are_parsed_counted_and_checked():
-    assert _hosts.parse_hosts("root@h1, h1,h2") == ("root@h1", "h1", "h2")
+    assert _options.parse_hosts("root@h1, h1,h2") == ("root@h1", "h1", "h2")
     assert _hosts.counts(("h1", "h2", "h1")) == {"h1": 2, "h2": 1}
     for bad in ("", " , ", "h1 -p 22", "h1;rm"):
         with pytest.raises(nbrpc.ConfigError, match="--hosts"):
-            _hosts.parse_hosts(bad)
+            _options.parse_hosts(bad)
 
 
 def test_ssh_always_runs_in_batch_mode_with_a_connect_timeout():
@@ -185,8 +186,8 @@ def test_workers_on_two_hosts_over_ssh(hosts, kernel):
     # the watchdog is given this host's pids only (the controller), never the engines';
     # the engines' files live in a directory of this controller's own (no stale files)
     watched, local, run = kernel.value(
-        "(lambda h: (open(h._pidfile).read().split(), h.pids(), h.remote_dir))"
-        "(nbrpc.current()._engines.hosts)"
+        "(lambda h: (open(h.pidfile).read().split(), h.pids(), h.remote_dir))"
+        "(nbrpc.current().engines.source.engines)"
     )
     assert sorted(map(int, watched)) == sorted(local)
     remote_pids = [r[0] for r in kernel.value("[(r['pid'],) for r in nbrpc.status()[1:]]")]
@@ -237,8 +238,9 @@ def test_workers_on_two_hosts_over_ssh(hosts, kernel):
     )
     kernel.run(
         "def sent():\n"
-        "    return {w: nbrpc.rpc_sync(w, lambda: __import__('nbrpc')._shm._state['sent'])\n"
-        "            for w in ['worker1', 'worker2', 'worker3']}\n"
+        "    from nbrpc._wire import shm\n"
+        "    return {w: nbrpc.rpc_sync(w, shm.exported) for w in ('worker1', 'worker2', "
+        "'worker3')}\n"
         "def via_worker2(n):\n"
         "    t = nbrpc.rpc_sync('worker2', lambda t: t + 1, args=(torch.ones(n),))\n"
         "    return float(t.sum())\n"
@@ -331,7 +333,7 @@ def test_shutdown_leaves_nothing_on_the_hosts_and_init_works_again(hosts, kernel
 def test_engines_exit_when_the_controller_is_gone(hosts, kernel):
     """Failure 4: engines outlived a killed controller by minutes."""
     kernel.run('nbrpc.shutdown()\n%rpc_init --hosts fakeh2 --ssh-args "$SSH" --quiet')
-    pids = kernel.value("nbrpc.current()._engines.hosts.pids()")  # with its heart monitor
+    pids = kernel.value("nbrpc.current().engines.source.engines.pids()")  # with its heart monitor
     assert any("nbrpc._engine" in p for p in hosts.processes("fakeh2"))
     for pid in pids:
         os.kill(pid, 9)

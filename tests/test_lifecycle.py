@@ -16,7 +16,7 @@ import torch.distributed.rpc as rpc
 from conftest import ensure_cluster, run_script, wait_for_exit
 
 import nbrpc
-from nbrpc import _reaper
+from nbrpc._engines import watchdog as watchdog_mod
 
 
 def test_call_before_init_says_what_to_do():
@@ -184,9 +184,9 @@ def test_workers_exit_when_the_kernel_is_killed(tmp_path):
     script = tmp_path / "doomed_kernel.py"
     script.write_text(
         "import os, sys, time, torch, nbrpc\n"
-        "from nbrpc import _shm\n"
+        "from nbrpc._wire import shm\n"
         "c = nbrpc.init(n=2, progress=False)\n"
-        "left = _shm._export(torch.ones(1 << 20).untyped_storage())  # never received\n"
+        "left = shm.export(torch.ones(1 << 20).untyped_storage())  # never received\n"
         "left = left[0] if isinstance(left, tuple) else left  # an arena, or a segment\n"
         "print(' '.join(str(r.pid) for r in c.workers[1:]), left, flush=True)\n"
         "time.sleep(600)\n"
@@ -235,9 +235,9 @@ def test_a_kernel_killed_mid_boot_leaves_nothing_behind(tmp_path, after_s):
         kernel.wait(timeout=10)
         assert seen, "the kernel had started nothing yet"
         time.sleep(0.5)  # a process started in the last instant shows up below too
-        seen |= set(_reaper.started_with(token))  # also those it started unseen
+        seen |= set(watchdog_mod.started_with(token))  # also those it started unseen
         left = wait_for_exit(list(seen), timeout=20)
-        left += [p for p in _reaper.started_with(token) if p not in left]
+        left += [p for p in watchdog_mod.started_with(token) if p not in left]
         described = []
         for pid in left:
             with contextlib.suppress(psutil.Error):
@@ -254,9 +254,9 @@ def test_release_stops_what_a_controller_that_died_alone_forked(tmp_path):
     out = run_script(
         tmp_path / "orphan.py",
         "import os, time, psutil, nbrpc\n"
-        "from nbrpc import _launch\n"
+        "from nbrpc._engines import local\n"
         "nbrpc.init(n=1, progress=False)\n"
-        "ours = _launch.current()\n"
+        "ours = local.kept()\n"
         "forks = [p for p in ours.controller_pids() if p != ours.controller_pid]\n"
         "assert forks, 'the controller forks its heart monitor'\n"
         "os.kill(ours.controller_pid, 9)\n"
@@ -285,7 +285,7 @@ def test_the_watchdog_also_stops_what_the_dead_kernel_was_still_starting(tmp_pat
     pidfile.write_text("")
     kernel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     watchdog = subprocess.Popen(
-        [sys.executable, _reaper.__file__, str(kernel.pid), str(pidfile), marker],
+        [sys.executable, watchdog_mod.__file__, str(kernel.pid), str(pidfile), marker],
         start_new_session=True,
     )
     late = None
@@ -293,13 +293,13 @@ def test_the_watchdog_also_stops_what_the_dead_kernel_was_still_starting(tmp_pat
         time.sleep(0.5)
         kernel.kill()
         kernel.wait()
-        time.sleep(_reaper.POLL_S + 0.5)  # past the first look, inside the settling time
+        time.sleep(watchdog_mod.POLL_S + 0.5)  # past the first look, inside the settling time
         name, value = marker.split("=")
         late = subprocess.Popen(
             [sys.executable, "-c", "import time; time.sleep(600)"],
             env=dict(os.environ, **{name: value}),
         )
-        assert late.wait(timeout=_reaper.SETTLE_S + 10) is not None  # stopped by the watchdog
+        assert late.wait(timeout=watchdog_mod.SETTLE_S + 10) is not None  # stopped by the watchdog
         assert watchdog.wait(timeout=20) == 0
     finally:
         for p in (kernel, watchdog, late):

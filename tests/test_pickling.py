@@ -6,17 +6,18 @@ import pytest
 import torch
 from torch.distributed.rpc.internal import PythonUDF
 
-from nbrpc import SerializationError, _pickling, _shm, _torch
+from nbrpc import SerializationError, _torch
+from nbrpc._wire import pickling, shm
 
 
 @pytest.fixture(autouse=True)
 def _installed():
-    _pickling.install()
+    pickling.install()
 
 
 def test_notebook_function_travels_by_value(nb):
     cell = nb("OFFSET = 5\ndef add(x):\n    return x + OFFSET\n")
-    data, tensors = _pickling.serialize(PythonUDF(cell.add, (1,), {}))
+    data, tensors = pickling.serialize(PythonUDF(cell.add, (1,), {}))
     udf = pickle.loads(data)
     assert udf.func(1) == 6
     assert tensors == []
@@ -24,15 +25,15 @@ def test_notebook_function_travels_by_value(nb):
 
 def test_lambda_and_closure_travel(nb):
     cell = nb("def make(k):\n    return lambda x: x * k\n")
-    data, _ = _pickling.serialize(PythonUDF(cell.make(7), (3,), {}))
+    data, _ = pickling.serialize(PythonUDF(cell.make(7), (3,), {}))
     assert pickle.loads(data).func(3) == 21
 
 
 def test_tensors_stay_out_of_band(monkeypatch):
-    monkeypatch.setitem(_shm._state, "threshold", None)  # torch's own path (no fast path)
+    monkeypatch.setattr(shm, "enabled", lambda: False)  # torch's own path (no fast path)
     big = torch.randn(1_000_000)  # 4 MB
     view = big[::2]  # non-contiguous
-    data, tensors = _pickling.serialize(PythonUDF(len, (big, view, {"x": big}), {}))
+    data, tensors = pickling.serialize(PythonUDF(len, (big, view, {"x": big}), {}))
     assert len(data) < 2_000, "tensor data leaked into the pickle"
     assert len(tensors) == 2  # the repeated tensor is memoized, sent once
     assert tensors[0].data_ptr() == big.data_ptr()
@@ -50,7 +51,7 @@ def test_notebook_module_subclass_keeps_parameters_out_of_band(nb):
         "        return self.lin(x)\n"
     )
     net = cell.Net()
-    data, tensors = _pickling.serialize(net)
+    data, tensors = pickling.serialize(net)
     assert len(tensors) == 2  # weight and bias
     assert len(data) < 20_000
     assert sum(t.numel() for t in tensors) == 256 * 256 + 256
@@ -63,22 +64,22 @@ def test_unpicklable_argument_names_the_call_and_the_fix():
         return x
 
     with pytest.raises(SerializationError, match=r"cannot send a call of .*f over RPC.*lock"):
-        _pickling.serialize(PythonUDF(f, (threading.Lock(),), {}))
+        pickling.serialize(PythonUDF(f, (threading.Lock(),), {}))
 
 
 def test_code_is_marshalled_once_while_globals_travel_every_call(nb):
     cell = nb("OFFSET = 5\ndef add(x):\n    return x + OFFSET\n")
-    first, _ = _pickling.serialize(PythonUDF(cell.add, (1,), {}))
-    key = _pickling._code_sent[cell.add.__code__][0]
+    first, _ = pickling.serialize(PythonUDF(cell.add, (1,), {}))
+    key = pickling.code_key(cell.add.__code__)
     cell.add.__globals__["OFFSET"] = 9  # a later cell changes the global
-    second, _ = _pickling.serialize(PythonUDF(cell.add, (1,), {}))
-    assert _pickling._code_sent[cell.add.__code__][0] == key  # the same code: one key
+    second, _ = pickling.serialize(PythonUDF(cell.add, (1,), {}))
+    assert pickling.code_key(cell.add.__code__) == key  # the same code: one key
     got_first, got_second = pickle.loads(first).func, pickle.loads(second).func
     assert got_first(1) == 6
     assert got_second(1) == 10  # the changed global arrived
     assert got_second.__code__ is got_first.__code__  # the receiver kept the code
     cell2 = nb("def add(x):\n    return x - 1\n")  # redefined: new code, new key
-    third, _ = _pickling.serialize(PythonUDF(cell2.add, (1,), {}))
+    third, _ = pickling.serialize(PythonUDF(cell2.add, (1,), {}))
     assert pickle.loads(third).func(1) == 0
 
 
@@ -93,12 +94,12 @@ def test_a_module_registered_by_value_after_a_call_travels_by_value(tmp_path, mo
     monkeypatch.syspath_prepend(str(tmp_path))
     import nbrpc_helper_mod
 
-    by_ref, _ = _pickling.serialize(PythonUDF(nbrpc_helper_mod.twice, (1,), {}))
+    by_ref, _ = pickling.serialize(PythonUDF(nbrpc_helper_mod.twice, (1,), {}))
     assert b"twice" in by_ref
     assert b"_load_code" not in by_ref
     nbrpc.register_by_value(nbrpc_helper_mod)
     try:
-        by_value, _ = _pickling.serialize(PythonUDF(nbrpc_helper_mod.twice, (1,), {}))
+        by_value, _ = pickling.serialize(PythonUDF(nbrpc_helper_mod.twice, (1,), {}))
         assert b"_load_code" in by_value  # its code travels now
     finally:
         cloudpickle.unregister_pickle_by_value(nbrpc_helper_mod)
@@ -111,12 +112,12 @@ def test_a_forked_process_sends_code_under_keys_of_its_own(nb):
     import os
 
     cell = nb("def one():\n    return 1\n")
-    parent_key = _pickling._reduce_code(cell.one.__code__)[1][0]
+    parent_key = pickling.reduce_code(cell.one.__code__)[1][0]
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: the same code object, as a forked worker would send it
         try:
-            os.write(write_end, _pickling._reduce_code(cell.one.__code__)[1][0].encode())
+            os.write(write_end, pickling.reduce_code(cell.one.__code__)[1][0].encode())
         finally:
             os._exit(0)
     os.close(write_end)

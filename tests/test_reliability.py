@@ -28,7 +28,7 @@ def ledger_size():
     from nbrpc import _ledger
     import gc
     gc.collect()
-    return len(_ledger._handles)
+    return _ledger.handle_count()
 """
 
 ME = psutil.Process()
@@ -64,7 +64,7 @@ def test_ten_thousand_rrefs_created_and_dropped_do_not_leak_on_owners(cluster):
     nb = notebook_code(CELL)
     owned_before = _owned()
     ledgers_before = {w: nbrpc.rpc_sync(w, nb.ledger_size) for w in ("worker1", "worker2")}
-    kernel_before = len(_ledger._handles)
+    kernel_before = _ledger.handle_count()
     t0 = time.monotonic()
     checked = 0
     for batch in range(100):
@@ -81,7 +81,7 @@ def test_ten_thousand_rrefs_created_and_dropped_do_not_leak_on_owners(cluster):
     assert wait_until(lambda: _owned() == owned_before, timeout=20), (
         f"owner-side RRef counts did not return: {_owned()} vs {owned_before}"
     )
-    assert len(_ledger._handles) == kernel_before
+    assert _ledger.handle_count() == kernel_before
     assert {w: nbrpc.rpc_sync(w, nb.ledger_size) for w in ("worker1", "worker2")} == (
         ledgers_before
     )

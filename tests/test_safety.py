@@ -9,7 +9,7 @@ import sys
 import psutil
 
 import nbrpc
-from nbrpc import _launch
+from nbrpc._engines import local
 
 
 def _listening(pid: int) -> list[tuple[str, int]]:
@@ -26,7 +26,7 @@ def _listening(pid: int) -> list[tuple[str, int]]:
 
 def test_local_cluster_listens_on_loopback_only(cluster):
     pids = [r.pid for r in cluster.workers]  # the kernel (this process) and every worker
-    pids.append(_launch.current().controller_pid)
+    pids.append(local.kept().controller_pid)
     sockets = {pid: _listening(pid) for pid in pids}
     assert any(sockets.values()), "found no listening socket at all: the check is blind"
     for pid, addrs in sockets.items():

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from nbrpc import _remote, _shm
+from nbrpc import _process
+from nbrpc._wire import callee, shm
 
 
 def _route(obj):
     """What the fast-path reducer does with a large tensor inside ``obj``'s message."""
-    reduce = _shm.make_reducer(lambda t: "tensorpipe")
-    with _shm.pickling(obj):
+    reduce = shm.make_reducer(lambda t: "tensorpipe")
+    with shm.pickling(obj):
         out = reduce(obj if isinstance(obj, torch.Tensor) else torch.zeros(1 << 20))
     if out == "tensorpipe":
         return "tensorpipe"
@@ -24,30 +25,30 @@ def _route(obj):
     if isinstance(where, str):  # a segment (the arena is removed with the configuration)
         import os
 
-        os.unlink(os.path.join(_shm.SHM_DIR, where))
+        os.unlink(os.path.join(shm.SHM_DIR, where))
     return "shm"
 
 
 def test_only_messages_known_to_go_to_a_peer_take_shared_memory():
     prefix = f"nbrpc-test-{__import__('os').getpid()}"
-    _shm.configure(prefix, 1024, peers=["worker2"])
+    shm.configure(prefix, 1024, peers=["worker2"])
     try:
-        assert _shm.restricted()
+        assert shm.restricted()
         assert _route(torch.zeros(1 << 20)) == "tensorpipe"  # destination unknown
-        with _shm.sending_to("worker2"):
-            assert _shm.sending() == "call"
+        with shm.sending_to("worker2"):
+            assert shm.sending() == "call"
             assert _route(torch.zeros(1 << 20)) == "shm"
-        with _shm.sending_to("worker3"):
+        with shm.sending_to("worker3"):
             assert _route(torch.zeros(1 << 20)) == "tensorpipe"  # another host
         result = torch.zeros(1 << 20)
-        _shm.expect_reply(result, "worker2")
+        shm.expect_reply(result, "worker2")
         assert _route(result) == "shm"  # the reply to a peer's call
         assert _route(result) == "tensorpipe"  # once: a later message of it is not a reply
-        _shm.expect_reply(result, "worker3")
+        shm.expect_reply(result, "worker3")
         assert _route(result) == "tensorpipe"
     finally:
-        _shm.configure("", None)
-    assert not _shm.restricted()
+        shm.configure("", None)
+    assert not shm.restricted()
 
 
 def test_a_call_names_its_caller_and_whether_a_reply_goes_back():
@@ -56,8 +57,8 @@ def test_a_call_names_its_caller_and_whether_a_reply_goes_back():
     from nbrpc import _torch
 
     udf = _torch.PythonUDF(len, ([1, 2],), {})
-    got = pickle.loads(pickle.dumps(_remote.WithCaller(udf, reply=True)))
+    got = pickle.loads(pickle.dumps(callee.WithCaller(udf, reply=True)))
     assert (got.func, got.args, got.kwargs) == (len, ([1, 2],), {})
     assert got.reply is True
-    assert got.caller == _remote.worker_name()
+    assert got.caller == _process.name()
     assert _torch.run_udf(got) == 2

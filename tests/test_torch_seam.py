@@ -15,7 +15,8 @@ import torch.distributed.rpc.api as rpc_api
 import torch.distributed.rpc.internal as rpc_internal
 
 import nbrpc
-from nbrpc import _pickling, _torch
+from nbrpc import _torch
+from nbrpc._wire import pickling
 
 SEAM = "nbrpc/_torch.py"
 
@@ -25,18 +26,18 @@ def _pin(condition: bool, change: str, fix: str) -> None:
 
 
 def test_rpc_internal_hooks_are_still_there_and_installed():
-    _pickling.install()
+    pickling.install()
     for name in _torch.TORCH_INTERNAL_HOOKS:
         _pin(
             hasattr(rpc_internal, name),
             f"torch.distributed.rpc.internal.{name} is gone",
             "install_rpc_hooks",
         )
-    _pin(rpc_internal._pickler is _pickling.RpcPickler, "_pickler is not ours", "install_rpc_hooks")
+    _pin(rpc_internal._pickler is pickling.RpcPickler, "_pickler is not ours", "install_rpc_hooks")
     _pin(
         _torch.RemoteException._fields == ("msg", "exception_type"),
         "RemoteException's fields",
-        "RemoteException (and nbrpc._remote._failure)",
+        "RemoteException (and nbrpc._wire.failures.failure)",
     )
     source = inspect.getsource(_torch.INTERNAL_PICKLER.serialize)
     for line in (
@@ -56,14 +57,14 @@ def test_rpc_internal_hooks_are_still_there_and_installed():
 def test_cuda_futures_list_tensors_with_the_class_nbrpc_replaces():
     from torch import _jit_internal
 
-    _pickling.install()
+    pickling.install()
     _pin(
         "_TensorExtractor(" in inspect.getsource(_jit_internal._extract_tensors),
         "_jit_internal._extract_tensors no longer instantiates _TensorExtractor",
         "install_tensor_extractor",
     )
     _pin(
-        _jit_internal._TensorExtractor is _pickling.TensorFinder,
+        _jit_internal._TensorExtractor is pickling.TensorFinder,
         "_TensorExtractor is not ours",
         "install_tensor_extractor",
     )
@@ -81,7 +82,7 @@ def test_rref_internals_exist():
         _pin(hasattr(_torch.PyRRef, name), f"PyRRef.{name} is gone", "the RRef helpers")
     _pin(issubclass(rpc.RRef, _torch.PyRRef), "rpc.RRef no longer subclasses PyRRef", "PyRRef")
     text = "UserRRef(RRefId = GloballyUniqueId(created_on=3, local_id=17), ForkId = ...)"
-    _pin(_torch._RREF_ID.search(text) is not None, "RRef repr", "rref_id")
+    _pin(_torch.RREF_ID.search(text) is not None, "RRef repr", "rref_id")
     for name in ("_rref_context_get_debug_info", "_delete_all_user_and_unforked_owner_rrefs"):
         _pin(hasattr(torch._C._distributed_rpc, name), f"{name} is gone", "owned_rref_count")
 
@@ -219,9 +220,9 @@ def test_no_private_torch_name_outside_the_seam():
 
 
 def test_pickled_rref_reducer_is_ours():
-    _pickling.install()
+    pickling.install()
     table = {}
-    pickler = _pickling.RpcPickler(__import__("io").BytesIO())
+    pickler = pickling.RpcPickler(__import__("io").BytesIO())
     pickler.dispatch_table = table
     _pin(
         pickler.dispatch_table[_torch.PyRRef].__module__ == "nbrpc._ledger",
@@ -237,9 +238,9 @@ def test_functional_optimizers_call_the_notice_nbrpc_silences():
 
     modules = {sys.modules[cls.__module__] for cls in functional_optim_map.values()}
     _pin(
-        all(hasattr(m, _torch._OPTIMIZER_NOTICE) for m in modules),
-        f"functional optimizers no longer call {_torch._OPTIMIZER_NOTICE}",
+        all(hasattr(m, _torch.OPTIMIZER_NOTICE) for m in modules),
+        f"functional optimizers no longer call {_torch.OPTIMIZER_NOTICE}",
         "quiet_optimizer_notice_if_loaded",
     )
     _torch.quiet_optimizer_notice_if_loaded()
-    assert {getattr(m, _torch._OPTIMIZER_NOTICE) for m in modules} == {_torch._no_optimizer_notice}
+    assert {getattr(m, _torch.OPTIMIZER_NOTICE) for m in modules} == {_torch.no_optimizer_notice}

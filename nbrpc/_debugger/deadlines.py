@@ -3,7 +3,7 @@
 torch enforces an RPC's timeout in C++, on a clock nobody can stop: a call paused at a
 worker's ``breakpoint()`` would fail with the 60 s default while a person is still typing
 pdb commands. So nbrpc's calls go to torch with no timeout (0), and this module enforces
-theirs instead, measured on :data:`clock`, which :mod:`nbrpc._debugger` pauses for as long
+theirs instead, measured on :data:`clock`, which :mod:`nbrpc._debugger.prompts` pauses for as long
 as a debugger session is open and resumes when it ends (``c`` or ``q``).
 
 One daemon thread serves every deadline from a heap; a deadline whose future finished
@@ -21,9 +21,8 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
-
-__all__ = ["Clock", "clock", "expire_after"]
 
 
 class Clock:
@@ -63,30 +62,46 @@ class Clock:
 
 clock = Clock()
 
-# [due on clock, sequence, weakref to the future, make_error]
-_heap: list[list[Any]] = []
-_cv = threading.Condition()
-_seq = itertools.count()
-_state: dict[str, Any] = {"thread": None, "compact_at": 4096}
-_COMPACT_AT = 4096  # entries; below this, finished calls' entries wait for their due time
+COMPACT_AT = 4096  # entries; below this, finished calls' entries wait for their due time
+
+
+@dataclass
+class _Deadlines:
+    """Every pending deadline, in a heap of ``[due on clock, sequence, weakref to the
+    future, make_error]``, served by one daemon thread started at the first one."""
+
+    heap: list[list[Any]] = field(default_factory=list)
+    cv: threading.Condition = field(default_factory=threading.Condition)
+    seq: itertools.count = field(default_factory=itertools.count)
+    thread: threading.Thread | None = None
+    compact_at: int = COMPACT_AT
+
+
+_pending_deadlines = _Deadlines()
 
 
 def expire_after(seconds: float, future: Any, make_error: Callable[[], BaseException]) -> None:
     """Fail ``future`` with ``make_error()`` if it has not finished ``seconds`` from now
     on :data:`clock`."""
-    entry = [clock.now() + seconds, next(_seq), weakref.ref(future), make_error]
-    with _cv:
-        if _state["thread"] is None:
-            thread = threading.Thread(target=_serve, name="nbrpc-deadlines", daemon=True)
-            _state["thread"] = thread
-            thread.start()
-        if len(_heap) >= _state["compact_at"]:  # drop finished calls' entries (amortized)
-            _heap[:] = [e for e in _heap if _pending(e[2])]
-            heapq.heapify(_heap)
-            _state["compact_at"] = max(_COMPACT_AT, 2 * len(_heap))
-        heapq.heappush(_heap, entry)
-        if _heap[0] is entry:
-            _cv.notify()
+    d = _pending_deadlines
+    entry = [clock.now() + seconds, next(d.seq), weakref.ref(future), make_error]
+    with d.cv:
+        if d.thread is None:
+            d.thread = threading.Thread(target=_serve, name="nbrpc-deadlines", daemon=True)
+            d.thread.start()
+        if len(d.heap) >= d.compact_at:  # drop finished calls' entries (amortized)
+            d.heap[:] = [e for e in d.heap if _pending(e[2])]
+            heapq.heapify(d.heap)
+            d.compact_at = max(COMPACT_AT, 2 * len(d.heap))
+        heapq.heappush(d.heap, entry)
+        if d.heap[0] is entry:
+            d.cv.notify()
+
+
+def pending() -> int:
+    """Deadlines kept now (finished calls' entries included until the heap is compacted)."""
+    with _pending_deadlines.cv:
+        return len(_pending_deadlines.heap)
 
 
 def _pending(ref: Any) -> bool:
@@ -95,22 +110,23 @@ def _pending(ref: Any) -> bool:
 
 
 def _wake() -> None:
-    with _cv:
-        _cv.notify()
+    with _pending_deadlines.cv:
+        _pending_deadlines.cv.notify()
 
 
 def _serve() -> None:
+    d = _pending_deadlines
     while True:
-        with _cv:
+        with d.cv:
             while True:
-                if not _heap or clock.paused:
-                    _cv.wait()
+                if not d.heap or clock.paused:
+                    d.cv.wait()
                     continue
-                due = _heap[0][0] - clock.now()
+                due = d.heap[0][0] - clock.now()
                 if due <= 0:
-                    ref, make_error = heapq.heappop(_heap)[2:]
+                    ref, make_error = heapq.heappop(d.heap)[2:]
                     break
-                _cv.wait(due)
+                d.cv.wait(due)
         future = ref()
         if future is None or future.done():
             continue

@@ -10,7 +10,7 @@ CPU tensor as a name instead: the sender copies the tensor's storage once into s
 memory under ``/dev/shm`` (owner-only), the receiver uses that memory as the tensor's own.
 One copy in all.
 
-Where it goes: first a slot of the sender's **arena** (:mod:`nbrpc._arena`), a file mapped
+Where it goes: first a slot of the sender's **arena** (:mod:`nbrpc._wire.arena`), a file mapped
 once in each process and kept mapped, so neither side pays for mapping, unmapping or page
 faults per message (64 MB round trip: 26 ms with a segment per message, see
 docs/benchmarks.md for the arena's). The slot is the received tensor's memory until the
@@ -31,7 +31,7 @@ sparse and quantized tensors, tensor subclasses, and anything below the threshol
 
 Arenas and segments are named ``nbrpc-<kernel pid>-...``. A segment whose message never
 arrived (the receiver died), and every arena, are removed when the cluster shuts down, or
-by the kernel's watchdog if the kernel dies (:func:`nbrpc._reaper.sweep_segments`).
+by the kernel's watchdog if the kernel dies (:func:`nbrpc._engines.watchdog.sweep_segments`).
 """
 
 from __future__ import annotations
@@ -44,13 +44,14 @@ import threading
 import uuid
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from . import _arena
+from nbrpc import _process
 
-__all__ = ["DEFAULT_THRESHOLD", "configure", "eligible", "enabled", "make_reducer"]
+from . import arena as _arena
 
 #: Tensors whose storage is at least this large take the fast path (bytes). Measured here
 #: with the arena (round trips, fast path vs TensorPipe's uv transport + cma channel, medians
@@ -62,16 +63,22 @@ SHM_DIR = "/dev/shm"
 #: Most bytes kept in recycled segments, all processes of a cluster together.
 POOL_BYTES = 1 << 30
 
-# sent: segments filled; peers: None when every peer sees this /dev/shm (a local cluster),
-# else the names of those that do (a cluster across hosts)
-_state: dict[str, Any] = {
-    "threshold": None,
-    "prefix": "",
-    "sent": 0,
-    "peers": None,
-    "arena": None,  # this process's _arena.Arena, made at its first large message
-    "use_arena": True,
-}
+
+@dataclass
+class _FastPath:
+    """This process's side of the fast path."""
+
+    threshold: int | None = None  # bytes; None: off
+    prefix: str = ""  # the cluster's name prefix under /dev/shm
+    exported: int = 0  # storages copied into shared memory (arena slots or segments)
+    #: None when every peer sees this /dev/shm (a local cluster), else the names of those
+    #: that do (a cluster across hosts)
+    peers: frozenset[str] | None = None
+    arena: _arena.Arena | None = None  # made at this process's first large message
+    use_arena: bool = True  # False once an arena could not be made: segments only
+
+
+_state = _FastPath()
 #: Where the message this thread is pickling goes, when only some peers share memory:
 #: .dest (a call being sent), .pickling (the destination of the message being pickled now).
 _route = threading.local()
@@ -94,20 +101,20 @@ def configure(prefix: str, threshold: int | None, peers: list[str] | None = None
     (:func:`expect_reply`); anything else goes through TensorPipe, which reaches everyone.
     """
     usable = threshold is not None and os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
-    _state["threshold"] = int(threshold) if usable and threshold is not None else None
-    _state["prefix"] = prefix
-    _state["peers"] = None if peers is None else frozenset(peers)
-    arena = _state["arena"]
+    _state.threshold = int(threshold) if usable and threshold is not None else None
+    _state.prefix = prefix
+    _state.peers = None if peers is None else frozenset(peers)
+    arena = _state.arena
     if arena is not None and not arena.usable(prefix):
         arena.close()  # a new cluster, whose start swept the old file (off: kept, warm)
-        _state["arena"] = None
+        _state.arena = None
     _arena.forget_mappings()
     _replies.clear()
 
 
 def restricted() -> bool:
     """Shared memory reaches some peers only (a cluster across hosts)."""
-    return _state["threshold"] is not None and _state["peers"] is not None
+    return _state.threshold is not None and _state.peers is not None
 
 
 #: What :func:`sending_to` and :func:`pickling` return when every peer shares memory (a
@@ -170,17 +177,17 @@ def _pickling(obj: Any) -> Any:
 
 
 def _reaches(dest: str | None) -> bool:
-    peers = _state["peers"]
+    peers = _state.peers
     return peers is None or (dest is not None and dest in peers)
 
 
 def enabled() -> bool:
-    return _state["threshold"] is not None
+    return _state.threshold is not None
 
 
 def eligible(t: torch.Tensor) -> bool:
     """Whether this tensor would take the fast path now."""
-    threshold = _state["threshold"]
+    threshold = _state.threshold
     return threshold is not None and _eligible(t, threshold)
 
 
@@ -195,13 +202,13 @@ def _eligible(t: torch.Tensor, threshold: int) -> bool:
     )
 
 
-def _pool_prefix(nbytes: int) -> str:
-    return f"{_state['prefix']}-pool-{nbytes}-"
+def _pool_prefix(prefix: str, nbytes: int) -> str:
+    return f"{prefix}-pool-{nbytes}-"
 
 
-def _claim(name: str, nbytes: int) -> bool:
+def _claim(prefix: str, name: str, nbytes: int) -> bool:
     """Rename a pooled segment of exactly ``nbytes`` to ``name``; False if none is free."""
-    wanted = _pool_prefix(nbytes)
+    wanted = _pool_prefix(prefix, nbytes)
     for entry in os.listdir(SHM_DIR):
         if entry.startswith(wanted):
             try:
@@ -213,15 +220,20 @@ def _claim(name: str, nbytes: int) -> bool:
 
 
 def _recycle(path: str, nbytes: int) -> None:
-    """A received tensor was freed (its mapping is gone): pool its segment, or drop it."""
+    """A received tensor was freed (its mapping is gone): pool its segment, or drop it.
+
+    The pool is the segment's cluster's: its name is ``<prefix>-<pid>-<n>-<id>``."""
+    prefix = os.path.basename(path).rsplit("-", 3)[0]
     pooled = 0
-    pool = f"{_state['prefix']}-pool-"
+    pool = f"{prefix}-pool-"
     try:
         for entry in os.listdir(SHM_DIR):
             if entry.startswith(pool):
                 pooled += int(entry[len(pool) :].split("-", 1)[0])
         if pooled + nbytes <= POOL_BYTES:
-            os.rename(path, os.path.join(SHM_DIR, _pool_prefix(nbytes) + uuid.uuid4().hex[:12]))
+            os.rename(
+                path, os.path.join(SHM_DIR, _pool_prefix(prefix, nbytes) + uuid.uuid4().hex[:12])
+            )
         else:
             os.unlink(path)
     except (OSError, ValueError):
@@ -229,34 +241,36 @@ def _recycle(path: str, nbytes: int) -> None:
             os.unlink(path)
 
 
-def _export(storage: torch.UntypedStorage) -> str | tuple[str, int, int]:
+def export(storage: torch.UntypedStorage) -> str | tuple[str, int, int]:
     """Copy a storage where the receiver will find it: a slot of this process's arena,
     ``(arena name, record, offset)``; else (no room) a segment, by name."""
-    _state["sent"] += 1
+    _state.exported += 1
     arena = _arena_here()
     if arena is not None:
         slot = arena.put(storage)
         if slot is not None:
             return (arena.name, *slot)
-    return _export_segment(storage)
+    return export_segment(storage)
 
 
 def _arena_here() -> _arena.Arena | None:
-    arena = _state["arena"]
-    if arena is None and _state["use_arena"]:
+    arena = _state.arena
+    if arena is None and _state.use_arena:
         try:
-            arena = _state["arena"] = _arena.Arena(_state["prefix"])
+            arena = _state.arena = _arena.Arena(_state.prefix)
         except OSError:  # no room for the file: segments only
-            _state["use_arena"] = False
+            _state.use_arena = False
     return arena
 
 
-def _export_segment(storage: torch.UntypedStorage) -> str:
-    """Copy a storage into an owner-only segment (a recycled one if free); return its name."""
+def export_segment(storage: torch.UntypedStorage, prefix: str | None = None) -> str:
+    """Copy a storage into an owner-only segment (a recycled one if free); return its name
+    (``prefix``: the name's, default the cluster's)."""
     nbytes = storage.nbytes()
-    name = f"{_state['prefix']}-{os.getpid()}-{next(_counter)}-{uuid.uuid4().hex[:8]}"
+    prefix = prefix or _state.prefix
+    name = f"{prefix}-{os.getpid()}-{next(_counter)}-{uuid.uuid4().hex[:8]}"
     path = os.path.join(SHM_DIR, name)
-    if _claim(name, nbytes):
+    if _claim(prefix, name, nbytes):
         fd = os.open(path, os.O_RDWR)
     else:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -274,7 +288,7 @@ def _export_segment(storage: torch.UntypedStorage) -> str:
     return name
 
 
-def _import(
+def import_tensor(
     where: str | tuple, nbytes: int, dtype: torch.dtype, shape: tuple, stride: tuple, offset: int
 ) -> torch.Tensor:
     """Unpickling side: the tensor over an arena slot, or over a segment (mapped once per
@@ -306,7 +320,7 @@ def make_reducer(torch_reducer: Callable[[torch.Tensor], Any]) -> Callable[[torc
     exported: dict[int, str | tuple[str, int, int]] = {}
 
     def reduce(t: torch.Tensor) -> Any:
-        threshold = _state["threshold"]
+        threshold = _state.threshold
         if threshold is None or not _eligible(t, threshold):
             return torch_reducer(t)
         if not _reaches(getattr(_route, "pickling", None)):  # another host, or unknown
@@ -314,9 +328,9 @@ def make_reducer(torch_reducer: Callable[[torch.Tensor], Any]) -> Callable[[torc
         storage = t.untyped_storage()
         key = storage.data_ptr()
         if key not in exported:
-            exported[key] = _export(storage)
+            exported[key] = export(storage)
         return (
-            _import,
+            import_tensor,
             (
                 exported[key],
                 storage.nbytes(),
@@ -328,3 +342,135 @@ def make_reducer(torch_reducer: Callable[[torch.Tensor], Any]) -> Callable[[torc
         )
 
     return reduce
+
+
+# -- what tests and the status card read ----------------------------------------------
+
+
+def exported() -> int:
+    """How many storages this process has copied into shared memory so far."""
+    return _state.exported
+
+
+def prefix() -> str:
+    """The name prefix of this cluster's files under ``/dev/shm``."""
+    return _state.prefix
+
+
+def arena() -> _arena.Arena | None:
+    """This process's arena, once its first large message made it."""
+    return _state.arena
+
+
+# -- set up across a cluster, by the kernel once every worker joined ----------------------
+
+SETUP_TIMEOUT_S = 90.0  # each worker's answer (bounded: one may have died)
+
+
+def _on_each(workers: list[str], func: Callable[..., Any], *args: Any) -> dict[str, Any]:
+    """``func(*args)`` on every worker at once, by RPC; their answers by name."""
+    import torch.distributed.rpc as rpc
+
+    asked = {w: rpc.rpc_async(w, func, args=args, timeout=SETUP_TIMEOUT_S) for w in workers}
+    return {w: fut.wait() for w, fut in asked.items()}
+
+
+def set_up(prefix: str, threshold: int | None, workers: list[str], local: bool) -> bool:
+    """Shared memory for large tensors, if every worker sees this kernel's /dev/shm.
+
+    All or none: a process that sent a segment name to one that cannot open it would
+    break the call. A probe segment tells "same host and same /dev/shm" apart from "same
+    hostname". ``local``: the group's endpoints are on loopback (else: :func:`set_up_by_host`).
+    """
+    if threshold is None or not local:
+        configure(prefix, None)
+        return False
+    probe = os.path.join(SHM_DIR, f"{prefix}-probe")
+    try:
+        with open(probe, "w"):
+            pass
+    except OSError:
+        configure(prefix, None)
+        return False
+    try:
+        on = all(_on_each(workers, configure_if_sees, prefix, threshold, probe).values())
+        if not on:
+            _on_each(workers, configure_if_sees, prefix, None, probe)
+    finally:
+        os.unlink(probe)
+    configure(prefix, threshold if on else None)
+    return enabled()
+
+
+def configure_if_sees(prefix: str, threshold: int | None, probe: str) -> bool:
+    """Runs on a worker: use shared memory if this process sees the kernel's ``probe``
+    segment (the same host and the same ``/dev/shm``); returns whether it is on."""
+    same_memory = threshold is not None and os.path.exists(probe)
+    configure(prefix, threshold if same_memory else None)
+    return enabled()
+
+
+def set_up_by_host(
+    prefix: str, threshold: int | None, me: str, workers: list[str]
+) -> dict[str, list[str]]:
+    """Across hosts: the fast path between the processes that share a ``/dev/shm``.
+
+    Every process leaves a probe file in its ``/dev/shm``; then each one lists the probes
+    it sees (its peers on the same host, whatever their hostnames say) and turns the fast
+    path on towards those alone; then the probes go. Returns each process's peers.
+    """
+    if threshold is None:
+        configure(prefix, None)
+        return {}
+
+    def each(step: str) -> dict[str, list[str]]:
+        found = _on_each(workers, share_with_peers, prefix, "", threshold, step)
+        found[me] = share_with_peers(prefix, me, threshold, step)
+        return found
+
+    try:
+        each("probe")
+        return each("configure")
+    finally:
+        each("done")
+
+
+def share_with_peers(prefix: str, name: str, threshold: int, step: str) -> list[str]:
+    """One step of :func:`set_up_by_host` in this process (``name``: its own, "" for the
+    name it has in the group).
+
+    ``probe``: leave a probe file; ``configure``: the peers whose probes are visible here
+    get the fast path (none: off); ``done``: remove this process's probe.
+    """
+    name = name or _process.name()
+    mark = f"{prefix}-probe-"
+    path = os.path.join(SHM_DIR, mark + name)
+    if step == "probe":
+        with open(path, "w"):
+            pass
+        return []
+    if step == "configure":
+        try:
+            seen = [e[len(mark) :] for e in os.listdir(SHM_DIR) if e.startswith(mark)]
+        except OSError:
+            seen = []
+        peers = sorted(n for n in seen if n != name)
+        configure(prefix, threshold if peers else None, peers)
+        return peers if enabled() else []
+    if os.path.exists(path):
+        os.unlink(path)
+    return []
+
+
+def describe(threshold: int | None, fast_path: bool, peers: dict[str, list[str]]) -> str:
+    """How CPU tensors travel in this cluster, in a line for its summary."""
+    size = f"{(threshold or 0) / 2**20:g} MB"
+    shared = sorted({n for names in peers.values() for n in names})
+    if peers and shared:
+        return (
+            f"CPU tensors of {size} and more travel through shared memory between processes "
+            f"of one host ({', '.join(shared)}), through TensorPipe between hosts"
+        )
+    if fast_path:
+        return f"CPU tensors of {size} and more travel through shared memory"
+    return "CPU tensors travel through TensorPipe only"

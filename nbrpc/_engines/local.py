@@ -1,32 +1,21 @@
-"""The kernel's own ipyparallel: one controller, engines that boot with torch imported,
-warm spares, and the watchdog. Attached clusters (``--profile``/``--cluster-id``) use none
-of this: their engines belong to whoever started them.
+"""Engines on this host: forked from a process that imported torch once, kept warm.
 
-Where ipyparallel's defaults put a notebook user's 8–9 s per ``%rpc_init`` (measured on 2
-cores, ipyparallel 9) and what this module does instead:
+The source of a local cluster (``%rpc_init -n 2``). ipyparallel launches, watches and
+stops every engine; what this module changes (measured on 2 cores, ipyparallel 9):
 
-- An engine counts as registered only after the controller's heart monitor has seen its
-  first heartbeat, and ``HeartMonitor.period`` is 3000 ms. Here it is
-  :data:`HEARTBEAT_MS` (500). The engine's heart is a zmq device thread that echoes pings
-  in C without the GIL, so a worker busy in Python or in a long C++ op still answers
-  (tested); a killed engine is declared dead after :data:`HEARTBEAT_MISSES` silent periods.
-- ``Cluster.delay`` sleeps 1 s between controller and engines, and by default engines
-  start only once the controller wrote its connection file. Here both start at once.
-- Every engine would import torch itself (1.8 s of CPU each here, on 2 cores). Here one
-  process, the zygote (:mod:`nbrpc._engine`), imports it once while the controller comes
-  up, and every engine is a fork of it: ipyparallel still launches, watches and stops each
-  engine, through :class:`ForkedEngineSetLauncher`.
-- The controller forks about 8 processes (queues, schedulers, broadcast tree);
-  ``IPController.use_threads`` runs them as threads. Engines run without ipyparallel's
-  nanny process: nbrpc never signals engines through ipyparallel. A cluster of N workers
-  is N engines, the controller, its heart monitor, the zygote and the watchdog: N + 4
-  processes (ipyparallel's defaults: 2N + 10).
+- Every engine would import torch itself (1.8 s of CPU each here). Here one process, the
+  zygote (:mod:`.zygote`), imports it once while the controller comes up, and every engine
+  is a fork of it, through :class:`ForkedEngineSetLauncher`. A cluster of N workers is N
+  engines, the controller, its heart monitor, the zygote and the watchdog: N + 4 processes
+  (ipyparallel's defaults: 2N + 10).
 - torch cannot ``init_rpc`` twice in one process, so a worker's engine is never reused.
   After a shutdown the controller stays, and up to :data:`SPARES_MAX` fresh engines are
   started in the background (torch imported, registered, idle: blocked in zmq, no CPU),
-  so the next ``%rpc_init`` only joins them. ``nbrpc.shutdown(release=True)`` (``%rpc_shutdown
-  --release``) stops the controller and the spares at once; so does interpreter exit, and
-  the watchdog does it when the kernel dies.
+  so the next ``%rpc_init`` only joins them. ``nbrpc.shutdown(release=True)``
+  (``%rpc_shutdown --release``) stops the controller and the spares at once; so does
+  interpreter exit, and the watchdog does it when the kernel dies.
+
+The controller's own settings (heartbeats, threads) are in :mod:`.controller`.
 """
 
 from __future__ import annotations
@@ -37,48 +26,28 @@ import logging
 import os
 import re
 import select
-import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import psutil
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
 from traitlets import Any as AnyTrait
 
-from . import _reaper
-from ._errors import BootError
-from ._reaper import process_alive
+from nbrpc import _options
+from nbrpc._errors import BootError
 
-__all__ = [
-    "ENGINE_ARGS",
-    "HEARTBEAT_MISSES",
-    "HEARTBEAT_MS",
-    "SPARES_MAX",
-    "Controller",
-    "LocalEngines",
-]
+from . import controller, watchdog
+from .controller import ENGINE_ARGS, Controller, tail
+from .watchdog import process_alive
 
 log = logging.getLogger("nbrpc")
 
-#: The controller's heartbeat period. ipyparallel's 3000 ms makes every engine wait up to
-#: two periods to count as registered. 500 ms measured here: idle CPU 0.3 % of a core for
-#: the heart monitor and 0.1 % per engine (200 ms: 0.8 % and 0.4 %).
-HEARTBEAT_MS = 500
-#: The controller declares an engine dead after HEARTBEAT_MISSES + 1 silent periods (2 s;
-#: measured 2.3 s from kill -9 to the client's notice). The engine's heart echoes pings
-#: from a zmq thread in C, without the GIL: busy workers still answer (tested).
-HEARTBEAT_MISSES = 3
-#: An engine stops by itself after this many checks, every HEARTBEAT_MS + 500 ms, without
-#: hearing the controller (10 s): engines do not outlive a controller that died.
-ENGINE_ORPHAN_MISSES = 10
 SPARES_MAX = 8
-CONTROLLER_TIMEOUT_S = 60.0
-ENGINE_EXIT_WAIT_S = 5.0
 #: Set for every engine: a folder where it leaves a mark once it is running, so that an
 #: engine that exits without one failed to start (rather than died later).
 MARKS_ENV = "NBRPC_ENGINE_MARKS"
@@ -88,7 +57,7 @@ ZYGOTE_TIMEOUT_S = 120.0  # its imports; minutes only on a machine far slower th
 
 
 class Zygote:
-    """The process every engine is forked from (see :mod:`nbrpc._engine`)."""
+    """The process every engine is forked from (see :mod:`.zygote`)."""
 
     def __init__(self, python: str, workdir: str) -> None:
         self.python = python
@@ -96,7 +65,7 @@ class Zygote:
         with open(self.log, "wb") as errors:
             try:
                 self.proc = subprocess.Popen(
-                    [python, "-m", "nbrpc._engine"],
+                    [python, "-m", "nbrpc._engines.zygote"],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=errors,
@@ -133,9 +102,9 @@ class Zygote:
                 line = b""
         if not line:
             with open(self.log, errors="replace") as f:
-                output = _tail(f.read())
+                output = tail(f.read())
             raise BootError(
-                f"engines could not start: {self.python} -m nbrpc._engine "
+                f"engines could not start: {self.python} -m nbrpc._engines.zygote "
                 + ("exited" if self.proc.poll() is not None else "did not answer")
                 + f". Its output:\n{output}\nUse a Python that has torch and nbrpc "
                 "installed (python=... / --python; default: the kernel's)."
@@ -179,131 +148,12 @@ class ForkedEngineSetLauncher(LocalEngineSetLauncher):
     zygote = AnyTrait()
 
 
-#: What every engine nbrpc starts is told, here or on another host: no nanny process, wait
-#: for the controller's connection file, and stop after ENGINE_ORPHAN_MISSES heartbeats
-#: without the controller.
-ENGINE_ARGS = (
-    "--IPEngine.enable_nanny=False",
-    f"--IPEngine.wait_for_url_file={CONTROLLER_TIMEOUT_S:.0f}",
-    f"--IPEngine.max_heartbeat_misses={ENGINE_ORPHAN_MISSES}",
-)
-
-
-class Controller:
-    """An ipyparallel controller nbrpc runs on this host, and the watchdog that stops its
-    processes should the kernel die. :class:`LocalEngines` (engines here) and
-    :class:`nbrpc._host_engines.HostEngines` (engines over ssh) build on it.
-
-    ``listen``: the controller's address. ``workdir``: a private directory of this
-    controller's (the watchdog's pid file; removed at release). Subclasses add their own
-    processes to :meth:`pids` and start the controller with :meth:`_start_controller`.
-    """
-
-    def __init__(self, listen: str, workdir: str, engine_launcher_class: type) -> None:
-        import ipyparallel as ipp
-
-        self._ipp = ipp.Cluster(
-            controller_ip=listen,
-            log_level=logging.ERROR,  # nbrpc reports failures itself, with advice
-            shutdown_atexit=False,  # nbrpc's own atexit hook releases it (quietly)
-            delay=0,
-            send_engines_connection_env=False,  # engines wait for the file themselves
-            engine_launcher_class=engine_launcher_class,
-            controller_args=[
-                "--IPController.use_threads=True",
-                f"--HeartMonitor.period={HEARTBEAT_MS}",
-                f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
-            ],
-        )
-        self._client: Any = None
-        self._workdir = workdir
-        self._pidfile = os.path.join(workdir, "pids")
-        self._watchdog: subprocess.Popen | None = None
-        self.controller_seconds: float | None = None
-        self._started = time.monotonic()
-
-    @property
-    def controller_pid(self) -> int | None:
-        return getattr(self._ipp.controller, "pid", None)
-
-    @property
-    def _marker(self) -> str:
-        """How ipyparallel tells the controller (and every process it forks) its cluster."""
-        return f"IPP_CLUSTER_ID={self._ipp.cluster_id}"
-
-    def controller_pids(self) -> list[int]:
-        """The controller and the processes it forked (its heart monitor), if running."""
-        pid = self.controller_pid
-        if not pid:
-            return []
-        pids = [pid]
-        with contextlib.suppress(psutil.Error):
-            pids += [c.pid for c in psutil.Process(pid).children(recursive=True)]
-        return pids
-
-    def pids(self) -> list[int]:
-        """Every process of this host that the watchdog stops should the kernel die."""
-        return self.controller_pids()
-
-    def client(self) -> Any:
-        """The ipyparallel client, connected once the controller is up."""
-        if self._client is None:
-            self._client = self._ipp.connect_client_sync()
-            self.controller_seconds = time.monotonic() - self._started
-            self._watch()  # the controller's forks exist by now
-        return self._client
-
-    def _start_controller(self) -> None:
-        """Start the controller; a failure releases everything started so far."""
-        try:
-            self._ipp.start_controller_sync()
-            self._watch()
-        except BaseException:
-            self.release()
-            raise
-
-    def _watch(self) -> None:
-        """Tell the watchdog which pids to stop should this kernel die (start it once)."""
-        _reaper.write_pids(self._pidfile, self.pids())
-        if self._watchdog is None:
-            self._watchdog = subprocess.Popen(
-                [sys.executable, _reaper.__file__, str(os.getpid()), self._pidfile, self._marker],
-                start_new_session=True,  # not hit by the signal that kills the kernel's group
-                stdin=subprocess.DEVNULL,
-            )
-
-    def _stop_processes(self) -> None:
-        """Close the client and stop this controller's processes on this host, at once.
-
-        Found by pid and by ipyparallel's cluster-id marker, as the watchdog finds them:
-        a controller that died alone leaves its forked heart monitor, which no longer
-        shows among its children (seen: two such processes outlived their kernels).
-        """
-        if self._client is not None:
-            with contextlib.suppress(Exception):
-                self._client.close()
-            self._client = None
-        ours = self.pids() + _reaper.started_with(self._marker)
-        _reaper.reap(sorted({p for p in ours if p != os.getpid()}))
-
-    def release(self) -> None:
-        self._stop_processes()
-        self._stop_watchdog()
-
-    def _stop_watchdog(self) -> None:
-        shutil.rmtree(self._workdir, ignore_errors=True)  # alone, it would exit within 1 s
-        if self._watchdog is not None:
-            self._watchdog.terminate()
-            self._watchdog.wait()
-            self._watchdog = None
-
-
-class LocalEngines(Controller):
+class LocalController(Controller):
     """A controller on this host and the engines it runs; kept between clusters.
 
     ``listen``: the controller's address (loopback unless the cluster opens to other
     hosts). ``python``: the interpreter engines run. A cluster asking for either one
-    differently gets a new :class:`LocalEngines` (the old one is released).
+    differently gets a new :class:`LocalController` (the old one is released).
     """
 
     def __init__(self, listen: str | None, python: str) -> None:
@@ -420,7 +270,7 @@ class LocalEngines(Controller):
             self._watch()
             raise BootError(
                 f"an engine failed to start (pid {pid}, forked from {self.python} -m "
-                f"nbrpc._engine). Its output:\n{_tail(launcher.get_output())}"
+                f"nbrpc._engines.zygote). Its output:\n{tail(launcher.get_output())}"
             )
         if dropped:
             self._watch()
@@ -437,14 +287,14 @@ class LocalEngines(Controller):
                     self._client.shutdown(targets=live, hub=False, block=False)
                 except Exception as exc:
                     log.warning("asking engines to exit: %s", exc)
-        deadline = time.monotonic() + ENGINE_EXIT_WAIT_S
+        deadline = time.monotonic() + controller.ENGINE_EXIT_WAIT_S
         while time.monotonic() < deadline and any(process_alive(p) for p in pids):
             time.sleep(0.02)
         for pid in pids:
             self._logs.pop(pid, None)
             launcher = self._launchers.pop(pid, None)
             if process_alive(pid) and launcher is not None:
-                _reaper.reap([pid])
+                watchdog.reap([pid])
         self._forget_stopped_sets()
         self._watch()
 
@@ -528,28 +378,90 @@ def last_words(path: str, start: int = 0) -> str:
     return "\n".join(f"    {line[:300]}" for line in before + report if line.strip())
 
 
-def _tail(text: str, lines: int = 25) -> str:
-    kept = [line for line in text.splitlines() if line.strip()][-lines:]
-    return "\n".join(f"    {line}" for line in kept) or "    (no output)"
+@dataclass
+class _Kept:
+    """This kernel's controller, zygote and spare engines, kept between clusters."""
+
+    controller: LocalController | None = None
 
 
-_current: list[LocalEngines] = []
+_kept = _Kept()
 
 
-def local_engines(listen: str | None, python: str) -> LocalEngines:
-    """This kernel's controller for ``(listen, python)``, started on first use."""
-    if _current and _current[0].key != (listen, python):
-        release()
-    if not _current:
-        _current.append(LocalEngines(listen, python))
-    return _current[0]
-
-
-def current() -> LocalEngines | None:
-    return _current[0] if _current else None
+def kept() -> LocalController | None:
+    """The controller kept from the last cluster (and its spares), if any."""
+    return _kept.controller
 
 
 def release() -> None:
     """Stop this kernel's controller and every engine it runs (spares included)."""
-    while _current:
-        _current.pop().release()
+    ours, _kept.controller = _kept.controller, None
+    if ours is not None:
+        ours.release()
+
+
+class LocalSource:
+    """Engines forked on this host from the kept controller's zygote (the default)."""
+
+    remote = False
+
+    def __init__(self, settings: _options.Settings) -> None:
+        self.settings = settings
+        self.reused = False
+        self.engines: LocalController | None = None
+
+    @classmethod
+    def wants(cls, settings: _options.Settings) -> bool:
+        return True  # the default, asked last
+
+    @classmethod
+    def resolve(cls, settings: _options.Settings) -> _options.Settings:
+        return settings
+
+    @classmethod
+    def release_kept(cls) -> None:
+        release()
+
+    def start(self) -> None:
+        key = (self.settings.listen, self.settings.python)
+        ours = _kept.controller
+        self.reused = ours is not None and ours.key == key
+        if ours is not None and not self.reused:
+            release()
+        if _kept.controller is None:
+            _kept.controller = LocalController(*key)
+        self.engines = _kept.controller
+
+    def _ours(self) -> LocalController:
+        assert self.engines is not None, "start() comes first"
+        return self.engines
+
+    def launch(self, n: int) -> None:
+        self._ours().reserve(n)
+
+    def client(self) -> Any:
+        return self._ours().client()
+
+    def take(self, n: int | None, timeout: float, registered: Callable[[int], None]) -> list[int]:
+        assert n is not None, "a local cluster's size is known"
+        return self._ours().take(n, timeout, registered)
+
+    def controller_seconds(self) -> float | None:
+        return 0.0 if self.reused else self._ours().controller_seconds
+
+    def import_seconds(self) -> float | None:
+        return 0.0 if self.reused else (self._ours().zygote.ready_seconds or 0.0)
+
+    def controller_pid(self) -> int | None:
+        return self._ours().controller_pid
+
+    def last_output(self, pid: int) -> str:
+        return self._ours().last_output(pid)
+
+    def stop(self, engine_ids: list[int], pids: list[int], keep_warm: bool) -> None:
+        ours = self.engines
+        if ours is None:  # its start failed: nothing of it runs
+            return
+        ours.retire(pids, engine_ids)
+        if keep_warm and engine_ids:
+            ours.warm(len(engine_ids))

@@ -13,7 +13,7 @@ notebook code once nbrpc is initialized.
 
 Two costs are paid once instead of per call (a notebook function's call pickled in 13 µs
 instead of 29 µs measured): the code object of a function sent by value is marshalled once
-and sent with a key, which the receiver keeps (:func:`_reduce_code`); and cloudpickle's
+and sent with a key, which the receiver keeps (:func:`reduce_code`); and cloudpickle's
 answer "importable: by reference" for a function or class is remembered
 (:meth:`RpcPickler.reducer_override`). A function's globals, defaults and closure are still
 pickled on every call, so a changed global is seen by the next call.
@@ -39,6 +39,7 @@ import os
 import pickle
 import threading
 import weakref
+from dataclasses import dataclass, field
 from types import BuiltinFunctionType, CodeType, FunctionType, MethodType, ModuleType
 from typing import Any
 
@@ -46,10 +47,10 @@ import cloudpickle
 import torch
 from torch.distributed.rpc import RRef
 
-from . import _ledger, _remote, _shm, _torch
-from ._errors import SerializationError
+from nbrpc import _ledger, _process, _torch
+from nbrpc._errors import SerializationError
 
-__all__ = ["RpcPickler", "install", "register_by_value", "serialize"]
+from . import callee, failures, shm
 
 #: the C field behind ``dispatch_table`` (a member descriptor; typeshed calls it a Mapping)
 _C_DISPATCH_TABLE: Any = pickle.Pickler.dispatch_table
@@ -82,14 +83,20 @@ _code_lock = threading.Lock()
 _CODE_KEEP = 4096  # code objects kept by a receiver (least recently used go first)
 
 
-def _reduce_code(code: CodeType) -> Any:
+def reduce_code(code: CodeType) -> Any:
     """Send a code object as ``marshal`` bytes under a key (all processes run one Python
     minor version: preflight checks it for other hosts)."""
     sent = _code_sent.get(code)
     if sent is None:
-        key = f"{_remote.process_token()}.{next(_code_keys)}"
+        key = f"{_process.token()}.{next(_code_keys)}"
         sent = _code_sent[code] = (key, marshal.dumps(code))
     return _load_code, sent
+
+
+def code_key(code: CodeType) -> str | None:
+    """The key ``code`` is sent under from this process, once it was sent (else None)."""
+    sent = _code_sent.get(code)
+    return sent[0] if sent is not None else None
 
 
 def _load_code(key: str, data: bytes) -> CodeType:
@@ -106,14 +113,24 @@ def _load_code(key: str, data: bytes) -> CodeType:
     return code
 
 
-_BASE_TABLE = {**_CLOUDPICKLE_TABLE, MethodType: _reduce_method, CodeType: _reduce_code}
-# Functions and classes cloudpickle found importable (pickled by reference), by id; they
-# are module attributes, alive anyway. Emptied when cloudpickle's set of modules registered
-# by value changes size (RpcPickler.dump checks).
-_by_reference: dict[int, Any] = {}
+_BASE_TABLE = {**_CLOUDPICKLE_TABLE, MethodType: _reduce_method, CodeType: reduce_code}
 _BY_REFERENCE_KEEP = 8192
 _BY_VALUE_MODULES = cloudpickle.cloudpickle._PICKLE_BY_VALUE_MODULES  # cloudpickle's own set
-_by_value_seen = [len(_BY_VALUE_MODULES)]
+
+
+@dataclass
+class _Pickling:
+    """Functions and classes cloudpickle found importable (pickled by reference), by id:
+    module attributes, alive anyway. Emptied when cloudpickle's set of modules registered
+    by value changes size (``by_value_seen``; RpcPickler.dump checks). ``installed``: the
+    hooks went into torch."""
+
+    by_reference: dict[int, Any] = field(default_factory=dict)
+    by_value_seen: int = len(_BY_VALUE_MODULES)
+    installed: bool = False
+
+
+_pickling = _Pickling()
 # RRefs travel as torch's fork data plus their label, so the receiver's ledger knows them.
 _RREF_TABLE = {_torch.PyRRef: _ledger.reduce_rref, RRef: _ledger.reduce_rref}
 
@@ -145,23 +162,23 @@ class RpcPickler(cloudpickle.Pickler):
         self.dispatch_table = {}
 
     def reducer_override(self, obj: Any) -> Any:
-        if id(obj) in _by_reference:
+        if id(obj) in _pickling.by_reference:
             return NotImplemented  # pickle's own save_global: by reference
         reduced = super().reducer_override(obj)
         if reduced is NotImplemented and (isinstance(obj, (FunctionType, type))):
-            if len(_by_reference) >= _BY_REFERENCE_KEEP:
-                _by_reference.clear()
-            _by_reference[id(obj)] = obj
+            if len(_pickling.by_reference) >= _BY_REFERENCE_KEEP:
+                _pickling.by_reference.clear()
+            _pickling.by_reference[id(obj)] = obj
         return reduced
 
     def dump(self, obj: Any) -> None:
-        if len(_BY_VALUE_MODULES) != _by_value_seen[0]:  # cloudpickle.register_pickle_by_value
-            _by_reference.clear()
-            _by_value_seen[0] = len(_BY_VALUE_MODULES)
-        if _shm.restricted() and _torch.udf_function(obj) is not None and _shm.sending():
-            obj = _remote.WithCaller(obj, reply=_shm.sending() == "call")
+        if len(_BY_VALUE_MODULES) != _pickling.by_value_seen:  # register_pickle_by_value
+            _pickling.by_reference.clear()
+            _pickling.by_value_seen = len(_BY_VALUE_MODULES)
+        if shm.restricted() and _torch.udf_function(obj) is not None and shm.sending():
+            obj = callee.WithCaller(obj, reply=shm.sending() == "call")
         try:
-            with _shm.pickling(obj):
+            with shm.pickling(obj):
                 super().dump(obj)
         except SerializationError:
             raise
@@ -186,8 +203,8 @@ class RpcPickler(cloudpickle.Pickler):
         # in this table, and a plain dict lookup is far cheaper. torch's entries win,
         # except for RRefs, which the ledger reduces (the same fork data, plus a label).
         merged = {**_BASE_TABLE, **table, **_RREF_TABLE}
-        if _shm.enabled() and torch.Tensor in merged:  # large CPU tensors: shared memory
-            merged[torch.Tensor] = _shm.make_reducer(merged[torch.Tensor])
+        if shm.enabled() and torch.Tensor in merged:  # large CPU tensors: shared memory
+            merged[torch.Tensor] = shm.make_reducer(merged[torch.Tensor])
         _C_DISPATCH_TABLE.__set__(self, _DispatchTable(merged))
 
 
@@ -211,18 +228,15 @@ class TensorFinder(_torch.TENSOR_EXTRACTOR):
         return super().persistent_id(obj)
 
 
-_original: dict[str, Any] = {}
-
-
 def install() -> None:
     """Route torch RPC's pickling and remote-call wrapper through nbrpc (idempotent).
 
     Runs in the kernel and in every worker before ``init_rpc``.
     """
-    if _original:
+    if _pickling.installed:
         return
-    _original["installed"] = True
-    _torch.install_rpc_hooks(RpcPickler, _remote.run_function, _remote.handle_exception)
+    _pickling.installed = True
+    _torch.install_rpc_hooks(RpcPickler, callee.run_function, failures.handle_exception)
     _torch.install_tensor_extractor(TensorFinder)
     _ledger.install()
 

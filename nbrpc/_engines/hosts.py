@@ -1,8 +1,9 @@
 """Workers on other hosts: ``--hosts``, ssh, the address other hosts reach, and preflight.
 
 A host is ``[user@]address`` as ``ssh`` takes it (an alias of the user's ssh config works
-too), and a host listed N times gets N workers, named in list order. Engines start through
-ipyparallel's SSH launcher (:mod:`nbrpc._launch`); this module holds what comes before:
+too; the entries' syntax is checked with the other options, :func:`nbrpc._options.parse_hosts`),
+and a host listed N times gets N workers, named in list order. Engines start through
+ipyparallel's SSH launcher (:mod:`.ssh`); this module holds what comes before:
 
 - **ssh options.** Every ssh nbrpc runs (its own and ipyparallel's) reads the user's ssh
   config and adds ``BatchMode=yes`` (a notebook cannot answer a password prompt: it would
@@ -22,48 +23,19 @@ ipyparallel's SSH launcher (:mod:`nbrpc._launch`); this module holds what comes 
 from __future__ import annotations
 
 import json
-import re
 import socket
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from . import _group
-from ._errors import BootError, ConfigError
-
-__all__ = [
-    "CONNECT_TIMEOUT_S",
-    "HostPlan",
-    "counts",
-    "infer_listen",
-    "parse_hosts",
-    "preflight",
-    "scp_args",
-    "ssh_options",
-]
+from nbrpc import _group
+from nbrpc._errors import BootError, ConfigError
 
 CONNECT_TIMEOUT_S = 5
 PREFLIGHT_TIMEOUT_S = 30.0  # ssh connect (5 s) plus a Python start that imports torch
 #: Packages whose versions must match the kernel's on every host: torch's wire format,
 #: cloudpickle's by-value code and nbrpc's own messages all assume one version.
 MATCHED = ("torch", "cloudpickle", "ipyparallel", "nbrpc")
-_ENTRY = re.compile(r"^(?:[A-Za-z0-9._-]+@)?[A-Za-z0-9._:-]+$")
-
-
-def parse_hosts(hosts: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
-    """``"root@h1,h1,h2"`` (or a list) -> ``("root@h1", "h1", "h2")``, each entry checked."""
-    items = hosts.split(",") if isinstance(hosts, str) else list(hosts)
-    entries = tuple(str(h).strip() for h in items if str(h).strip())
-    if not entries:
-        raise ConfigError("--hosts is empty: give [user@]address entries, e.g. --hosts h1,h1,h2")
-    for entry in entries:
-        if not _ENTRY.match(entry):
-            raise ConfigError(
-                f"--hosts entry {entry!r} is not [user@]address (letters, digits, '.', '-', "
-                "'_', ':'); ssh options such as a port or key go in --ssh-args, e.g. "
-                "--ssh-args='-p 2222 -i ~/.ssh/cluster'"
-            )
-    return entries
 
 
 def counts(entries: tuple[str, ...]) -> dict[str, int]:

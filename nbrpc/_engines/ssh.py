@@ -1,9 +1,9 @@
 """Engines on other hosts: the kernel's controller on ``--listen``, engines over ssh.
 
 ipyparallel launches and watches them: :class:`HostEngineLauncher` is its SSH engine
-launcher, and the engine is ipyparallel's, run by ``python -m nbrpc._engine --engine`` (torch
-imported before it registers; ``os._exit`` when it stops, so an engine that lost its
-controller does not wait in torch's exit handlers).
+launcher, and the engine is ipyparallel's, run by ``python -m nbrpc._engines.zygote
+--engine`` (torch imported before it registers; ``os._exit`` when it stops, so an engine
+that lost its controller does not wait in torch's exit handlers).
 What nbrpc changes is how many ssh sessions that takes. ipyparallel's launcher opens
 about seven per engine, several of them starting a Python to run one shell step (profile
 creation, a directory check, a copy, the start); measured on the fake hosts of the tests:
@@ -38,14 +38,16 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from ipyparallel.cluster.launcher import SSHEngineLauncher, SSHEngineSetLauncher
 
-from . import _hosts, _launch, _reaper
-from ._errors import BootError
+from nbrpc import _options
+from nbrpc._errors import BootError
 
-__all__ = ["HOST_ENV", "HostEngines"]
+from . import controller, hosts, watchdog, worker
+from .controller import ENGINE_ARGS, Controller, tail
 
 log = logging.getLogger("nbrpc")
 
@@ -150,10 +152,10 @@ class HostEngineSetLauncher(SSHEngineSetLauncher):
     launcher_class = HostEngineLauncher
 
 
-class HostEngines(_launch.Controller):
+class HostController(Controller):
     """A controller on ``listen`` and the engines it runs on other hosts."""
 
-    def __init__(self, listen: str, plan: _hosts.HostPlan, python: str) -> None:
+    def __init__(self, listen: str, plan: hosts.HostPlan, python: str) -> None:
         self.listen = listen
         self.plan = plan
         self.python = plan.remote_python or python
@@ -166,10 +168,10 @@ class HostEngines(_launch.Controller):
             "-o",
             "ControlPersist=60",
         ]
-        self.ssh_args = [*control, *_hosts.ssh_options(plan.ssh_args)]
-        self.scp_args = [*control, *_hosts.scp_args(plan.ssh_args)]
+        self.ssh_args = [*control, *hosts.ssh_options(plan.ssh_args)]
+        self.scp_args = [*control, *hosts.scp_args(plan.ssh_args)]
         try:  # before anything starts; its ssh connections then serve the engines' starts
-            _hosts.preflight(plan, self.python, listen, self.ssh_args)
+            hosts.preflight(plan, self.python, listen, self.ssh_args)
         except BaseException:
             self._close_connections()
             shutil.rmtree(workdir, ignore_errors=True)
@@ -193,7 +195,7 @@ class HostEngines(_launch.Controller):
         """Start one engine per ``--hosts`` entry (one ssh session each, hosts in parallel)."""
         engines = {
             host: {"n": n, "environment": {HOST_ENV: host}}
-            for host, n in _hosts.counts(self.plan.entries).items()
+            for host, n in hosts.counts(self.plan.entries).items()
         }
         try:
             set_id = self._ipp.start_engines_sync(
@@ -202,9 +204,9 @@ class HostEngines(_launch.Controller):
                 ssh_args=self.ssh_args,
                 scp_args=self.scp_args,
                 remote_python=self.python,
-                engine_cmd=[self.python, "-m", "nbrpc._engine", "--engine"],
+                engine_cmd=[self.python, "-m", "nbrpc._engines.zygote", "--engine"],
                 remote_profile_dir=self.remote_dir,
-                engine_args=list(_launch.ENGINE_ARGS),
+                engine_args=list(ENGINE_ARGS),
                 delay=0,
             )
         except BootError:
@@ -215,8 +217,6 @@ class HostEngines(_launch.Controller):
 
     def take(self, timeout: float, on_registered: Callable[[int], None] | None = None) -> list[int]:
         """Engine ids in ``--hosts`` order, once every engine registered."""
-        from . import _worker
-
         n = len(self.plan.entries)
         client = self.client()
         deadline = time.monotonic() + timeout
@@ -230,7 +230,7 @@ class HostEngines(_launch.Controller):
                 if la.state == "after":
                     raise BootError(
                         f"the engine on {la.location} exited before it registered. Its "
-                        f"output:\n{_launch._tail(la.get_output())}"
+                        f"output:\n{tail(la.get_output())}"
                     )
             if time.monotonic() > deadline:
                 raise BootError(
@@ -240,7 +240,7 @@ class HostEngines(_launch.Controller):
                     f"(docs/multi-host.md), and the logs in {self.log_dir}"
                 )
             time.sleep(0.05)
-        entries = client[ids].apply_async(_worker.host_entry).get(timeout=30)
+        entries = client[ids].apply_async(worker.host_entry).get(timeout=30)
         by_entry: dict[str, list[int]] = {}
         for eid, entry in zip(ids, entries, strict=True):
             by_entry.setdefault(entry, []).append(eid)
@@ -253,15 +253,15 @@ class HostEngines(_launch.Controller):
             if live:
                 with contextlib.suppress(Exception):
                     self._client.shutdown(targets=live, hub=False, block=False)
-        deadline = time.monotonic() + _launch.ENGINE_EXIT_WAIT_S
-        hosts = {la.location: la for la in self._launchers}
-        pids = {h: [la.pid for la in self._launchers if la.location == h] for h in hosts}
-        segments = f"/dev/shm/{_reaper.segment_prefix(kernel_pid)}-*"
+        deadline = time.monotonic() + controller.ENGINE_EXIT_WAIT_S
+        by_host = {la.location: la for la in self._launchers}
+        pids = {h: [la.pid for la in self._launchers if la.location == h] for h in by_host}
+        segments = f"/dev/shm/{watchdog.segment_prefix(kernel_pid)}-*"
         threads = []
-        for host, la in hosts.items():
+        for host, la in by_host.items():
             alive = " ".join(str(p) for p in pids[host])
             script = (
-                f"for i in $(seq {int(_launch.ENGINE_EXIT_WAIT_S * 10)}); do "
+                f"for i in $(seq {int(controller.ENGINE_EXIT_WAIT_S * 10)}); do "
                 f"alive=0; for p in {alive}; do kill -0 $p 2>/dev/null && alive=1; done; "
                 f"[ $alive = 0 ] && break; sleep 0.1; done; "
                 f"kill -9 {alive} 2>/dev/null; cd; "
@@ -297,10 +297,78 @@ class HostEngines(_launch.Controller):
 
     def _close_connections(self) -> None:
         """Close the shared ssh connection to each host (OpenSSH's ``-O exit``)."""
-        for entry in _hosts.counts(self.plan.entries):
+        for entry in hosts.counts(self.plan.entries):
             subprocess.run(
                 ["ssh", *self.ssh_args, "-O", "exit", entry],
                 capture_output=True,
                 timeout=10,
                 check=False,
             )
+
+
+class SshSource:
+    """Engines on other hosts over ssh (``--hosts``), one per entry, in list order."""
+
+    remote = True
+    reused = False
+
+    def __init__(self, settings: _options.Settings) -> None:
+        self.settings = settings
+        self.engines: HostController | None = None
+
+    @classmethod
+    def wants(cls, settings: _options.Settings) -> bool:
+        return settings.hosts is not None
+
+    @classmethod
+    def resolve(cls, settings: _options.Settings) -> _options.Settings:
+        """``--listen`` defaults to this host's address on the route to the first host."""
+        if settings.listen or not settings.hosts:
+            return settings
+        return replace(settings, listen=hosts.infer_listen(settings.hosts[0], settings.ssh_args))
+
+    @classmethod
+    def release_kept(cls) -> None:
+        pass  # nothing outlives its cluster
+
+    def start(self) -> None:
+        s = self.settings
+        assert s.listen, "resolve() works out --listen"
+        assert s.hosts, "wants() took it for these settings"
+        plan = hosts.HostPlan(s.hosts, s.ssh_args, s.remote_python or "")
+        self.engines = HostController(s.listen, plan, s.python)
+
+    def _ours(self) -> HostController:
+        assert self.engines is not None, "start() comes first"
+        return self.engines
+
+    def launch(self, n: int) -> None:
+        self._ours().spawn()
+
+    def client(self) -> Any:
+        return self._ours().client()
+
+    def take(self, n: int | None, timeout: float, registered: Callable[[int], None]) -> list[int]:
+        return self._ours().take(timeout, registered)
+
+    def controller_seconds(self) -> float | None:
+        return self._ours().controller_seconds
+
+    def import_seconds(self) -> float | None:
+        return None  # each engine imports torch on its own host
+
+    def controller_pid(self) -> int | None:
+        return self._ours().controller_pid
+
+    def last_output(self, pid: int) -> str:
+        return ""  # pids of other hosts: their logs stay there
+
+    def stop(self, engine_ids: list[int], pids: list[int], keep_warm: bool) -> None:
+        ours = self.engines
+        if ours is None:  # its start failed: the preflight or the controller
+            return
+        try:
+            ours.retire(engine_ids, os.getpid())
+        finally:
+            ours.release()
+            self.engines = None

@@ -1,6 +1,6 @@
 """A persistent shared-memory arena per sending process: a large tensor costs one copy.
 
-The first fast path (:mod:`nbrpc._shm`'s segments) mapped a segment per message in the
+The first fast path (:mod:`.shm`'s segments) mapped a segment per message in the
 receiver and unmapped it when the tensor was freed: for 64 MB, 1.7 ms to map, 2 ms to
 unmap, plus the page faults of fresh mappings, on top of the copy. An arena is mapped
 once per pair of processes and stays mapped, so its pages stay in both page tables:
@@ -37,8 +37,6 @@ import weakref
 from typing import Any
 
 import torch
-
-__all__ = ["CAPACITY", "Arena", "attach", "forget_mappings"]
 
 HEADER = 4096  # bytes before the data: the slot records
 RECORDS = 1024  # slots in use at once, at most
@@ -173,20 +171,31 @@ class _Helper:
             self._done.release()
 
 
-_copier: list[_Copier] = []  # made on first use; a forked child makes its own
-_copier_lock = threading.Lock()
+class _Copiers:
+    """This process's copier, made on first use; a forked child makes its own (helper
+    threads do not survive a fork)."""
+
+    def __init__(self) -> None:
+        self.copier: _Copier | None = None
+        self.lock = threading.Lock()
+
+    def forget(self) -> None:
+        self.copier = None
+
+
+_copiers = _Copiers()
+os.register_at_fork(after_in_child=_copiers.forget)
 
 
 def copy(dst: int, src: int, nbytes: int) -> None:
     """``memmove`` ``nbytes`` from address ``src`` to ``dst``, split over threads."""
-    if not _copier:
-        with _copier_lock:
-            if not _copier:
-                _copier.append(_Copier(COPY_THREADS))
-    _copier[0].copy(dst, src, nbytes)
-
-
-os.register_at_fork(after_in_child=_copier.clear)  # helper threads do not survive a fork
+    copier = _copiers.copier
+    if copier is None:
+        with _copiers.lock:
+            if _copiers.copier is None:
+                _copiers.copier = _Copier(COPY_THREADS)
+            copier = _copiers.copier
+    copier.copy(dst, src, nbytes)
 
 
 # -- receiving side -------------------------------------------------------------------------

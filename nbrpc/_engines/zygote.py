@@ -1,6 +1,6 @@
 """Where engines come from: one process imports torch once, then forks every engine.
 
-``python -m nbrpc._engine`` is the *zygote* that :mod:`nbrpc._launch` starts next to the
+``python -m nbrpc._engines.zygote`` is the *zygote* that :mod:`.local` starts next to the
 controller. It imports torch, nbrpc's worker side and ipyparallel's engine (about 2.6 s
 of CPU here, most of it torch), then waits on stdin for requests, one JSON line each::
 
@@ -28,8 +28,8 @@ import sys
 import threading
 import time
 
-from nbrpc._launch import KERNEL_ENV, MARKS_ENV
-from nbrpc._reaper import process_alive
+from nbrpc._engines.local import KERNEL_ENV, MARKS_ENV
+from nbrpc._engines.watchdog import process_alive
 
 #: Modules each engine would otherwise import after the fork, when its IPython kernel
 #: starts (ipykernel's debugger brings debugpy and pydevd: 145 modules measured).
@@ -53,7 +53,9 @@ def _imports() -> None:
 
     import torch  # noqa: F401  (the point: pay for it once, before any engine exists)
 
-    from nbrpc import _group, _remote, _worker  # noqa: F401
+    from nbrpc import _group  # noqa: F401
+    from nbrpc._engines import worker  # noqa: F401
+    from nbrpc._wire import callee  # noqa: F401
 
     for name in _ENGINE_MODULES:
         importlib.import_module(name)
@@ -104,7 +106,7 @@ def _run_ipengine(argv: list[str]) -> int:
     from ipyparallel.engine.app import main as ipengine
 
     # a crash (a C++ abort, a segfault) writes the Python stack of its thread to the log,
-    # where the kernel reads it for the WorkerDiedError (``_launch.last_words``)
+    # where the kernel reads it for the WorkerDiedError (``local.last_words``)
     faulthandler.enable(all_threads=False)
     sys.argv = ["ipengine", *argv]
     code = 0
@@ -131,7 +133,7 @@ def _exit_with(kernel: int) -> None:
 
 
 def engine(argv: list[str]) -> None:
-    """``python -m nbrpc._engine --engine ARGS``: one engine, no zygote (other hosts).
+    """``python -m nbrpc._engines.zygote --engine ARGS``: one engine, no zygote (other hosts).
 
     ipyparallel's SSH launcher starts this on a worker host: torch is imported before the
     engine registers (so the join is quick), and the process ends with ``os._exit`` once

@@ -2,9 +2,9 @@
 
 A kernel killed by the OS (out of memory, ``kill -9``, a CI timeout) runs no ``atexit``
 hook, and ipyparallel's controller and engines (warm spares included) would run on,
-holding memory and ports. The launcher (:mod:`nbrpc._launch`) starts this watchdog once,
-as ``python .../nbrpc/_reaper.py KERNEL_PID PIDFILE MARKER`` before it starts anything
-else, in its own session, and rewrites
+holding memory and ports. The controller (:mod:`.controller`) starts this watchdog once,
+as ``python .../nbrpc/_engines/watchdog.py KERNEL_PID PIDFILE MARKER`` before it starts
+anything else, in its own session, and rewrites
 PIDFILE (one pid a line, replaced atomically) whenever it starts or stops a process. It
 runs as a file rather than with ``-m``: ``-m`` would import the ``nbrpc`` package and with
 it torch (225 MB and 1.8 s measured, against 11 MB and 0.02 s). So this module imports
@@ -12,9 +12,9 @@ nothing but the standard library.
 
 Once a second it checks the kernel. When the kernel is gone it terminates the listed
 processes and those whose environment holds MARKER (the controller's ``IPP_CLUSTER_ID``)
-(then kills what is left after a grace period) and removes the kernel's
-leftover shared-memory segments (``_shm``). It exits by itself when PIDFILE is removed:
-the launcher does that when it releases everything.
+(then kills what is left after a grace period) and removes the kernel's leftover
+shared-memory segments (:mod:`nbrpc._wire.shm`). It exits by itself when PIDFILE is
+removed: the launcher does that when it releases everything.
 """
 
 from __future__ import annotations

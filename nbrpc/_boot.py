@@ -1,0 +1,227 @@
+"""A cluster's boot: engines up, the kernel and the workers in one RPC group, ready.
+
+The order, and why (the phases shown while it runs, in ``Cluster.boot_seconds``):
+
+1. The kernel describes itself; with device maps asked for, its own side is checked now,
+   before anything starts.
+2. The engine source starts (:mod:`nbrpc._engines`): a local controller and zygote begin
+   at once and import meanwhile. Without device maps the kernel joins the group now,
+   while they do ("controller", then "engines" once every engine registered).
+3. With device maps, each engine reports its devices and every map is planned and
+   checked (:mod:`nbrpc._devices`) before the kernel or any worker joins: torch fixes a
+   process's maps at its join.
+4. Every worker joins at once (:func:`nbrpc._engines.worker.join`, by ipyparallel's
+   ``apply``): "join". Then the shared-memory fast path is set up over RPC
+   (:mod:`nbrpc._wire.shm`) and, if asked, the workers' process group
+   (:mod:`nbrpc._collective`).
+
+What it finds and makes goes into a :class:`Booted` the cluster keeps, also when the
+boot fails half way: the cluster then stops what was started (``Cluster._abandon``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _collective, _devices, _group
+from ._engines import JOIN_TIMEOUT_S, Engines, remote_message, worker
+from ._engines.watchdog import segment_prefix
+from ._errors import BootError
+from ._options import Settings, validate_names
+from ._progress import BootProgress
+from ._rows import WorkerRecord
+from ._wire import shm
+
+
+@dataclass
+class Booted:
+    """What a boot found and made (the cluster keeps it, whole or half made)."""
+
+    #: every process of the group, the kernel first
+    records: list[WorkerRecord] = field(default_factory=list)
+    #: worker name -> its engine id, from the moment its join was asked
+    engine_of: dict[str, int] = field(default_factory=dict)
+    #: where the boot's time went, in seconds from its start: "controller" (connected;
+    #: 0 when kept from the last cluster), "engines" (all registered), "torch import"
+    #: (the zygote's imports, 0 when it ran before), "join" (its own length), "total"
+    seconds: dict[str, float] = field(default_factory=dict)
+    device_maps: dict = field(default_factory=dict)  # every process's maps
+    fast_path: bool = False  # large CPU tensors through shared memory
+    #: across hosts: each process's peers that see its /dev/shm (the fast path's reach)
+    shm_peers: dict[str, list[str]] = field(default_factory=dict)
+    process_group: _collective.ProcessGroupInfo | None = None
+
+
+def boot(settings: Settings, engines: Engines, booted: Booted) -> None:
+    """Run the boot (see the module doc); raises :class:`~nbrpc.BootError` & co."""
+    t0 = time.monotonic()
+    phases = booted.seconds
+    placeholder = settings.worker_names(settings.n or 0)
+    progress = BootProgress(placeholder, settings.progress if settings.n else "off")
+    kernel = worker.describe_process()
+    if settings.wants_devices:  # the kernel's own side is known now: refuse before any start
+        _devices.check_local(
+            settings.self_name,
+            settings.device_maps,
+            settings.gpus,
+            kernel["devices"],
+            kernel["host"],
+        )
+    engines.start()  # local engines start now and import torch while the kernel joins
+    if engines.reused:
+        progress.phase("controller", 0.0, "kept from the last cluster")
+    member = None
+    if not settings.wants_devices:  # join at once; device maps must wait for the workers
+        member = _join_kernel(settings, {}, None)
+    engines.launch(settings.n or 0)
+    engines.connect()
+    started = engines.controller_seconds()
+    if started is not None and not phases.get("controller"):
+        phases["controller"] = 0.0 if engines.reused else min(started, _since(t0))
+        if not engines.reused:
+            progress.phase("controller", phases["controller"])
+
+    def registered(count: int) -> None:
+        for name in placeholder[:count]:
+            progress.update(name, 1)
+
+    engine_ids = engines.wait(settings.n, registered)
+    phases["engines"] = _since(t0)
+    progress.phase("engines", phases["engines"], "registered")
+    names = settings.worker_names(len(engine_ids))
+    validate_names(names, settings.self_name)
+    if settings.process_group:  # refuse unknown members before any join
+        pg_members = _collective.members_of(settings.process_group_workers, names)
+    maps: dict = {}
+    chosen: dict = {}
+    if settings.wants_devices:
+        maps, chosen = _plan_devices(settings, engines, engine_ids, names, kernel)
+        member = _join_kernel(
+            settings, maps.get(settings.self_name, {}), chosen.get(settings.self_name)
+        )
+    assert member is not None
+    ranks = member.allocate_ranks(len(engine_ids))
+    pending = {}
+    t_join = time.monotonic()
+    for name, rank, eid in zip(names, ranks, engine_ids, strict=True):
+        progress.update(name, 2)
+        pending[name] = engines.apply(
+            eid,
+            worker.join,
+            name,
+            rank,
+            member.spec.to_dict(),
+            member.name,
+            settings.rpc_timeout,
+            settings.num_worker_threads,
+            maps.get(name),
+            chosen.get(name),
+        )
+        booted.engine_of[name] = eid
+    infos = _wait_for_joins(pending, progress)
+    imported = engines.import_seconds()
+    if imported is not None:
+        phases["torch import"] = imported
+        note = (
+            "done before this cluster"
+            if engines.reused
+            else "once, in the process engines fork from"
+        )
+        progress.phase("torch import", imported, note)
+    phases["join"] = _since(t_join)
+    progress.phase("join", phases["join"], "init_rpc")
+    prefix = segment_prefix(os.getpid())
+    if engines.remote:
+        booted.shm_peers = shm.set_up_by_host(prefix, settings.shm_threshold, member.name, names)
+        booted.fast_path = any(booted.shm_peers.values())
+    else:
+        local = member.spec.loopback_only
+        booted.fast_path = shm.set_up(prefix, settings.shm_threshold, names, local)
+    if settings.process_group:
+        t_pg = time.monotonic()
+        group_prefix = f"nbrpc-process-group/{os.getpid()}/{ranks[0]}"  # ranks are never reused
+        booted.process_group = _collective.start(
+            settings.process_group,
+            pg_members,
+            member.spec.to_dict(),
+            group_prefix,
+            {name: infos[name]["devices"] for name in names},
+        )
+        phases["process group"] = _since(t_pg)
+        progress.phase("process group", phases["process group"], settings.process_group)
+    booted.device_maps = maps
+    booted.records = [
+        WorkerRecord(member.name, 0, kernel["pid"], kernel["host"], "kernel", kernel["devices"])
+    ]
+    for name in names:
+        info, eid = infos[name], booted.engine_of[name]
+        booted.records.append(
+            WorkerRecord(
+                name,
+                info["rank"],
+                info["pid"],
+                info["host"],
+                f"engine {eid}",
+                info["devices"],
+                eid,
+                local=not engines.remote,
+            )
+        )
+    phases["total"] = _since(t0)
+
+
+def _since(t0: float) -> float:
+    return time.monotonic() - t0
+
+
+def _join_kernel(settings: Settings, device_maps: dict, devices: list[str] | None) -> Any:
+    return _group.kernel_membership(
+        settings.self_name,
+        init_method=settings.init_method,
+        listen=settings.listen,
+        rpc_timeout=settings.rpc_timeout,
+        num_worker_threads=settings.num_worker_threads,
+        device_maps=device_maps,
+        devices=devices,
+    )
+
+
+def _plan_devices(
+    settings: Settings, engines: Engines, engine_ids: list[int], names: list[str], kernel: dict
+) -> tuple[dict, dict]:
+    """Ask each engine for its devices, then plan and check every map before any join."""
+    asked = [engines.apply(eid, worker.describe_process) for eid in engine_ids]
+    described = {settings.self_name: kernel}
+    for name, ar in zip(names, asked, strict=True):
+        try:
+            described[name] = ar.get(timeout=JOIN_TIMEOUT_S)
+        except Exception as exc:
+            raise BootError(f"{name} could not describe its devices: {exc}") from exc
+    return _devices.plan(described, settings.gpus, settings.device_maps)
+
+
+def _wait_for_joins(pending: dict[str, Any], progress: BootProgress) -> dict[str, dict]:
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    infos: dict[str, dict] = {}
+    while len(infos) < len(pending):
+        for name, ar in pending.items():
+            if name in infos or not ar.ready():
+                continue
+            try:
+                infos[name] = ar.get()
+            except Exception as exc:
+                progress.fail(name, type(exc).__name__)
+                raise BootError(
+                    f"{name} could not join the RPC group: {remote_message(exc)}"
+                ) from None
+            progress.update(name, 3, f"pid {infos[name]['pid']}")
+        if time.monotonic() > deadline:
+            missing = [n for n in pending if n not in infos]
+            raise BootError(
+                f"{', '.join(missing)} did not join the RPC group within {JOIN_TIMEOUT_S:.0f} s"
+            )
+        time.sleep(0.02)
+    return infos

@@ -1,0 +1,238 @@
+"""Where a cluster's engines come from: one family of sources behind one protocol.
+
+ipyparallel is nbrpc's control plane: it launches, watches and stops the engines that
+become workers, and runs their bootstrap code. Where those engines come from varies; each
+way is an *engine source*, one module of this folder:
+
+* :mod:`.local` -- forked on this host from a zygote that imported torch once, with a
+  controller and warm spares kept between clusters (the default);
+* :mod:`.ssh` -- started on other hosts over ssh (``--hosts``), one per entry;
+* :mod:`.attached` -- an ipyparallel cluster someone else started (``--profile``).
+
+Beside them: :mod:`.controller` (the ipyparallel controller and watchdog the local and
+ssh sources start), :mod:`.zygote` (the process local engines fork from),
+:mod:`.watchdog` (stops them all if the kernel dies), :mod:`.hosts` (ssh options and the
+preflight of ``--hosts``) and :mod:`.worker` (what runs inside an engine to join).
+
+Every source implements :class:`EngineSource`, with the same signatures (a test holds
+them to it), and :class:`Engines`, the facade the cluster's lifecycle uses, never asks
+which source it has.
+
+**Adding a source** (say, a batch scheduler's):
+
+1. a module here with a class implementing :class:`EngineSource`: ``wants(settings)``
+   says which options ask for it, ``resolve`` completes those options, ``start`` /
+   ``launch`` / ``take`` bring engines up in worker order, ``stop`` and ``release_kept``
+   end what it started;
+2. its options in :class:`nbrpc._options.Options` (and :class:`~nbrpc._options.Settings`);
+3. one line in :data:`SOURCES`, before the sources it must win over.
+
+The ipyparallel client is not thread-safe: only the thread that runs the lifecycle (the
+kernel's main thread) calls these methods.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from nbrpc import _options
+
+from .attached import AttachedSource
+from .local import LocalSource
+from .ssh import SshSource
+from .watchdog import process_alive
+from .worker import leave
+
+log = logging.getLogger("nbrpc")
+
+ENGINE_START_TIMEOUT_S = 90.0
+JOIN_TIMEOUT_S = 90.0
+
+
+class EngineSource(Protocol):
+    """One way of getting a cluster's engines (see the module doc)."""
+
+    #: the engines run on other hosts: their pids are not this host's, and shared memory
+    #: is probed host by host
+    remote: bool
+    #: the controller and warm engines were kept from the last cluster
+    reused: bool
+
+    def __init__(self, settings: _options.Settings) -> None: ...
+
+    @classmethod
+    def wants(cls, settings: _options.Settings) -> bool:
+        """Whether these settings ask for this source."""
+        ...
+
+    @classmethod
+    def resolve(cls, settings: _options.Settings) -> _options.Settings:
+        """The settings completed with what only this source can work out."""
+        ...
+
+    @classmethod
+    def release_kept(cls) -> None:
+        """Stop what this source keeps between clusters (``%rpc_shutdown --release``)."""
+        ...
+
+    def start(self) -> None:
+        """Start what engines need (a controller, a zygote); returns at once."""
+        ...
+
+    def launch(self, n: int) -> None:
+        """Ask for ``n`` engines; they register with the controller in the background."""
+        ...
+
+    def client(self) -> Any:
+        """The ipyparallel client, connected to the controller."""
+        ...
+
+    def take(self, n: int | None, timeout: float, registered: Callable[[int], None]) -> list[int]:
+        """Ids of ``n`` registered engines, in worker order (``None``: all there are),
+        never handed out again; ``registered(count)`` as engines arrive."""
+        ...
+
+    def controller_seconds(self) -> float | None:
+        """Seconds until its controller answered (0: kept; None: not started by it)."""
+        ...
+
+    def import_seconds(self) -> float | None:
+        """Seconds its engines' imports took, once (0: done before; None: per engine)."""
+        ...
+
+    def controller_pid(self) -> int | None:
+        """The pid of the controller it started on this host (None: none)."""
+        ...
+
+    def last_output(self, pid: int) -> str:
+        """What engine ``pid`` printed as it crashed ("" if nothing, or not known here)."""
+        ...
+
+    def stop(self, engine_ids: list[int], pids: list[int], keep_warm: bool) -> None:
+        """Stop the engines a cluster used (``pids``: those of this host);
+        ``keep_warm``: start spares for the next cluster, where the source keeps any."""
+        ...
+
+
+#: The registered sources, asked in order which one the settings want (the last one
+#: wants everything).
+SOURCES: tuple[type[EngineSource], ...] = (AttachedSource, SshSource, LocalSource)
+
+
+def source_for(settings: _options.Settings) -> type[EngineSource]:
+    return next(source for source in SOURCES if source.wants(settings))
+
+
+def resolve(settings: _options.Settings) -> _options.Settings:
+    """``settings`` completed by the source they ask for (before anything starts)."""
+    return source_for(settings).resolve(settings)
+
+
+def release_kept() -> None:
+    """Stop what any source keeps between clusters (controllers, spare engines)."""
+    for source in SOURCES:
+        source.release_kept()
+
+
+def remote_message(exc: BaseException) -> str:
+    """An engine's exception, as ipyparallel reports it, in one line."""
+    ename = getattr(exc, "ename", None)
+    return f"{ename}: {getattr(exc, 'evalue', '')}" if ename else f"{type(exc).__name__}: {exc}"
+
+
+class Engines:
+    """The engines of one cluster, from the source its settings ask for."""
+
+    def __init__(self, settings: _options.Settings) -> None:
+        self.settings = settings
+        self.source: EngineSource = source_for(settings)(settings)
+        self.client: Any = None
+        self.taken: list[int] = []  # engine ids handed to this cluster by the source
+
+    @property
+    def remote(self) -> bool:
+        """The engines run on other hosts (their pids are not this host's)."""
+        return self.source.remote
+
+    @property
+    def reused(self) -> bool:
+        return self.source.reused
+
+    def start(self) -> None:
+        """Start what the engines need (returns at once: local engines import meanwhile)."""
+        self.source.start()
+
+    def launch(self, n: int) -> None:
+        """Ask for ``n`` engines (waits for a new zygote's imports)."""
+        self.source.launch(n)
+
+    def connect(self) -> Any:
+        self.client = self.source.client()
+        return self.client
+
+    def wait(self, n: int | None, registered: Callable[[int], None]) -> list[int]:
+        """Ids of ``n`` registered engines, in worker order."""
+        self.taken = self.source.take(n, ENGINE_START_TIMEOUT_S, registered)
+        return self.taken
+
+    def controller_seconds(self) -> float | None:
+        return self.source.controller_seconds()
+
+    def import_seconds(self) -> float | None:
+        return self.source.import_seconds()
+
+    def last_output(self, pid: int) -> str:
+        """What a local engine printed as it crashed (see ``local.last_words``)."""
+        return self.source.last_output(pid)
+
+    # -- run bootstrap code ------------------------------------------------------------
+
+    def apply(self, engine_id: int, func: Callable[..., Any], *args: Any) -> Any:
+        """Start ``func(*args)`` on one engine; returns ipyparallel's AsyncResult."""
+        return self.client[engine_id].apply_async(func, *args)
+
+    def alive(self) -> set[int] | None:
+        """Engine ids ipyparallel still lists (``None``: no client to ask).
+
+        None of them when the kernel's own controller is gone: its engines stop by
+        themselves (``ENGINE_ORPHAN_MISSES``) and nothing can reach them through it, so
+        shutdown must not wait on them.
+        """
+        if self.client is None:
+            return None
+        controller = self.source.controller_pid()
+        if controller is not None and not process_alive(controller):
+            return set()
+        return set(self.client.ids)
+
+    # -- stop --------------------------------------------------------------------------
+
+    def leave(self, engine_ids: list[int], graceful: bool, timeout: float) -> None:
+        """Ask the workers on ``engine_ids`` to leave the RPC group (bounded by timeout)."""
+        if self.client is None:
+            return
+        pending = []
+        for eid in engine_ids:
+            try:
+                pending.append(self.apply(eid, leave))
+            except Exception as exc:
+                log.warning("could not ask engine %s to leave: %s", eid, exc)
+        deadline = time.monotonic() + timeout
+        for ar in pending:
+            try:
+                ar.get(timeout=max(0.1, deadline - time.monotonic()))
+            except Exception as exc:
+                if graceful:
+                    log.warning("a worker did not leave the RPC group cleanly: %s", exc)
+
+    def stop(self, pids: list[int], keep_spares: bool) -> None:
+        """Stop the engines this cluster used (never reusable: torch joins once per
+        process); the source may warm spares for the next cluster."""
+        try:
+            self.source.stop(self.taken, pids, keep_spares)
+        finally:
+            self.taken = []
+            self.client = None

@@ -1,0 +1,185 @@
+"""The ipyparallel controller nbrpc runs on this host, and the watchdog that stops its
+processes should the kernel die.
+
+The local source (:mod:`.local`: engines forked here) and the ssh source (:mod:`.ssh`:
+engines on other hosts) both start one. What nbrpc changes from ipyparallel's defaults,
+measured on 2 cores with ipyparallel 9 (where they put a notebook user's 8–9 s per
+``%rpc_init``):
+
+- An engine counts as registered only after the controller's heart monitor has seen its
+  first heartbeat, and ``HeartMonitor.period`` is 3000 ms. Here it is
+  :data:`HEARTBEAT_MS` (500). The engine's heart is a zmq device thread that echoes pings
+  in C without the GIL, so a worker busy in Python or in a long C++ op still answers
+  (tested); a killed engine is declared dead after :data:`HEARTBEAT_MISSES` silent periods.
+- ``Cluster.delay`` sleeps 1 s between controller and engines, and by default engines
+  start only once the controller wrote its connection file. Here both start at once.
+- The controller forks about 8 processes (queues, schedulers, broadcast tree);
+  ``IPController.use_threads`` runs them as threads. Engines run without ipyparallel's
+  nanny process: nbrpc never signals engines through ipyparallel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from typing import Any
+
+import psutil
+
+from . import watchdog
+
+log = logging.getLogger("nbrpc")
+
+#: The controller's heartbeat period. ipyparallel's 3000 ms makes every engine wait up to
+#: two periods to count as registered. 500 ms measured here: idle CPU 0.3 % of a core for
+#: the heart monitor and 0.1 % per engine (200 ms: 0.8 % and 0.4 %).
+HEARTBEAT_MS = 500
+#: The controller declares an engine dead after HEARTBEAT_MISSES + 1 silent periods (2 s;
+#: measured 2.3 s from kill -9 to the client's notice). The engine's heart echoes pings
+#: from a zmq thread in C, without the GIL: busy workers still answer (tested).
+HEARTBEAT_MISSES = 3
+#: An engine stops by itself after this many checks, every HEARTBEAT_MS + 500 ms, without
+#: hearing the controller (10 s): engines do not outlive a controller that died.
+ENGINE_ORPHAN_MISSES = 10
+CONTROLLER_TIMEOUT_S = 60.0
+ENGINE_EXIT_WAIT_S = 5.0
+
+
+#: What every engine nbrpc starts is told, here or on another host: no nanny process, wait
+#: for the controller's connection file, and stop after ENGINE_ORPHAN_MISSES heartbeats
+#: without the controller.
+ENGINE_ARGS = (
+    "--IPEngine.enable_nanny=False",
+    f"--IPEngine.wait_for_url_file={CONTROLLER_TIMEOUT_S:.0f}",
+    f"--IPEngine.max_heartbeat_misses={ENGINE_ORPHAN_MISSES}",
+)
+
+
+class Controller:
+    """An ipyparallel controller nbrpc runs on this host, and the watchdog that stops its
+    processes should the kernel die. :class:`.local.LocalController` (engines here) and
+    :class:`.ssh.HostController` (engines over ssh) build on it.
+
+    ``listen``: the controller's address. ``workdir``: a private directory of this
+    controller's (the watchdog's pid file; removed at release). Subclasses add their own
+    processes to :meth:`pids` and start the controller with :meth:`_start_controller`.
+    """
+
+    def __init__(self, listen: str, workdir: str, engine_launcher_class: type) -> None:
+        import ipyparallel as ipp
+
+        self._ipp = ipp.Cluster(
+            controller_ip=listen,
+            log_level=logging.ERROR,  # nbrpc reports failures itself, with advice
+            shutdown_atexit=False,  # nbrpc's own atexit hook releases it (quietly)
+            delay=0,
+            send_engines_connection_env=False,  # engines wait for the file themselves
+            engine_launcher_class=engine_launcher_class,
+            controller_args=[
+                "--IPController.use_threads=True",
+                f"--HeartMonitor.period={HEARTBEAT_MS}",
+                f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
+            ],
+        )
+        self._client: Any = None
+        self._workdir = workdir
+        self._pidfile = os.path.join(workdir, "pids")
+        self._watcher: subprocess.Popen | None = None
+        self.controller_seconds: float | None = None
+        self._started = time.monotonic()
+
+    @property
+    def watchdog_pid(self) -> int | None:
+        """The watchdog's pid, once started."""
+        return self._watcher.pid if self._watcher is not None else None
+
+    @property
+    def pidfile(self) -> str:
+        """The file where the watchdog reads which pids to stop."""
+        return self._pidfile
+
+    @property
+    def controller_pid(self) -> int | None:
+        return getattr(self._ipp.controller, "pid", None)
+
+    @property
+    def _marker(self) -> str:
+        """How ipyparallel tells the controller (and every process it forks) its cluster."""
+        return f"IPP_CLUSTER_ID={self._ipp.cluster_id}"
+
+    def controller_pids(self) -> list[int]:
+        """The controller and the processes it forked (its heart monitor), if running."""
+        pid = self.controller_pid
+        if not pid:
+            return []
+        pids = [pid]
+        with contextlib.suppress(psutil.Error):
+            pids += [c.pid for c in psutil.Process(pid).children(recursive=True)]
+        return pids
+
+    def pids(self) -> list[int]:
+        """Every process of this host that the watchdog stops should the kernel die."""
+        return self.controller_pids()
+
+    def client(self) -> Any:
+        """The ipyparallel client, connected once the controller is up."""
+        if self._client is None:
+            self._client = self._ipp.connect_client_sync()
+            self.controller_seconds = time.monotonic() - self._started
+            self._watch()  # the controller's forks exist by now
+        return self._client
+
+    def _start_controller(self) -> None:
+        """Start the controller; a failure releases everything started so far."""
+        try:
+            self._ipp.start_controller_sync()
+            self._watch()
+        except BaseException:
+            self.release()
+            raise
+
+    def _watch(self) -> None:
+        """Tell the watchdog which pids to stop should this kernel die (start it once)."""
+        watchdog.write_pids(self._pidfile, self.pids())
+        if self._watcher is None:
+            self._watcher = subprocess.Popen(
+                [sys.executable, watchdog.__file__, str(os.getpid()), self._pidfile, self._marker],
+                start_new_session=True,  # not hit by the signal that kills the kernel's group
+                stdin=subprocess.DEVNULL,
+            )
+
+    def _stop_processes(self) -> None:
+        """Close the client and stop this controller's processes on this host, at once.
+
+        Found by pid and by ipyparallel's cluster-id marker, as the watchdog finds them:
+        a controller that died alone leaves its forked heart monitor, which no longer
+        shows among its children (seen: two such processes outlived their kernels).
+        """
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                self._client.close()
+            self._client = None
+        ours = self.pids() + watchdog.started_with(self._marker)
+        watchdog.reap(sorted({p for p in ours if p != os.getpid()}))
+
+    def release(self) -> None:
+        self._stop_processes()
+        self._stop_watchdog()
+
+    def _stop_watchdog(self) -> None:
+        shutil.rmtree(self._workdir, ignore_errors=True)  # alone, it would exit within 1 s
+        if self._watcher is not None:
+            self._watcher.terminate()
+            self._watcher.wait()
+            self._watcher = None
+
+
+def tail(text: str, lines: int = 25) -> str:
+    """The last ``lines`` non-blank lines of an engine's output, indented for an error."""
+    kept = [line for line in text.splitlines() if line.strip()][-lines:]
+    return "\n".join(f"    {line}" for line in kept) or "    (no output)"

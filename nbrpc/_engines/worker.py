@@ -1,0 +1,83 @@
+"""What runs inside an engine to make it a worker: describe it, join the group, leave.
+
+The boot sends these with ipyparallel's ``apply`` (every engine source's engines run
+them). Every function here is importable by name, so ipyparallel ships a reference, not
+code. Once joined, the cluster reaches a worker by RPC.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from typing import Any
+
+
+def describe_process() -> dict[str, Any]:
+    """What the notebook shows about a worker process: pid, host, devices, versions."""
+    import torch
+
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "devices": ["cpu"] + [f"cuda:{i}" for i in range(cuda)],
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cwd": os.getcwd(),
+    }
+
+
+def join(
+    name: str,
+    rank: int,
+    store: dict,
+    kernel: str,
+    rpc_timeout: float,
+    num_worker_threads: int,
+    device_maps: dict | None = None,
+    devices: list[str] | None = None,
+) -> dict[str, Any]:
+    """Join the notebook's RPC group as ``name``; return this process's description."""
+    from nbrpc import _agent, _group, _torch
+    from nbrpc._debugger import remote_pdb
+    from nbrpc._errors import BootError
+    from nbrpc._wire import output
+
+    _torch.quiet_internal_deprecations()  # the optimizer's TorchScript notice, see there
+    _agent.install()
+    spec = _group.StoreSpec(**store)
+    if spec.kind == "file" and not os.path.exists(os.path.dirname(spec.path)):
+        raise BootError(
+            f"worker {name} on {socket.gethostname()} cannot see the kernel's store "
+            f"{spec.path}: it runs on another host. Start the cluster with --listen ADDR "
+            "(an address of the kernel's host that this host reaches), so the kernel's store "
+            "and RPC endpoint listen there."
+        )
+    output.forward_output_to(kernel, name)
+    remote_pdb.install()  # breakpoint() opens pdb in the calling cell
+    _group.join(
+        name,
+        rank,
+        spec,
+        rpc_timeout=rpc_timeout,
+        num_worker_threads=num_worker_threads,
+        device_maps=device_maps,
+        devices=devices,
+    )
+    _agent.set_active(True)  # code running here may call nbrpc.rpc_sync & co. too
+    info = describe_process()
+    info.update(name=name, rank=rank)
+    return info
+
+
+def host_entry() -> str | None:
+    """The ``--hosts`` entry this engine was started for (None: a local engine)."""
+    return os.environ.get("NBRPC_HOST_ENTRY")
+
+
+def leave(timeout: float = 0) -> None:
+    """Leave the group gracefully; the engine itself keeps running."""
+    from nbrpc import _group
+
+    _group.leave(timeout)

@@ -1,0 +1,534 @@
+"""What a cluster can be asked for: every option declared once, and the frozen settings.
+
+:class:`Options` is the one declaration. Each entry is an option's name, the type a caller
+gives it, and an :class:`Opt`: its ``%rpc_init`` flag, its help line, its default, and how
+the flag's text becomes the value. From it come:
+
+* the keyword arguments of :func:`nbrpc.init` and :class:`nbrpc.Cluster`, typed
+  (``**options: Unpack[Options]``), and the options part of their docstrings;
+* ``%rpc_init``'s arguments and ``--help`` (:func:`magic_arguments`);
+* ``docs/options.md`` (:func:`options_doc`, checked by ``tests/test_options.py``).
+
+:class:`Settings` is what a cluster was asked for once checked: one frozen object whose
+fields are the options' names (the test holds the two together), with defaults worked out
+and every bad value refused with a :class:`~nbrpc.ConfigError` before a process starts
+(:meth:`Settings.make`). What only the engine source can work out (``--hosts`` asks ssh
+for the route to the first host, to pick ``--listen``) it completes itself
+(:func:`nbrpc._engines.resolve`).
+
+Adding an option: one entry in :class:`Options` (its ``doc`` is its documentation), its
+field in :class:`Settings`, and its use.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Annotated, Any, TypedDict, get_type_hints
+
+from . import _devices, _group, _process
+from ._errors import ConfigError
+from ._wire import shm
+
+DEFAULT_WORKERS = 2  # a local cluster's size when neither n nor names say otherwise
+DEFAULT_RPC_TIMEOUT_S = 60.0
+DEFAULT_THREADS = 16
+PROCESS_GROUP_BACKENDS = ("gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class Opt:
+    """How an option is given and documented.
+
+    ``flag``: its ``%rpc_init`` flag (None: from Python only). ``help``: one line for
+    ``--help``; ``doc``: more, for the docstring and docs/options.md. ``parse``: the flag's
+    text (a list of texts for a ``repeat`` flag) to the option's value. ``switch``: the flag
+    takes no value and sets the option to ``switch[1]`` (``switch[0]`` when absent).
+    """
+
+    flag: str | None
+    help: str
+    default: Any = None
+    doc: str = ""
+    metavar: str | None = None
+    parse: Callable[[Any], Any] | None = None
+    switch: tuple[Any, Any] | None = None
+    repeat: bool = False
+
+
+def _comma_list(text: str) -> list[str]:
+    return [s for s in text.split(",") if s.strip()]
+
+
+def _unquote(value: str) -> str:
+    """IPython splits magic lines keeping quotes: ``--ssh-args '-F cfg'`` arrives quoted."""
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        return value[1:-1]
+    return value
+
+
+def _device_map_flags(texts: list[str]) -> dict[str, dict] | None:
+    return dict(_devices.parse_device_map(text) for text in texts) or None
+
+
+class Options(TypedDict, total=False):
+    """The options of :func:`nbrpc.init`, :class:`nbrpc.Cluster` and ``%rpc_init``."""
+
+    n: Annotated[
+        int | None,
+        Opt(
+            "-n",
+            "number of workers to start (default 2)",
+            doc="How many workers to start. Default: 2, or one per ``names`` or ``hosts`` "
+            "entry, or every engine of an attached ipyparallel cluster.",
+            parse=int,
+        ),
+    ]
+    names: Annotated[
+        list[str] | None,
+        Opt(
+            "--names",
+            "comma-separated worker names, e.g. ps,trainer1",
+            doc="The workers' names, in order (default ``worker1`` ... ``workerN``).",
+            metavar="NAMES",
+            parse=_comma_list,
+        ),
+    ]
+    self_name: Annotated[
+        str,
+        Opt(
+            "--self",
+            "the kernel's name",
+            default="worker0",
+            doc="The name the calling process joins as (rank 0). Fixed for the kernel's lifetime.",
+        ),
+    ]
+    num_worker_threads: Annotated[
+        int | None,
+        Opt("--threads", "RPC threads per process (default 16)", parse=int),
+    ]
+    rpc_timeout: Annotated[
+        float | None,
+        Opt("--timeout", "default RPC timeout, seconds (60)", parse=float),
+    ]
+    init_method: Annotated[
+        str | None,
+        Opt(
+            "--init-method",
+            "tcp://HOST:PORT for groups across hosts",
+            doc="The group's rendezvous: ``tcp://HOST:PORT`` (workers on other hosts connect "
+            "there) or ``file:///shared/path``. Default: a private file store.",
+        ),
+    ]
+    profile: Annotated[
+        str | None,
+        Opt(
+            "--profile",
+            "attach to the ipyparallel cluster of this profile",
+            doc="Attach to a running ipyparallel cluster (engines on other hosts included) "
+            "instead of starting engines; ``n`` then picks how many of its engines join "
+            "(default: all). Its engines keep running after a shutdown.",
+        ),
+    ]
+    cluster_id: Annotated[
+        str | None,
+        Opt("--cluster-id", "attach to the ipyparallel cluster with this id"),
+    ]
+    progress: Annotated[
+        str | bool,
+        Opt(
+            None,
+            "the boot's progress: 'auto', 'widget', 'text' or 'off'",
+            default="auto",
+            doc="How the boot shows its progress: ``'auto'`` (widgets in a notebook, "
+            "nothing elsewhere), ``'widget'``, ``'text'`` (lines on stderr) or ``'off'``; "
+            "``True``/``False`` mean text/off. ``%rpc_init --quiet`` turns it off.",
+        ),
+    ]
+    listen: Annotated[
+        str | None,
+        Opt(
+            "--listen",
+            "this host's address for workers on other hosts (default: loopback only; "
+            "anyone who reaches it can run code: see docs/security.md)",
+            doc="Everything listens on loopback unless ``listen`` names one of this host's "
+            "addresses: then the kernel's RPC endpoint, its membership store and the "
+            "ipyparallel controller it starts listen there, for workers on other hosts. "
+            "torch RPC has no authentication: whoever reaches those ports can run code here "
+            "(docs/security.md).",
+            metavar="ADDR",
+        ),
+    ]
+    gpus: Annotated[
+        str | None,
+        Opt(
+            "--gpus",
+            "'auto': one GPU per process, device maps for all pairs",
+            doc="``'auto'`` gives each process one GPU (round-robin per host) and maps every "
+            "pair, checked against the devices each process reports before any join.",
+        ),
+    ]
+    device_maps: Annotated[
+        dict[str, dict] | None,
+        Opt(
+            "--device-map",
+            "the kernel's device map to WORKER, e.g. worker1=cuda:0->cuda:1 (repeatable)",
+            doc="The kernel's device maps by hand, e.g. ``{'worker1': {'cuda:0': "
+            "'cuda:1'}}``; checked against the devices each process reports.",
+            metavar="WORKER=LOCAL->REMOTE",
+            parse=_device_map_flags,
+            repeat=True,
+        ),
+    ]
+    shm_threshold: Annotated[
+        int | None,
+        Opt(
+            "--no-shm",
+            "send large CPU tensors through TensorPipe, not shared memory",
+            default=shm.DEFAULT_THRESHOLD,
+            doc="CPU tensors whose storage has at least this many bytes travel through "
+            "shared memory between processes of one host (``None``, ``--no-shm``: never); "
+            "see docs/architecture.md.",
+            switch=(shm.DEFAULT_THRESHOLD, None),
+        ),
+    ]
+    python: Annotated[
+        str | None,
+        Opt(
+            "--python",
+            "the interpreter workers run (default: the kernel's); it needs torch and nbrpc",
+            metavar="PATH",
+        ),
+    ]
+    process_group: Annotated[
+        str | None,
+        Opt(
+            "--process-group",
+            "the workers also form a torch.distributed process group: gloo or nccl",
+            doc="``'gloo'`` (or ``'nccl'``): the workers also form a ``torch.distributed`` "
+            "process group, for collectives and DDP in ``%%rpc`` cells.",
+            metavar="BACKEND",
+        ),
+    ]
+    process_group_workers: Annotated[
+        list[str] | None,
+        Opt(
+            "--process-group-workers",
+            "its members in rank order, comma-separated (default: every worker)",
+            metavar="NAMES",
+            parse=lambda text: text.split(","),
+        ),
+    ]
+    hosts: Annotated[
+        str | list[str] | None,
+        Opt(
+            "--hosts",
+            "workers on other hosts over ssh, one per entry ([user@]address), named in "
+            "order; a host listed N times gets N workers (docs/multi-host.md)",
+            doc="One worker per entry on other hosts over ssh (``['root@h1', 'h1', 'h2']`` "
+            "or ``'root@h1,h1,h2'``), named in list order. Each host is checked first (ssh "
+            "login, same Python and package versions, reaching this host), and ``listen`` "
+            "defaults to this host's address on the route towards the first host. See "
+            "docs/multi-host.md.",
+            metavar="HOST[,HOST...]",
+        ),
+    ]
+    ssh_args: Annotated[
+        str | list[str] | None,
+        Opt(
+            "--ssh-args",
+            "extra ssh options for --hosts, quoted, e.g. --ssh-args '-F ~/.ssh/cluster_config'",
+            doc="ssh options added after nbrpc's own (the user's ssh config is read; "
+            "BatchMode is always on).",
+            metavar="ARGS",
+            parse=_unquote,
+        ),
+    ]
+    remote_python: Annotated[
+        str | None,
+        Opt(
+            "--remote-python",
+            "the interpreter on the hosts (default: the kernel's path)",
+            metavar="PATH",
+        ),
+    ]
+
+
+def declared() -> dict[str, Opt]:
+    """Every option's :class:`Opt`, in declaration order."""
+    hints = get_type_hints(Options, include_extras=True)
+    return {name: hint.__metadata__[0] for name, hint in hints.items()}
+
+
+def annotation(name: str) -> str:
+    """The type an option is given as, as source text (``"int | None"``)."""
+    raw = Options.__annotations__[name]
+    text = getattr(raw, "__forward_arg__", raw)  # TypedDict keeps them as ForwardRefs
+    return re.sub(r"^Annotated\[\s*(.*?),\s*Opt\(.*$", r"\1", str(text), flags=re.S)
+
+
+def options_doc() -> str:
+    """The options as a reStructuredText-ish list, for docstrings and docs/options.md."""
+    lines = []
+    for name, opt in declared().items():
+        flag = f" (``%rpc_init {opt.flag}``)" if opt.flag else " (Python only)"
+        default = "" if opt.default is None else f" Default: ``{opt.default!r}``."
+        text = opt.doc or (opt.help[0].upper() + opt.help[1:] + ".")
+        lines.append(f"- ``{name}: {annotation(name)}``{flag}: {text}{default}")
+    return "\n".join(lines)
+
+
+def from_flags(args: Any) -> dict[str, Any]:
+    """The options ``%rpc_init``'s parsed arguments give (argparse's namespace)."""
+    given: dict[str, Any] = {}
+    for name, opt in declared().items():
+        if opt.flag is None:
+            continue
+        value = getattr(args, name)
+        if opt.switch is not None:
+            given[name] = opt.switch[1] if value else opt.switch[0]
+        elif opt.repeat and value:
+            given[name] = opt.parse(value) if opt.parse else value
+        elif not opt.repeat and value is not None:
+            given[name] = value  # argparse ran opt.parse
+    return given
+
+
+def magic_arguments(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Give an IPython magic one ``@argument`` per option that has a flag."""
+    from IPython.core.magic_arguments import argument
+
+    for name, opt in reversed(declared().items()):
+        if opt.flag is None:
+            continue
+        kwargs: dict[str, Any] = {"dest": name, "help": opt.help}
+        if opt.switch is not None:
+            kwargs["action"] = "store_true"
+        else:
+            kwargs["default"] = [] if opt.repeat else None
+            if opt.repeat:
+                kwargs["action"] = "append"
+            elif opt.parse is not None:
+                kwargs["type"] = opt.parse  # a bad value is a UsageError, before anything
+            if opt.metavar:
+                kwargs["metavar"] = opt.metavar
+        func = argument(opt.flag, **kwargs)(func)
+    return func
+
+
+# -- checked ------------------------------------------------------------------------------
+
+
+def validate_names(names: list[str] | tuple[str, ...], self_name: str) -> None:
+    for name in [self_name, *names]:
+        if not name or len(name) >= 128 or not all(c.isalnum() or c in "_-" for c in name):
+            raise ConfigError(
+                f"bad worker name {name!r}: use letters, digits, '_' or '-' "
+                "(at most 127 characters), e.g. --names ps,trainer1"
+            )
+    if len(set(names)) != len(names) or self_name in names:
+        raise ConfigError(
+            f"worker names must be unique and differ from the kernel's ({self_name!r}); "
+            f"got {[self_name, *names]}"
+        )
+
+
+_HOST_ENTRY = re.compile(r"^(?:[A-Za-z0-9._-]+@)?[A-Za-z0-9._:-]+$")
+
+
+def parse_hosts(hosts: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """``"root@h1,h1,h2"`` (or a list) -> ``("root@h1", "h1", "h2")``, each entry checked."""
+    items = hosts.split(",") if isinstance(hosts, str) else list(hosts)
+    entries = tuple(str(h).strip() for h in items if str(h).strip())
+    if not entries:
+        raise ConfigError("--hosts is empty: give [user@]address entries, e.g. --hosts h1,h1,h2")
+    for entry in entries:
+        if not _HOST_ENTRY.match(entry):
+            raise ConfigError(
+                f"--hosts entry {entry!r} is not [user@]address (letters, digits, '.', '-', "
+                "'_', ':'); ssh options such as a port or key go in --ssh-args, e.g. "
+                "--ssh-args='-p 2222 -i ~/.ssh/cluster'"
+            )
+    return entries
+
+
+def _unknown(name: str, opts: dict[str, Opt]) -> str:
+    """The error for an option nobody declared, with the nearest one (by its name, or by
+    its ``%rpc_init`` flag: ``threads`` is ``num_worker_threads``)."""
+    import difflib
+
+    by_flag = {o.flag.lstrip("-").replace("-", "_"): n for n, o in opts.items() if o.flag}
+    names = {**{n: n for n in opts}, **by_flag}
+    near = difflib.get_close_matches(name, list(names), n=1)
+    hint = ""
+    if near:
+        option = names[near[0]]
+        flag = opts[option].flag
+        hint = f": did you mean {option!r}" + (f" (%rpc_init {flag})?" if flag else "?")
+    return f"unknown option {name!r}{hint} The options are in docs/options.md."
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A cluster's options, checked (see :class:`Options` for what each one means)."""
+
+    n: int | None  # None: every engine of an attached ipyparallel cluster
+    names: tuple[str, ...] | None
+    self_name: str
+    num_worker_threads: int
+    rpc_timeout: float
+    init_method: str | None
+    profile: str | None
+    cluster_id: str | None
+    progress: str  # "widget", "text" or "off"
+    listen: str | None
+    gpus: str | None
+    #: the kernel's maps to workers, checked for syntax now, against devices at boot
+    device_maps: _devices.Maps = field(default_factory=dict)
+    shm_threshold: int | None = shm.DEFAULT_THRESHOLD
+    python: str = sys.executable
+    #: a torch.distributed process group among the workers ("gloo" or "nccl"), and which
+    #: workers are in it, in rank order (None: all of them)
+    process_group: str | None = None
+    process_group_workers: tuple[str, ...] | None = None
+    #: workers on other hosts over ssh, one per entry in order (see nbrpc._engines.ssh)
+    hosts: tuple[str, ...] | None = None
+    ssh_args: tuple[str, ...] = ()
+    remote_python: str | None = None
+
+    @classmethod
+    def make(cls, n: int | None = None, /, **options: Any) -> Settings:
+        """Defaults filled in and every argument checked; raises :class:`ConfigError`.
+
+        What needs the engine source to work out (``--listen`` for ``--hosts``: the
+        address on the route towards the first host) is completed by
+        :func:`nbrpc._engines.resolve`.
+        """
+        opts = declared()
+        unknown = sorted(set(options) - set(opts))
+        if unknown:
+            raise ConfigError(_unknown(unknown[0], opts))
+        if n is not None and options.get("n") is not None and options["n"] != n:
+            raise ConfigError(f"n given twice: {n} and {options['n']}")
+        v = {name: opt.default for name, opt in opts.items()}
+        v.update(options)
+        v["n"] = n if n is not None else v["n"]
+        return cls._checked(v)
+
+    @classmethod
+    def _checked(cls, v: dict[str, Any]) -> Settings:
+        n, names, self_name = v["n"], v["names"], v["self_name"]
+        attached = v["profile"] is not None or v["cluster_id"] is not None
+        clean = tuple(s.strip() for s in names) if names else None
+        entries = parse_hosts(v["hosts"]) if v["hosts"] is not None else None
+        ssh_args = v["ssh_args"]
+        extra = tuple(shlex.split(ssh_args) if isinstance(ssh_args, str) else ssh_args or ())
+        if entries is None and (extra or v["remote_python"]):
+            raise ConfigError("--ssh-args and --remote-python go with --hosts")
+        listen, init_method = v["listen"], v["init_method"]
+        if entries is not None:
+            if attached:
+                raise ConfigError(
+                    "--hosts starts engines over ssh; --profile/--cluster-id attach to engines "
+                    "someone else started. Use one or the other."
+                )
+            if n is not None and n != len(entries):
+                raise ConfigError(
+                    f"-n {n} does not match the {len(entries)} --hosts entries: a host listed "
+                    "N times gets N workers, so leave -n out"
+                )
+            if clean is not None and len(clean) != len(entries):
+                raise ConfigError(
+                    f"{len(clean)} names for {len(entries)} --hosts entries: give one name per "
+                    "entry (a host listed twice gets two workers)"
+                )
+            n = len(entries)
+            if listen and _group.is_loopback(listen):
+                raise ConfigError(
+                    f"--listen {listen} with --hosts: workers on other hosts cannot reach this "
+                    "host's loopback. Give an address they reach (or leave --listen out: it "
+                    "is worked out from the route towards the first host)."
+                )
+        if init_method and not listen:
+            listen = _group.listen_of_init_method(init_method)
+        if clean is not None:
+            if n is not None and n != len(clean):
+                raise ConfigError(f"-n {n} does not match {len(clean)} names: {list(clean)}")
+            n = len(clean)
+        if n is None and not attached:
+            n = DEFAULT_WORKERS
+        if n is not None and (not isinstance(n, int) or n < 1):
+            raise ConfigError(f"-n must be at least 1, got {n}")
+        validate_names(clean or (), self_name)
+        if init_method:
+            _group.spec_from_init_method(init_method)  # refuse a bad URL before any start
+        if listen:
+            _group.interface_for(listen)  # refuse an address this host lacks
+        gpus = v["gpus"]
+        if gpus not in (None, "auto"):
+            raise ConfigError(f"--gpus {gpus!r}: only 'auto' is supported (one GPU per process)")
+        shm_threshold = v["shm_threshold"]
+        if shm_threshold is not None and shm_threshold < 1:
+            raise ConfigError(
+                f"shm_threshold must be a positive number of bytes or None, got {shm_threshold}"
+            )
+        process_group = v["process_group"]
+        if process_group is not None and process_group not in PROCESS_GROUP_BACKENDS:
+            raise ConfigError(
+                f"--process-group {process_group!r}: use gloo (CPU tensors, any host) or nccl "
+                "(CUDA tensors, a GPU per worker)"
+            )
+        members = tuple(s.strip() for s in v["process_group_workers"] or () if s.strip()) or None
+        if members is not None:
+            if process_group is None:
+                raise ConfigError(
+                    "--process-group-workers needs --process-group gloo (or nccl) as well"
+                )
+            if len(set(members)) != len(members):
+                raise ConfigError(f"--process-group-workers lists a worker twice: {members}")
+        progress = v["progress"]
+        if progress == "auto":
+            progress = "widget" if _process.in_notebook() else "off"
+        mode = {True: "text", False: "off"}[progress] if isinstance(progress, bool) else progress
+        if mode not in ("widget", "text", "off"):
+            raise ConfigError(f"progress={progress!r}: use 'auto', 'widget', 'text' or 'off'")
+        threads, timeout = v["num_worker_threads"], v["rpc_timeout"]
+        return cls(
+            n=n,
+            names=clean,
+            self_name=self_name,
+            num_worker_threads=int(threads or DEFAULT_THREADS),
+            rpc_timeout=float(DEFAULT_RPC_TIMEOUT_S if timeout is None else timeout),
+            init_method=init_method,
+            profile=v["profile"],
+            cluster_id=v["cluster_id"],
+            progress=mode,
+            listen=listen,
+            gpus=gpus,
+            device_maps=_devices.merge(self_name, (v["device_maps"] or {}).items()),
+            shm_threshold=shm_threshold,
+            python=v["python"] or sys.executable,
+            process_group=process_group,
+            process_group_workers=members,
+            hosts=entries,
+            ssh_args=extra,
+            remote_python=v["remote_python"],
+        )
+
+    @property
+    def attached(self) -> bool:
+        """Engines of an ipyparallel cluster someone else started (not stopped by us)."""
+        return self.profile is not None or self.cluster_id is not None
+
+    @property
+    def wants_devices(self) -> bool:
+        return bool(self.gpus or self.device_maps)
+
+    def worker_names(self, count: int) -> list[str]:
+        return list(self.names) if self.names else [f"worker{i}" for i in range(1, count + 1)]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

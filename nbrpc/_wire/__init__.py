@@ -1,0 +1,15 @@
+"""What travels between the processes of a cluster, and how, over torch's RPC.
+
+torch's TensorPipe agent carries every message; these modules decide what goes into one
+and what happens around a call on the callee:
+
+* :mod:`.pickling` -- notebook code by value (cloudpickle inside torch's RPC pickler),
+  tensors out-of-band, RRefs with their ledger label;
+* :mod:`.callee` -- what runs around the function a peer asked for (counts, hooks,
+  routes) and torch's ``_run_function`` hook;
+* :mod:`.output` -- what a call prints on a worker, shown in the calling cell;
+* :mod:`.failures` -- a failed call's exception and traceback, rebuilt by the caller, and
+  the last failure kept for a post-mortem;
+* :mod:`.shm` and :mod:`.arena` -- large CPU tensors through shared memory between
+  processes of one host.
+"""

@@ -1,0 +1,124 @@
+"""The callee side of a call: what runs around the function a peer asked for.
+
+:func:`run_function` replaces torch's private ``_run_function`` hook (installed by
+:mod:`nbrpc._wire.pickling`) and adds, around the user's function: its output forwarded to
+the calling cell (:mod:`nbrpc._wire.output`), its failure sent back with type and traceback
+(:mod:`nbrpc._wire.failures`), the hooks other features run as each call ends (the
+debugger's), the reply's route when shared memory reaches some peers only
+(:mod:`nbrpc._wire.shm`), and the count of user calls served that ``%rpc_status`` shows.
+"""
+
+from __future__ import annotations
+
+import bdb
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nbrpc import _process, _torch
+from nbrpc._errors import DebuggerQuitError
+
+from . import failures, output, shm
+
+# nbrpc's own RPCs (output, ledger, trace) and torch's (group membership, RRef type
+# queries, shutdown) are not user calls: not counted.
+_NOT_USER_CALLS = ("nbrpc.", *_torch.TORCH_OWN_CALL_MODULES)
+
+
+@dataclass
+class _Served:
+    """User calls this process has served (running now, finished), and the hooks that
+    run on the call's thread as each call ends."""
+
+    in_flight: int = 0
+    done: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    after_call: list[Any] = field(default_factory=list)
+
+
+_served = _Served()
+
+
+def call_builtin(op: Any, args: tuple, kwargs: dict | None) -> Any:
+    """Run a torch builtin operator sent as a Python call (so large tensors can take the
+    shared-memory fast path, which torch's TorchScript path for builtins bypasses)."""
+    return op(*args, **(kwargs or {}))
+
+
+def call_counts() -> dict[str, int]:
+    """User calls served by this process: running now, and finished (ok or not)."""
+    with _served.lock:
+        return {"in_flight": _served.in_flight, "done": _served.done}
+
+
+def after_call(hook: Any) -> None:
+    """Run ``hook()`` on the call's thread at the end of every call (idempotent)."""
+    if hook not in _served.after_call:
+        _served.after_call.append(hook)
+
+
+class _CallerUDF(_torch.PythonUDF):
+    """torch's call record, plus who sent it and whether a reply goes back (see below)."""
+
+    caller: str | None = None
+    reply: bool = False
+
+
+def udf_from(caller: str, reply: bool, func: Any, args: tuple, kwargs: dict) -> Any:
+    """Unpickling side of :class:`WithCaller`: the call record with its caller."""
+    udf = _CallerUDF(func, args, kwargs)
+    udf.caller, udf.reply = caller, reply
+    return udf
+
+
+class WithCaller:
+    """A call being sent when only some peers share this host's memory: it names its
+    caller, so the callee knows whether its reply may carry large tensors through shared
+    memory (:mod:`nbrpc._wire.shm`). ``reply``: a result is sent back (not for
+    ``remote()``, whose value stays with the callee)."""
+
+    def __init__(self, udf: Any, reply: bool) -> None:
+        self.udf, self.reply = udf, reply
+
+    def __reduce__(self) -> tuple:
+        udf = self.udf
+        return (udf_from, (_process.name(), self.reply, udf.func, udf.args, udf.kwargs))
+
+
+def run_function(python_udf: Any) -> Any:
+    """Replaces ``torch.distributed.rpc.internal._run_function`` (called from C++)."""
+    if shm.restricted():
+        shm.expect_reply(None, None)  # one left by a call whose reply went another way
+    printed, interrupted = output.begin_call()
+    _torch.quiet_optimizer_notice_if_loaded()  # DistributedOptimizer's, see there
+    func = _torch.udf_function(python_udf)
+    counted = (
+        func is call_builtin
+        or getattr(func, "user_call", False)  # nbrpc's own that run user code (%%rpc cells)
+        or not (getattr(func, "__module__", "") or "").startswith(_NOT_USER_CALLS)
+    )
+    if counted:
+        with _served.lock:
+            _served.in_flight += 1
+    try:
+        if isinstance(python_udf, AttributeError):
+            raise python_udf
+        result = _torch.run_udf(python_udf)
+        if getattr(python_udf, "reply", False) and not isinstance(result, torch.futures.Future):
+            shm.expect_reply(result, python_udf.caller)  # pickled next, on this thread
+        return result
+    except bdb.BdbQuit:  # q in the debugger (nbrpc._debugger)
+        quit_ = DebuggerQuitError(_process.name(), getattr(func, "__qualname__", "?"))
+        return failures.failure(quit_)
+    except BaseException as exc:  # sys.exit() or KeyboardInterrupt must not reach torch's C++
+        return failures.failure(exc, keep=counted)
+    finally:
+        for hook in _served.after_call:
+            hook()
+        output.end_call(printed, interrupted)
+        if counted:
+            with _served.lock:
+                _served.in_flight -= 1
+                _served.done += 1

@@ -1,0 +1,109 @@
+"""Options are declared once (``nbrpc._options.Options``); everything else follows from it.
+
+No workers: these check that ``nbrpc.init``, ``nbrpc.Cluster``, the frozen ``Settings``,
+``%rpc_init``'s arguments and help, and docs/options.md all know every option, and that
+the magic and the function give the same settings for the same request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import subprocess
+import sys
+import typing
+
+import pytest
+from IPython.core.magic_arguments import parse_argstring
+
+import nbrpc
+from nbrpc import _options
+from nbrpc._magics import RpcMagics
+
+OPTIONS = _options.declared()
+
+
+def test_settings_has_a_field_for_every_option_and_no_other():
+    fields = [f.name for f in dataclasses.fields(_options.Settings)]
+    assert fields == list(OPTIONS), (
+        "nbrpc._options.Settings must have one field per declared option, in the same order"
+    )
+
+
+@pytest.mark.parametrize("func", [nbrpc.init, nbrpc.Cluster.__init__])
+def test_init_and_cluster_take_every_option_typed(func):
+    sig = inspect.signature(func)
+    kwargs = [p for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD]
+    assert kwargs, f"{func.__qualname__} takes **options"
+    hints = typing.get_type_hints(func, include_extras=True)
+    assert hints[kwargs[0].name] == typing.Unpack[_options.Options]
+
+
+def test_init_documents_every_option():
+    doc = nbrpc.init.__doc__ or ""
+    missing = [name for name in OPTIONS if f"``{name}:" not in doc]
+    assert not missing, f"nbrpc.init's docstring lacks {missing}"
+
+
+def test_docs_options_md_is_generated_from_the_declaration():
+    out = subprocess.run([sys.executable, "tools/options_doc.py", "--check"], check=False)
+    assert out.returncode == 0, "docs/options.md is stale: run python tools/options_doc.py"
+
+
+def test_every_flag_is_an_argument_of_rpc_init_with_its_help():
+    parser = RpcMagics.rpc_init.parser
+    flags = {a.dest: a for a in parser._actions}
+    for name, opt in OPTIONS.items():
+        if opt.flag is None:
+            continue
+        assert name in flags, f"%rpc_init has no argument for option {name} ({opt.flag})"
+        assert opt.flag in flags[name].option_strings
+        assert flags[name].help == opt.help
+    assert "--quiet" in parser.format_help()
+
+
+def test_an_unknown_option_is_refused_with_the_nearest_name():
+    with pytest.raises(nbrpc.ConfigError, match=r"unknown option 'treads'.*'num_worker_threads'"):
+        nbrpc.Cluster(2, treads=4)  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize(
+    ("line", "kwargs"),
+    [
+        ("", {}),
+        ("-n 3 --names a,b,c", {"n": 3, "names": ["a", "b", "c"]}),
+        (
+            "--threads 4 --timeout 2.5 --self boss",
+            {"num_worker_threads": 4, "rpc_timeout": 2.5, "self_name": "boss"},
+        ),
+        ("--no-shm", {"shm_threshold": None}),
+        (
+            "--device-map worker1=cuda:0->cuda:1 --device-map worker2=1->0",
+            {"device_maps": {"worker1": {"cuda:0": "cuda:1"}, "worker2": {"1": "0"}}},
+        ),
+        (
+            "--process-group gloo --process-group-workers worker2,worker1",
+            {"process_group": "gloo", "process_group_workers": ["worker2", "worker1"]},
+        ),
+        (
+            "--hosts h1,h1,h2 --listen 127.0.0.1 --ssh-args '-F cfg' --remote-python /p",
+            {
+                "hosts": "h1,h1,h2",
+                "listen": "127.0.0.1",
+                "ssh_args": "-F cfg",
+                "remote_python": "/p",
+            },
+        ),
+    ],
+)
+def test_the_magic_and_init_make_the_same_settings(line, kwargs):
+    args = parse_argstring(RpcMagics.rpc_init, line)
+    given = _options.from_flags(args)
+    if "hosts" in kwargs:  # loopback cannot serve other hosts: both refuse it alike
+        with pytest.raises(nbrpc.ConfigError, match="loopback") as magic:
+            _options.Settings.make(**given)
+        with pytest.raises(nbrpc.ConfigError, match="loopback") as python:
+            _options.Settings.make(**kwargs)
+        assert str(magic.value) == str(python.value)
+        return
+    assert _options.Settings.make(**given) == _options.Settings.make(**kwargs)
