@@ -57,120 +57,162 @@ class Booted:
 
 def boot(settings: Settings, engines: Engines, booted: Booted) -> None:
     """Run the boot (see the module doc); raises :class:`~nbrpc.BootError` & co."""
-    t0 = time.monotonic()
-    phases = booted.seconds
-    placeholder = settings.worker_names(settings.n or 0)
-    progress = BootProgress(placeholder, settings.progress if settings.n else "off")
-    kernel = worker.describe_process()
-    if settings.wants_devices:  # the kernel's own side is known now: refuse before any start
-        _devices.check_local(
-            settings.self_name,
-            settings.device_maps,
-            settings.gpus,
-            kernel["devices"],
-            kernel["host"],
-        )
-    engines.start()  # local engines start now and import torch while the kernel joins
-    if engines.reused:
-        progress.phase("controller", 0.0, "kept from the last cluster")
-    member = None
-    if not settings.wants_devices:  # join at once; device maps must wait for the workers
-        member = _join_kernel(settings, {}, None)
-    engines.launch(settings.n or 0)
-    engines.connect()
-    started = engines.controller_seconds()
-    if started is not None and not phases.get("controller"):
-        phases["controller"] = 0.0 if engines.reused else min(started, _since(t0))
-        if not engines.reused:
-            progress.phase("controller", phases["controller"])
+    _Boot(settings, engines, booted).run()
 
-    def registered(count: int) -> None:
-        for name in placeholder[:count]:
-            progress.update(name, 1)
 
-    engine_ids = engines.wait(settings.n, registered)
-    phases["engines"] = _since(t0)
-    progress.phase("engines", phases["engines"], "registered")
-    names = settings.worker_names(len(engine_ids))
-    validate_names(names, settings.self_name)
-    if settings.process_group:  # refuse unknown members before any join
-        pg_members = _collective.members_of(settings.process_group_workers, names)
-    maps: dict = {}
-    chosen: dict = {}
-    if settings.wants_devices:
-        maps, chosen = _plan_devices(settings, engines, engine_ids, names, kernel)
-        member = _join_kernel(
-            settings, maps.get(settings.self_name, {}), chosen.get(settings.self_name)
-        )
-    assert member is not None
-    ranks = member.allocate_ranks(len(engine_ids))
-    pending = {}
-    t_join = time.monotonic()
-    for name, rank, eid in zip(names, ranks, engine_ids, strict=True):
-        progress.update(name, 2)
-        pending[name] = engines.apply(
-            eid,
-            worker.join,
-            name,
-            rank,
-            member.spec.to_dict(),
-            member.name,
-            settings.rpc_timeout,
-            settings.num_worker_threads,
-            maps.get(name),
-            chosen.get(name),
-        )
-        booted.engine_of[name] = eid
-    infos = _wait_for_joins(pending, progress)
-    imported = engines.import_seconds()
-    if imported is not None:
-        phases["torch import"] = imported
-        note = (
-            "done before this cluster"
-            if engines.reused
-            else "once, in the process engines fork from"
-        )
-        progress.phase("torch import", imported, note)
-    phases["join"] = _since(t_join)
-    progress.phase("join", phases["join"], "init_rpc")
-    prefix = segment_prefix(os.getpid())
-    if engines.remote:
-        booted.shm_peers = shm.set_up_by_host(prefix, settings.shm_threshold, member.name, names)
-        booted.fast_path = any(booted.shm_peers.values())
-    else:
-        local = member.spec.loopback_only
-        booted.fast_path = shm.set_up(prefix, settings.shm_threshold, names, local)
-    if settings.process_group:
-        t_pg = time.monotonic()
-        group_prefix = f"nbrpc-process-group/{os.getpid()}/{ranks[0]}"  # ranks are never reused
-        booted.process_group = _collective.start(
-            settings.process_group,
-            pg_members,
-            member.spec.to_dict(),
-            group_prefix,
-            {name: infos[name]["devices"] for name in names},
-        )
-        phases["process group"] = _since(t_pg)
-        progress.phase("process group", phases["process group"], settings.process_group)
-    booted.device_maps = maps
-    booted.records = [
-        WorkerRecord(member.name, 0, kernel["pid"], kernel["host"], "kernel", kernel["devices"])
-    ]
-    for name in names:
-        info, eid = infos[name], booted.engine_of[name]
-        booted.records.append(
-            WorkerRecord(
-                name,
-                info["rank"],
-                info["pid"],
-                info["host"],
-                f"engine {eid}",
-                info["devices"],
-                eid,
-                local=not engines.remote,
+class _Boot:
+    """One boot's steps, in order; what they find goes into ``booted``."""
+
+    def __init__(self, settings: Settings, engines: Engines, booted: Booted) -> None:
+        self.settings, self.engines, self.booted = settings, engines, booted
+        self.t0 = time.monotonic()
+        self.placeholder = settings.worker_names(settings.n or 0)
+        self.progress = BootProgress(self.placeholder, settings.progress if settings.n else "off")
+        self.kernel = worker.describe_process()
+
+    def run(self) -> None:
+        settings, phases = self.settings, self.booted.seconds
+        if settings.wants_devices:  # the kernel's own side is known now: refuse before any start
+            _devices.check_local(
+                settings.self_name,
+                settings.device_maps,
+                settings.gpus,
+                self.kernel["devices"],
+                self.kernel["host"],
             )
-        )
-    phases["total"] = _since(t0)
+        member = self.start_engines()
+        engine_ids = self.engines.wait(settings.n, self.registered)
+        phases["engines"] = _since(self.t0)
+        self.progress.phase("engines", phases["engines"], "registered")
+        names = settings.worker_names(len(engine_ids))
+        validate_names(names, settings.self_name)
+        if settings.process_group:  # refuse unknown members before any join
+            members = _collective.members_of(settings.process_group_workers, names)
+        maps: dict = {}
+        chosen: dict = {}
+        if settings.wants_devices:
+            maps, chosen = self.plan_devices(engine_ids, names)
+            me = settings.self_name
+            member = _join_kernel(settings, maps.get(me, {}), chosen.get(me))
+        assert member is not None
+        ranks = member.allocate_ranks(len(engine_ids))
+        places = {
+            name: (rank, eid) for name, rank, eid in zip(names, ranks, engine_ids, strict=True)
+        }
+        infos = self.join_workers(member, places, maps, chosen)
+        self.set_up_fast_path(member, names)
+        if settings.process_group:
+            t_pg = time.monotonic()
+            prefix = f"nbrpc-process-group/{os.getpid()}/{ranks[0]}"  # ranks are never reused
+            devices = {name: infos[name]["devices"] for name in names}
+            self.booted.process_group = _collective.start(
+                settings.process_group, members, member.spec.to_dict(), prefix, devices
+            )
+            phases["process group"] = _since(t_pg)
+            self.progress.phase("process group", phases["process group"], settings.process_group)
+        self.booted.device_maps = maps
+        self.record(member.name, names, infos)
+        phases["total"] = _since(self.t0)
+
+    def registered(self, count: int) -> None:
+        for name in self.placeholder[:count]:
+            self.progress.update(name, 1)
+
+    def start_engines(self) -> Any:
+        """The engine source starts; without device maps the kernel joins meanwhile.
+        Returns the kernel's membership, if it joined."""
+        settings, engines, phases = self.settings, self.engines, self.booted.seconds
+        engines.start()  # local engines start now and import torch while the kernel joins
+        if engines.reused:
+            self.progress.phase("controller", 0.0, "kept from the last cluster")
+        member = None
+        if not settings.wants_devices:  # join at once; device maps must wait for the workers
+            member = _join_kernel(settings, {}, None)
+        engines.launch(settings.n or 0)
+        engines.connect()
+        started = engines.controller_seconds()
+        if started is not None and not phases.get("controller"):
+            phases["controller"] = 0.0 if engines.reused else min(started, _since(self.t0))
+            if not engines.reused:
+                self.progress.phase("controller", phases["controller"])
+        return member
+
+    def plan_devices(self, engine_ids: list[int], names: list[str]) -> tuple[dict, dict]:
+        """Ask each engine for its devices, then plan and check every map before any join."""
+        asked = [self.engines.apply(eid, worker.describe_process) for eid in engine_ids]
+        described = {self.settings.self_name: self.kernel}
+        for name, ar in zip(names, asked, strict=True):
+            try:
+                described[name] = ar.get(timeout=JOIN_TIMEOUT_S)
+            except Exception as exc:
+                raise BootError(f"{name} could not describe its devices: {exc}") from exc
+        return _devices.plan(described, self.settings.gpus, self.settings.device_maps)
+
+    def join_workers(
+        self, member: Any, places: dict[str, tuple[int, int]], maps: dict, chosen: dict
+    ) -> dict[str, dict]:
+        """Every worker joins at once (``places``: name -> (rank, engine id)); their
+        descriptions."""
+        settings, phases = self.settings, self.booted.seconds
+        pending = {}
+        t_join = time.monotonic()
+        for name, (rank, eid) in places.items():
+            self.progress.update(name, 2)
+            pending[name] = self.engines.apply(
+                eid,
+                worker.join,
+                name,
+                rank,
+                member.spec.to_dict(),
+                member.name,
+                settings.rpc_timeout,
+                settings.num_worker_threads,
+                maps.get(name),
+                chosen.get(name),
+            )
+            self.booted.engine_of[name] = eid
+        infos = _wait_for_joins(pending, self.progress)
+        imported = self.engines.import_seconds()
+        if imported is not None:
+            phases["torch import"] = imported
+            note = "once, in the process engines fork from"
+            self.progress.phase(
+                "torch import",
+                imported,
+                "done before this cluster" if self.engines.reused else note,
+            )
+        phases["join"] = _since(t_join)
+        self.progress.phase("join", phases["join"], "init_rpc")
+        return infos
+
+    def set_up_fast_path(self, member: Any, names: list[str]) -> None:
+        prefix = segment_prefix(os.getpid())
+        threshold, booted = self.settings.shm_threshold, self.booted
+        if self.engines.remote:
+            booted.shm_peers = shm.set_up_by_host(prefix, threshold, member.name, names)
+            booted.fast_path = any(booted.shm_peers.values())
+        else:
+            local = member.spec.loopback_only
+            booted.fast_path = shm.set_up(prefix, threshold, names, local)
+
+    def record(self, me: str, names: list[str], infos: dict[str, dict]) -> None:
+        kernel = self.kernel
+        records = [WorkerRecord(me, 0, kernel["pid"], kernel["host"], "kernel", kernel["devices"])]
+        for name in names:
+            info, eid = infos[name], self.booted.engine_of[name]
+            records.append(
+                WorkerRecord(
+                    name,
+                    info["rank"],
+                    info["pid"],
+                    info["host"],
+                    f"engine {eid}",
+                    info["devices"],
+                    eid,
+                    local=not self.engines.remote,
+                )
+            )
+        self.booted.records = records
 
 
 def _since(t0: float) -> float:
@@ -187,20 +229,6 @@ def _join_kernel(settings: Settings, device_maps: dict, devices: list[str] | Non
         device_maps=device_maps,
         devices=devices,
     )
-
-
-def _plan_devices(
-    settings: Settings, engines: Engines, engine_ids: list[int], names: list[str], kernel: dict
-) -> tuple[dict, dict]:
-    """Ask each engine for its devices, then plan and check every map before any join."""
-    asked = [engines.apply(eid, worker.describe_process) for eid in engine_ids]
-    described = {settings.self_name: kernel}
-    for name, ar in zip(names, asked, strict=True):
-        try:
-            described[name] = ar.get(timeout=JOIN_TIMEOUT_S)
-        except Exception as exc:
-            raise BootError(f"{name} could not describe its devices: {exc}") from exc
-    return _devices.plan(described, settings.gpus, settings.device_maps)
 
 
 def _wait_for_joins(pending: dict[str, Any], progress: BootProgress) -> dict[str, dict]:

@@ -371,6 +371,83 @@ def _unknown(name: str, opts: dict[str, Opt]) -> str:
     return f"unknown option {name!r}{hint} The options are in docs/options.md."
 
 
+def _where(v: dict[str, Any]) -> tuple:
+    """How many workers, named what, on which hosts, with the kernel listening where:
+    ``(n, names, hosts, ssh_args, listen)``, checked against each other."""
+    n = v["n"]
+    attached = v["profile"] is not None or v["cluster_id"] is not None
+    names = tuple(s.strip() for s in v["names"]) if v["names"] else None
+    entries = parse_hosts(v["hosts"]) if v["hosts"] is not None else None
+    ssh_args = v["ssh_args"]
+    extra = tuple(shlex.split(ssh_args) if isinstance(ssh_args, str) else ssh_args or ())
+    if entries is None and (extra or v["remote_python"]):
+        raise ConfigError("--ssh-args and --remote-python go with --hosts")
+    listen = v["listen"]
+    if entries is not None:
+        if attached:
+            raise ConfigError(
+                "--hosts starts engines over ssh; --profile/--cluster-id attach to engines "
+                "someone else started. Use one or the other."
+            )
+        if n is not None and n != len(entries):
+            raise ConfigError(
+                f"-n {n} does not match the {len(entries)} --hosts entries: a host listed "
+                "N times gets N workers, so leave -n out"
+            )
+        if names is not None and len(names) != len(entries):
+            raise ConfigError(
+                f"{len(names)} names for {len(entries)} --hosts entries: give one name per "
+                "entry (a host listed twice gets two workers)"
+            )
+        n = len(entries)
+        if listen and _group.is_loopback(listen):
+            raise ConfigError(
+                f"--listen {listen} with --hosts: workers on other hosts cannot reach this "
+                "host's loopback. Give an address they reach (or leave --listen out: it "
+                "is worked out from the route towards the first host)."
+            )
+    if v["init_method"] and not listen:
+        listen = _group.listen_of_init_method(v["init_method"])
+    if names is not None:
+        if n is not None and n != len(names):
+            raise ConfigError(f"-n {n} does not match {len(names)} names: {list(names)}")
+        n = len(names)
+    if n is None and not attached:
+        n = DEFAULT_WORKERS
+    if n is not None and (not isinstance(n, int) or n < 1):
+        raise ConfigError(f"-n must be at least 1, got {n}")
+    validate_names(names or (), v["self_name"])
+    return n, names, entries, extra, listen
+
+
+def _process_group(v: dict[str, Any]) -> tuple[str | None, tuple[str, ...] | None]:
+    """The workers' process group: its backend and members, checked."""
+    backend = v["process_group"]
+    if backend is not None and backend not in PROCESS_GROUP_BACKENDS:
+        raise ConfigError(
+            f"--process-group {backend!r}: use gloo (CPU tensors, any host) or nccl "
+            "(CUDA tensors, a GPU per worker)"
+        )
+    members = tuple(s.strip() for s in v["process_group_workers"] or () if s.strip()) or None
+    if members is not None:
+        if backend is None:
+            raise ConfigError(
+                "--process-group-workers needs --process-group gloo (or nccl) as well"
+            )
+        if len(set(members)) != len(members):
+            raise ConfigError(f"--process-group-workers lists a worker twice: {members}")
+    return backend, members
+
+
+def _progress_mode(progress: str | bool) -> str:
+    if progress == "auto":
+        progress = "widget" if _process.in_notebook() else "off"
+    mode = {True: "text", False: "off"}[progress] if isinstance(progress, bool) else progress
+    if mode not in ("widget", "text", "off"):
+        raise ConfigError(f"progress={progress!r}: use 'auto', 'widget', 'text' or 'off'")
+    return mode
+
+
 @dataclass(frozen=True)
 class Settings:
     """A cluster's options, checked (see :class:`Options` for what each one means)."""
@@ -420,101 +497,39 @@ class Settings:
 
     @classmethod
     def _checked(cls, v: dict[str, Any]) -> Settings:
-        n, names, self_name = v["n"], v["names"], v["self_name"]
-        attached = v["profile"] is not None or v["cluster_id"] is not None
-        clean = tuple(s.strip() for s in names) if names else None
-        entries = parse_hosts(v["hosts"]) if v["hosts"] is not None else None
-        ssh_args = v["ssh_args"]
-        extra = tuple(shlex.split(ssh_args) if isinstance(ssh_args, str) else ssh_args or ())
-        if entries is None and (extra or v["remote_python"]):
-            raise ConfigError("--ssh-args and --remote-python go with --hosts")
-        listen, init_method = v["listen"], v["init_method"]
-        if entries is not None:
-            if attached:
-                raise ConfigError(
-                    "--hosts starts engines over ssh; --profile/--cluster-id attach to engines "
-                    "someone else started. Use one or the other."
-                )
-            if n is not None and n != len(entries):
-                raise ConfigError(
-                    f"-n {n} does not match the {len(entries)} --hosts entries: a host listed "
-                    "N times gets N workers, so leave -n out"
-                )
-            if clean is not None and len(clean) != len(entries):
-                raise ConfigError(
-                    f"{len(clean)} names for {len(entries)} --hosts entries: give one name per "
-                    "entry (a host listed twice gets two workers)"
-                )
-            n = len(entries)
-            if listen and _group.is_loopback(listen):
-                raise ConfigError(
-                    f"--listen {listen} with --hosts: workers on other hosts cannot reach this "
-                    "host's loopback. Give an address they reach (or leave --listen out: it "
-                    "is worked out from the route towards the first host)."
-                )
-        if init_method and not listen:
-            listen = _group.listen_of_init_method(init_method)
-        if clean is not None:
-            if n is not None and n != len(clean):
-                raise ConfigError(f"-n {n} does not match {len(clean)} names: {list(clean)}")
-            n = len(clean)
-        if n is None and not attached:
-            n = DEFAULT_WORKERS
-        if n is not None and (not isinstance(n, int) or n < 1):
-            raise ConfigError(f"-n must be at least 1, got {n}")
-        validate_names(clean or (), self_name)
+        n, names, entries, ssh_args, listen = _where(v)
+        init_method, gpus, shm_threshold = v["init_method"], v["gpus"], v["shm_threshold"]
         if init_method:
             _group.spec_from_init_method(init_method)  # refuse a bad URL before any start
         if listen:
             _group.interface_for(listen)  # refuse an address this host lacks
-        gpus = v["gpus"]
         if gpus not in (None, "auto"):
             raise ConfigError(f"--gpus {gpus!r}: only 'auto' is supported (one GPU per process)")
-        shm_threshold = v["shm_threshold"]
         if shm_threshold is not None and shm_threshold < 1:
             raise ConfigError(
                 f"shm_threshold must be a positive number of bytes or None, got {shm_threshold}"
             )
-        process_group = v["process_group"]
-        if process_group is not None and process_group not in PROCESS_GROUP_BACKENDS:
-            raise ConfigError(
-                f"--process-group {process_group!r}: use gloo (CPU tensors, any host) or nccl "
-                "(CUDA tensors, a GPU per worker)"
-            )
-        members = tuple(s.strip() for s in v["process_group_workers"] or () if s.strip()) or None
-        if members is not None:
-            if process_group is None:
-                raise ConfigError(
-                    "--process-group-workers needs --process-group gloo (or nccl) as well"
-                )
-            if len(set(members)) != len(members):
-                raise ConfigError(f"--process-group-workers lists a worker twice: {members}")
-        progress = v["progress"]
-        if progress == "auto":
-            progress = "widget" if _process.in_notebook() else "off"
-        mode = {True: "text", False: "off"}[progress] if isinstance(progress, bool) else progress
-        if mode not in ("widget", "text", "off"):
-            raise ConfigError(f"progress={progress!r}: use 'auto', 'widget', 'text' or 'off'")
+        process_group, members = _process_group(v)
         threads, timeout = v["num_worker_threads"], v["rpc_timeout"]
         return cls(
             n=n,
-            names=clean,
-            self_name=self_name,
+            names=names,
+            self_name=v["self_name"],
             num_worker_threads=int(threads or DEFAULT_THREADS),
             rpc_timeout=float(DEFAULT_RPC_TIMEOUT_S if timeout is None else timeout),
             init_method=init_method,
             profile=v["profile"],
             cluster_id=v["cluster_id"],
-            progress=mode,
+            progress=_progress_mode(v["progress"]),
             listen=listen,
             gpus=gpus,
-            device_maps=_devices.merge(self_name, (v["device_maps"] or {}).items()),
+            device_maps=_devices.merge(v["self_name"], (v["device_maps"] or {}).items()),
             shm_threshold=shm_threshold,
             python=v["python"] or sys.executable,
             process_group=process_group,
             process_group_workers=members,
             hosts=entries,
-            ssh_args=extra,
+            ssh_args=ssh_args,
             remote_python=v["remote_python"],
         )
 
