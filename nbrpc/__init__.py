@@ -43,6 +43,7 @@ from ._errors import (
     RemoteError,
     RpcTimeoutError,
     SerializationError,
+    ThreadsExhaustedError,
     UnknownWorkerError,
     WorkerDiedError,
 )
@@ -72,6 +73,7 @@ __all__ = [
     "RpcTimeoutError",
     "SerializationError",
     "StatusRow",
+    "ThreadsExhaustedError",
     "Trace",
     "UnknownWorkerError",
     "WorkerDiedError",
@@ -121,7 +123,11 @@ def __getattr__(name: str) -> Any:
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """``%load_ext nbrpc``: register the magics (the only place they are registered)."""
+    """``%load_ext nbrpc``: register the magics (the only place they are registered), and
+    route the notebook's torch-style RPC calls through nbrpc (``rpc.rpc_sync`` before
+    ``%rpc_init`` then says to run it)."""
+    from ._agent import route_torch_calls
     from ._magics import RpcMagics
 
     ipython.register_magics(RpcMagics)
+    route_torch_calls()

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed.rpc as rpc
 from torch.distributed.rpc import RRef, WorkerInfo
 
-from . import _group, _ledger, _process, _torch
+from . import _deadlock, _group, _ledger, _process, _torch
 from ._debugger import deadlines, prompts
 from ._errors import (
     ClusterClosedError,
@@ -42,10 +42,13 @@ T = TypeVar("T")
 class _Calls:
     """Set by the cluster layer: ``cancelled`` from the moment a non-graceful shutdown
     starts, so calls it cuts off say so instead of "worker died"; ``last_output``: what a
-    dead worker printed last, by name, for its WorkerDiedError."""
+    dead worker printed last, by name, for its WorkerDiedError; ``dead``: workers known
+    dead, whose calls fail here, unsent (torch logs a C++ error line for every one it
+    tries to send to a closed pipe)."""
 
     cancelled: bool = False
     last_output: Callable[[str], str] | None = None
+    dead: dict[str, str] = field(default_factory=dict)  # name -> what torch said
 
 
 _calls = _Calls()
@@ -61,10 +64,21 @@ class Future(torch.futures.Future):
     (:func:`nbrpc._debugger.prompts.wait_on_main_thread`).
     """
 
+    #: the worker the call went to (set by rpc_async)
+    dest: str = ""
+
     def wait(self) -> Any:
-        if not self.done() and threading.current_thread() is threading.main_thread():
-            prompts.wait_on_main_thread(self)
-        return super().wait()
+        try:
+            if not self.done():
+                if threading.current_thread() is threading.main_thread():
+                    prompts.wait_on_main_thread(self)
+                elif callee.serving():  # a call made inside a call: it holds this RPC thread
+                    with _deadlock.waiting(self.dest, self):
+                        return super().wait()
+            return super().wait()
+        except BaseException as kept:
+            error = failures.raisable(kept)  # the future keeps ``kept`` (see there)
+        raise error
 
 
 def set_active(active: bool, last_output: Callable[[str], str] | None = None) -> None:
@@ -74,6 +88,18 @@ def set_active(active: bool, last_output: Callable[[str], str] | None = None) ->
     _calls.last_output = last_output if active else None
     if active:
         _calls.cancelled = False
+        _calls.dead.clear()
+
+
+def mark_dead(name: str, detail: str = "") -> None:
+    """Worker ``name`` is gone: later calls to it fail at once (WorkerDiedError)."""
+    _calls.dead.setdefault(name, detail)
+
+
+def known_dead() -> set[str]:
+    """Workers whose calls failed because their process is gone (seen before ipyparallel
+    misses their heartbeats, which takes seconds for a worker on another host)."""
+    return set(_calls.dead)
 
 
 def cancel_calls_in_flight() -> None:
@@ -98,6 +124,8 @@ def _destination(to: str | WorkerInfo | int, what: str) -> WorkerInfo:
     if isinstance(to, WorkerInfo):
         return to
     if isinstance(to, str):
+        if to in _calls.dead:
+            raise WorkerDiedError(to, _calls.dead[to], _last_output(to))
         try:  # one lookup in the agent's table; the full list only for the error
             return _torch.agent().get_worker_info(to)
         except RuntimeError:
@@ -194,7 +222,7 @@ def _send(
     limit = _limit(timeout)
     sent, args, kwargs = _as_python_call(func, tuple(args), kwargs)
     with shm.sending_to(dest.name):  # torch's timeout: none; nbrpc's clock keeps it
-        raw = rpc.rpc_async(dest, sent, args=args, kwargs=kwargs, timeout=0)
+        raw = _torch.rpc_async(dest, sent, args=args, kwargs=kwargs, timeout=0)
     return raw, _Sent(dest.name, f"call of {_name_of(func)}", limit, timeout)
 
 
@@ -203,6 +231,7 @@ def _start(
 ) -> torch.futures.Future:
     raw, call = _send(what, to, func, args, kwargs, timeout)
     out = Future()
+    out.dest = call.dest
     raw.add_done_callback(lambda done: failures.settle(done, out, call.translate))
     if call.limit > 0:
         deadlines.expire_after(call.limit, out, call.expired)
@@ -222,6 +251,9 @@ def _translate(exc: BaseException, what: str, dest: str, timeout: float | None) 
             "or send it by value with "
             f"nbrpc.register_by_value({missing.split('.')[0]}) before the call."
         )
+    unsent = _torch.serialization_failure(exc)
+    if unsent:
+        return SerializationError(f"{unsent} (the {what} on {dest})")
     if _torch.is_connection_loss(exc):
         if _calls.cancelled:
             return ClusterClosedError(
@@ -229,7 +261,9 @@ def _translate(exc: BaseException, what: str, dest: str, timeout: float | None) 
                 "shut down with graceful=False while it ran. Use a graceful shutdown "
                 "(the default) to let calls in flight finish."
             )
-        return WorkerDiedError(dest, str(exc).splitlines()[0], _last_output(dest))
+        detail = str(exc).splitlines()[0]
+        mark_dead(dest, detail)
+        return WorkerDiedError(dest, detail, _last_output(dest))
     return exc
 
 
@@ -274,7 +308,7 @@ def remote(
     limit = 0 if timeout is None else _limit(timeout)
     try:
         with shm.sending_to(dest.name, "remote"):
-            rref = rpc.remote(dest, sent, args=args, kwargs=kwargs, timeout=limit)
+            rref = _torch.remote(dest, sent, args=args, kwargs=kwargs, timeout=limit)
     except Exception as exc:  # a lost connection at send time
         error = _translate(exc, f"remote call of {_name_of(func)}", dest.name, timeout)
         if error is exc:
@@ -325,6 +359,56 @@ def install() -> None:
     _torch.patch_rref_method("to_here", _to_here)
 
 
+# -- torch's API, as a notebook calls it ------------------------------------------------------
+
+
+def _given(timeout: float) -> float | None:
+    """torch's "the default timeout" (``UNSET_RPC_TIMEOUT``) is nbrpc's ``None``."""
+    return None if timeout == _torch.UNSET_RPC_TIMEOUT else timeout
+
+
+def _in_torchs_spelling(call: Callable[..., Any]) -> Callable[..., Any]:
+    """``call`` (:func:`rpc_sync`, :func:`rpc_async` or :func:`remote`) with torch's
+    signature and defaults: ``args=None``, ``timeout=UNSET_RPC_TIMEOUT``."""
+
+    def routed(
+        to: Any,
+        func: Callable[..., Any],
+        args: tuple | None = None,
+        kwargs: dict | None = None,
+        timeout: float = _torch.UNSET_RPC_TIMEOUT,
+    ) -> Any:
+        return call(to, func, tuple(args or ()), kwargs, _given(timeout))
+
+    routed.__name__ = routed.__qualname__ = call.__name__
+    routed.__doc__ = f"``torch.distributed.rpc.{call.__name__}``, routed to nbrpc's."
+    return routed
+
+
+def wait_all(futures: list) -> list:
+    """``torch.futures.wait_all``, routed: on the main thread each wait can be interrupted
+    (the stop button) and serves a worker's debugger, as :class:`Future` waits do."""
+    if threading.current_thread() is threading.main_thread():
+        for fut in futures:
+            prompts.wait_on_main_thread(fut)
+    return _torch.wait_all(futures)
+
+
+def route_torch_calls() -> None:
+    """Make the calls a notebook writes in torch's spelling nbrpc's (idempotent).
+
+    Published tutorials and seed code call ``torch.distributed.rpc.rpc_sync``,
+    ``rpc_async``, ``remote`` and ``torch.futures.wait_all``. Routed here (in the kernel at
+    ``%load_ext nbrpc``, and in a script's process at ``nbrpc.init``) they behave as
+    ``nbrpc.rpc_sync`` & co.: a clear error before ``%rpc_init`` and for an unknown worker,
+    builtins that give the local result, a worker's exception with its own type, and waits
+    the stop button interrupts. nbrpc's own modules send with torch's functions
+    (``_torch.rpc_sync`` & co.), which this leaves alone.
+    """
+    calls = {f.__name__: _in_torchs_spelling(f) for f in (rpc_sync, rpc_async, remote)}
+    _torch.route_user_calls(calls, wait_all)
+
+
 SNAPSHOT_TIMEOUT_S = 5.0
 
 
@@ -350,11 +434,14 @@ def snapshots(
     """
     _group.require_active("nbrpc.ownership()")
     me = rpc.get_worker_info().name
-    asked = {
-        name: _start("ownership", name, figures, (), None, timeout)
-        for name in _group.member_names()
-        if name != me and name not in skip
-    }
+    skip = {*skip, *_calls.dead}
+    asked = {}
+    for name in _group.member_names():
+        if name != me and name not in skip:
+            try:
+                asked[name] = _start("ownership", name, figures, (), None, timeout)
+            except (WorkerDiedError, UnknownWorkerError):  # it left since the list was read
+                continue
     found = {me: figures()}
     for name, fut in asked.items():
         try:

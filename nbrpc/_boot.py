@@ -228,6 +228,7 @@ def _join_kernel(settings: Settings, device_maps: dict, devices: list[str] | Non
         num_worker_threads=settings.num_worker_threads,
         device_maps=device_maps,
         devices=devices,
+        files=segment_prefix(os.getpid()),
     )
 
 

@@ -28,11 +28,11 @@ import linecache
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from . import _agent
-from ._errors import ConfigError
+from ._errors import ConfigError, NbrpcError, short_traceback
 
 INTERRUPT_GRACE_S = 2.0  # how long the kernel waits for interrupted cells to stop
 
@@ -136,20 +136,40 @@ class CellResults(dict):
         return "\n".join(self._lines()) or f"CellResults({dict(self)!r})"
 
 
-class RpcCellError(ExceptionGroup):
-    """Several workers failed in one ``%%rpc`` cell: one exception per worker, each with
-    its own type, ``.worker`` and remote traceback (``except* ZeroDivisionError`` works).
+class RpcCellError(NbrpcError, RuntimeError):
+    """Several workers failed in one ``%%rpc`` cell: ``exceptions`` holds one exception per
+    worker, each with its own type, ``.worker`` and remote traceback; ``results`` the
+    values of the workers that succeeded.
 
-    ``results`` holds the values of the workers that succeeded.
+    Not an ``ExceptionGroup``: IPython (9.x) formats exception groups with the standard
+    library, ignores their ``_render_traceback_`` and sends the notebook no error at all
+    (nbval and papermill then pass a failed cell). ``group()`` is one, for ``except*``.
     """
 
-    results: CellResults
+    def __init__(self, message: str, exceptions: Sequence[BaseException]) -> None:
+        super().__init__(message)
+        self._init_args = (message, list(exceptions))
+        self.exceptions = tuple(exceptions)
+        self.results = CellResults()
+
+    def group(self) -> ExceptionGroup:
+        """The workers' exceptions as an ``ExceptionGroup`` (``except* KeyError:``)."""
+        return ExceptionGroup(str(self), [e for e in self.exceptions if isinstance(e, Exception)])
+
+    def _render_traceback_(self) -> list[str]:
+        """IPython shows each worker's traceback and error, not nbrpc's frames."""
+        lines = [f"{type(self).__name__}: {self}"]
+        for exc in self.exceptions:
+            lines.extend(["", *short_traceback(exc)])
+        return lines
 
 
 _cell_ids = itertools.count(1)
 
 
-def _targets(spec: str | Iterable[str] | None) -> list[str]:
+def _targets(spec: str | Iterable[str] | None, what: str = "%%rpc") -> list[str]:
+    """The workers ``spec`` names ("all", "worker1,worker2" or a list); ``what`` names the
+    caller in the error for a name that is not a worker."""
     live = _agent.workers()  # NotInitializedError before %rpc_init
     workers = live[1:]
     if spec is None or spec == "all" or spec == ["all"]:
@@ -159,7 +179,7 @@ def _targets(spec: str | Iterable[str] | None) -> list[str]:
     unknown = [n for n in names if n not in workers]
     if unknown or not names:
         raise ConfigError(
-            f"%%rpc targets {', '.join(unknown) or '(none)'}: not workers of this cluster. "
+            f"{what} targets {', '.join(unknown) or '(none)'}: not workers of this cluster. "
             f"Its workers: {', '.join(workers)} (or 'all'; the kernel is not a target)."
         )
     return names
@@ -227,7 +247,7 @@ def _collect(futures: dict[str, Any]) -> CellResults:
 def push(values: dict[str, Any], workers: str | Iterable[str] | None = "all") -> None:
     """Set names in each worker's namespace (what ``%%rpc`` cells and
     :func:`worker_namespace` see): ``nbrpc.push({"lr": 0.1, "data": tensor})``."""
-    names = _targets(workers)
+    names = _targets(workers, "nbrpc.push")
     futures = [_agent.rpc_async(w, push_values, args=(dict(values),)) for w in names]
     for fut in futures:
         fut.wait()
@@ -235,6 +255,6 @@ def push(values: dict[str, Any], workers: str | Iterable[str] | None = "all") ->
 
 def pull(name: str, workers: str | Iterable[str] | None = "all") -> dict[str, Any]:
     """``{worker: value}`` of ``name`` in each worker's namespace."""
-    names = _targets(workers)
+    names = _targets(workers, "nbrpc.pull")
     futures = {w: _agent.rpc_async(w, pull_value, args=(name,)) for w in names}
     return {w: fut.wait() for w, fut in futures.items()}

@@ -29,7 +29,18 @@ import time
 from dataclasses import dataclass
 from typing import Any, Unpack
 
-from . import _agent, _boot, _collective, _devices, _engines, _group, _ledger, _torch, _views
+from . import (
+    _agent,
+    _boot,
+    _collective,
+    _devices,
+    _engines,
+    _group,
+    _ledger,
+    _torch,
+    _views,
+    autograd,
+)
 from ._debugger import prompts
 from ._engines.watchdog import process_alive, segment_prefix, sweep_segments
 from ._errors import AlreadyInitializedError, BootError, ClusterClosedError, NotInitializedError
@@ -140,7 +151,7 @@ class Cluster:
         _current.cluster = self
         self._enter(ClusterState.BOOTING)
         try:
-            _route_torch_shutdown()
+            _route_torch()
             _boot.boot(self.settings, self.engines, self.booted)
         except BaseException as exc:
             # an engine that failed to start: the others were started the same way
@@ -178,21 +189,25 @@ class Cluster:
         """Workers whose process is gone, from what ipyparallel and the OS know.
 
         An engine that ipyparallel no longer lists (its heartbeat stopped, or its nanny
-        reported the exit) is dead; so is a worker on this host whose pid is gone.
+        reported the exit) is dead; so is a worker on this host whose pid is gone, and one
+        whose calls already failed because its process is gone.
         ``ask_ipyparallel=False`` checks pids only: the ipyparallel client is not
         thread-safe, and the live views call this from their own thread.
         """
         if self.engines.client is None:
             return [r.name for r in self.records[1:] if r.state == "dead"]
         engines = self.engines.alive() if ask_ipyparallel else None
+        seen_dead = _agent.known_dead()
         for record in self.records[1:]:
             if record.state != "ready":
                 continue
-            gone = engines is not None and record.engine_id not in engines
+            gone = record.name in seen_dead
+            gone = gone or (engines is not None and record.engine_id not in engines)
             if not gone and record.local:
                 gone = not process_alive(record.pid)
             if gone:
                 record.state = "dead"
+                _agent.mark_dead(record.name)
                 prompts.forget_worker(record.name)
         return [r.name for r in self.records[1:] if r.state == "dead"]
 
@@ -444,7 +459,11 @@ def _torch_shutdown(graceful: bool = True, timeout: float = 0) -> None:
     shutdown(graceful=graceful, timeout=timeout or LEAVE_TIMEOUT_S)
 
 
-def _route_torch_shutdown() -> None:
+def _route_torch() -> None:
+    """The names a notebook calls in torch's spelling behave as nbrpc's (see
+    :func:`nbrpc._agent.route_torch_calls`), ``rpc.shutdown()`` included."""
     _torch.route_user_shutdown(_torch_shutdown)
     _torch.quiet_internal_deprecations()
     _agent.install()
+    _agent.route_torch_calls()
+    autograd.install()

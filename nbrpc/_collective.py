@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.rpc as rpc
 
 from . import _group, _torch
 from ._errors import ConfigError
@@ -76,7 +75,7 @@ def start(
                 "Use --process-group gloo (CPU tensors)."
             )
     futures = {
-        name: rpc.rpc_async(
+        name: _torch.rpc_async(
             name,
             init_process_group,
             args=(backend, store, prefix, rank, len(members), timeout_s),
@@ -96,7 +95,7 @@ def start(
 def destroy(info: ProcessGroupInfo, live: list[str]) -> None:
     """Members still alive leave the group (at shutdown; their processes end anyway)."""
     futures = [
-        rpc.rpc_async(name, destroy_process_group, timeout=DESTROY_TIMEOUT_S)
+        _torch.rpc_async(name, destroy_process_group, timeout=DESTROY_TIMEOUT_S)
         for name in info["ranks"]
         if name in live
     ]

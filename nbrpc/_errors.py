@@ -16,6 +16,7 @@ for deadlines, ``RuntimeError`` for lifecycle mistakes)::
     ├── RpcTimeoutError          (TimeoutError)   a call outlived its timeout
     ├── SerializationError       (TypeError)      an argument or result cannot be pickled
     ├── WorkerDiedError          (ConnectionError) the worker's process is gone
+    ├── ThreadsExhaustedError    (RuntimeError)   calls made inside calls used up the RPC threads
     ├── DebuggerQuitError        (RuntimeError)   q (or the stop button) in a worker's pdb
     └── RemoteError                               a worker raised, and the original type
                                                   could not be rebuilt here
@@ -24,15 +25,62 @@ A worker's exception whose type *can* be rebuilt is re-raised as that type (a
 ``ZeroDivisionError`` stays a ``ZeroDivisionError``); it carries ``worker`` and
 ``remote_traceback`` attributes and a note with the remote traceback. Messages say what
 happened and what to do next.
+
+In a notebook these errors show short (:func:`short_traceback`, IPython's
+``_render_traceback_``): the cell's own lines, the error, and a worker's traceback where
+there is one; not the frames of nbrpc, IPython and torch between them.
 """
 
 from __future__ import annotations
+
+import os
+import traceback
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """Where nbrpc's, IPython's and torch's own code lives (their frames are not shown)."""
+    import IPython
+    import torch
+
+    files = (__file__, IPython.__file__ or "", torch.__file__ or "")
+    return tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in files)
+
+
+def _users_frame(frame: traceback.FrameSummary, libraries: tuple[str, ...]) -> bool:
+    """A frame of the user's code: not nbrpc's, IPython's or torch's, nor the line IPython
+    turns a magic into (``get_ipython().run_line_magic(...)``)."""
+    if os.path.abspath(frame.filename).startswith(libraries):
+        return False
+    return not (frame.line or "").startswith("get_ipython().run_")
+
+
+def short_traceback(exc: BaseException) -> list[str]:
+    """What a notebook shows for ``exc`` (IPython's ``_render_traceback_``): the user's own
+    frames, the error in one line, and its notes (a worker's traceback), not the frames of
+    nbrpc, IPython and torch it passed through."""
+    libraries = _library_dirs()
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if _users_frame(f, libraries)]
+    lines = []
+    if frames:
+        lines.append("Traceback (most recent call last):")
+        lines.extend(line.rstrip("\n") for line in traceback.format_list(frames))
+    name = type(exc).__qualname__
+    module = type(exc).__module__
+    if module not in ("builtins", "__main__") and not module.startswith("nbrpc"):
+        name = f"{module}.{name}"
+    lines.append(f"{name}: {exc}" if str(exc) else name)
+    lines.extend(note.strip("\n") for note in getattr(exc, "__notes__", ()))
+    return lines
 
 
 class NbrpcError(Exception):
     """Base class of every error nbrpc raises itself."""
 
     _init_args: tuple = ()  # set by subclasses whose __init__ builds the message
+
+    def _render_traceback_(self) -> list[str]:
+        """IPython shows this instead of its traceback (see :func:`short_traceback`)."""
+        return short_traceback(self)
 
     def __reduce__(self) -> tuple:
         # Pickled (a worker's error travelling to the kernel) with the constructor's own
@@ -108,6 +156,11 @@ class WorkerDiedError(NbrpcError, ConnectionError):
             "rebuilds the cluster in this kernel."
             + (f"\nThe last output of {worker}'s process:\n{last_output}" if last_output else "")
         )
+
+
+class ThreadsExhaustedError(NbrpcError, RuntimeError):
+    """Calls made inside calls hold every RPC thread of the workers involved, waiting on
+    each other: none can finish (:mod:`nbrpc._deadlock` notices it and says why)."""
 
 
 class DebuggerQuitError(NbrpcError, RuntimeError):

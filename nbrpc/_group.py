@@ -333,7 +333,7 @@ def forget(dead: list[str], live: list[str]) -> None:
         if info is None:
             continue
         for peer in live:
-            rpc.rpc_sync(
+            _torch.rpc_sync(
                 peer, _torch.update_group_membership, args=(info, [], {}, False), timeout=10
             )
         _torch.forget_locally(info)
@@ -438,8 +438,12 @@ def kernel_membership(
     listen: str | None = None,
     device_maps: dict | None = None,
     devices: list[str] | None = None,
+    files: str = "nbrpc",
 ) -> KernelMembership:
     """Join the kernel to the group on first use; later calls return the same membership.
+
+    ``files``: the name prefix of the store's directory (the watchdog removes the
+    kernel's, by its prefix, if the kernel dies).
 
     What cannot change after the first join (torch fixes it for the process) is checked,
     and a change is refused with a message that says so.
@@ -488,7 +492,7 @@ def kernel_membership(
         if listen:
             spec = replace(spec, listen=listen)
     else:
-        owned_dir = tempfile.mkdtemp(prefix="nbrpc-")  # mode 0700: this user only
+        owned_dir = tempfile.mkdtemp(prefix=f"{files}-")  # mode 0700: this user only
         spec = StoreSpec(kind="file", path=os.path.join(owned_dir, "store"))
     join(
         name,

@@ -9,6 +9,8 @@ and nbval see the same exception as from :func:`nbrpc.init`.
 
 from __future__ import annotations
 
+from typing import Any
+
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
@@ -21,16 +23,17 @@ class RpcMagics(Magics):
     @magic_arguments()
     @argument(
         "targets",
-        nargs="?",
-        default="all",
-        help="'all' (every worker, not the kernel) or worker names, comma-separated",
+        nargs="*",
+        default=[],
+        help="'all' (every worker, not the kernel; the default) or worker names, separated "
+        "by commas or spaces",
     )
     @cell_magic
     def rpc(self, line: str, cell: str) -> _cells.CellResults:
         """Run the cell on workers, each in its own persistent namespace; output streams
         live as ``[worker1] ...`` and the last expression shows as ``Out[worker1]:``."""
-        args = parse_argstring(self.rpc, line)
-        return _cells.run(cell, args.targets)
+        args = _parse(self.rpc, line)
+        return _cells.run(cell, ",".join(args.targets) or "all")
 
     @magic_arguments()
     @_options.magic_arguments
@@ -41,7 +44,7 @@ class RpcMagics(Magics):
 
         Every option of nbrpc.init() with a flag is an argument here (docs/options.md).
         """
-        args = parse_argstring(self.rpc_init, line)
+        args = _parse(self.rpc_init, line)
         options = _options.from_flags(args)
         if args.quiet:
             options["progress"] = "off"
@@ -58,7 +61,7 @@ class RpcMagics(Magics):
     @line_magic
     def rpc_shutdown(self, line: str) -> None:
         """Workers leave gracefully; engines started by %rpc_init stop."""
-        args = parse_argstring(self.rpc_shutdown, line)
+        args = _parse(self.rpc_shutdown, line)
         if _cluster.running() is None:
             _cluster.shutdown(release=args.release)
             print(
@@ -93,3 +96,22 @@ class RpcMagics(Magics):
         """Post-mortem: pdb on the worker frame that raised the last remote exception
         (up/down walk its frames, p prints its locals, c or q leaves)."""
         postmortem.post_mortem()
+
+
+def _parse(magic: Any, line: str) -> Any:
+    """The magic's arguments, read as a person types them: a trailing ``# comment`` is a
+    comment, as in a Python line (``%rpc_init -n 2  # two workers``)."""
+    return parse_argstring(magic, strip_comment(line))
+
+
+def strip_comment(line: str) -> str:
+    """``line`` without a ``#`` comment: a ``#`` that starts a word outside quotes."""
+    quote = None
+    for i, char in enumerate(line):
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i].rstrip()
+    return line

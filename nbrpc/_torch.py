@@ -138,6 +138,43 @@ def forget_locally(info: Any) -> None:
     agent()._update_group_membership(info, [], {}, False)
 
 
+# -- the calls a notebook makes, and nbrpc's own -------------------------------------------
+
+#: The names a notebook calls, which nbrpc routes to its own in the kernel
+#: (:func:`route_user_calls`): ``torch.distributed.rpc.<name>``.
+USER_CALLS = ("rpc_sync", "rpc_async", "remote")
+_torch_wait_all = torch.futures.wait_all
+
+
+def rpc_sync(*args: Any, **kwargs: Any) -> Any:
+    """torch's own ``rpc_sync``: what nbrpc's modules send with, whatever the routing."""
+    return rpc_api.rpc_sync(*args, **kwargs)
+
+
+def rpc_async(*args: Any, **kwargs: Any) -> Any:
+    """torch's own ``rpc_async`` (see :func:`rpc_sync`)."""
+    return rpc_api.rpc_async(*args, **kwargs)
+
+
+def remote(*args: Any, **kwargs: Any) -> Any:
+    """torch's own ``remote``, as the ledger patched it (see :func:`rpc_sync`)."""
+    return rpc_api.remote(*args, **kwargs)
+
+
+def wait_all(futures: list) -> list:
+    """torch's own ``torch.futures.wait_all``."""
+    return _torch_wait_all(futures)
+
+
+def route_user_calls(calls: dict[str, Callable[..., Any]], wait_all: Callable[..., Any]) -> None:
+    """Make the names a notebook calls nbrpc's: ``torch.distributed.rpc.rpc_sync``,
+    ``rpc_async`` and ``remote`` (``calls``), and ``torch.futures.wait_all``. The functions
+    of ``torch.distributed.rpc.api`` stay torch's: nbrpc itself sends with those."""
+    for name in USER_CALLS:
+        setattr(rpc, name, calls[name])
+    torch.futures.wait_all = wait_all
+
+
 # -- hooks into torch.distributed.rpc -----------------------------------------------------
 
 #: The private attributes of ``torch.distributed.rpc.internal`` nbrpc replaces. torch's
@@ -339,6 +376,22 @@ def autograd_known_workers(context_id: int) -> list[int]:
     return sorted(dist_autograd._retrieve_context(context_id)._known_worker_ids())
 
 
+#: torch's words when ``loss.backward()`` (the local engine) meets a graph that crossed
+#: workers inside a distributed autograd context (torch 2.13: an internal assertion).
+LOCAL_BACKWARD_ACROSS_WORKERS = "graphTask_ INTERNAL ASSERT FAILED"
+_torch_backward = torch.autograd.backward
+
+
+def route_local_backward(replacement: Callable[..., Any]) -> None:
+    """Make ``torch.autograd.backward`` (what ``Tensor.backward`` calls) ``replacement``."""
+    torch.autograd.backward = replacement
+
+
+def local_backward(*args: Any, **kwargs: Any) -> Any:
+    """torch's own ``torch.autograd.backward``."""
+    return _torch_backward(*args, **kwargs)
+
+
 # -- TorchScript ---------------------------------------------------------------------------
 
 
@@ -369,6 +422,18 @@ def missing_module(exc: BaseException) -> str | None:
         return None
     match = _NO_MODULE.search(str(exc))
     return match.group(1) if match else None
+
+
+_SERIALIZATION = re.compile(r"SerializationError: (.*?)(?:\n\nAt:|\nException raised from|$)", re.S)
+
+
+def serialization_failure(exc: BaseException) -> str | None:
+    """nbrpc's pickler refused a result on the callee (torch's C++ turned the error into a
+    RuntimeError, C++ frames appended): its message, else ``None``."""
+    if not isinstance(exc, RuntimeError):
+        return None
+    match = _SERIALIZATION.search(str(exc))
+    return match.group(1).strip() if match else None
 
 
 CONNECTION_LOST = (

@@ -210,7 +210,7 @@ def _on_each_worker(context_id: int, func: Any) -> dict[int, Any]:
             if wid == me.id:
                 results[wid] = func(context_id)
             else:
-                futures[wid] = rpc.rpc_async(names[wid], func, args=(context_id,))
+                futures[wid] = _torch.rpc_async(names[wid], func, args=(context_id,))
         for wid, fut in futures.items():
             results[wid] = fut.wait()
         peers: set[int] = set()

@@ -93,17 +93,41 @@ def _maps_html(maps: dict | None) -> str:
     return f'<div class="device-maps" style="font-size:11px;color:#6a1b9a">{lines}</div>'
 
 
+def _state_line(rows: list[dict[str, Any]], state: str) -> str:
+    """The cluster's state, and which processes are not ready: "ready; worker2 dead"."""
+    off = [f"{r['name']} {r['state']}" for r in rows if r["state"] not in ("ready", state)]
+    return state + (f"; {', '.join(off)}" if off else "")
+
+
+def _table(rows: list[list[str]], right: frozenset[int] = frozenset()) -> list[str]:
+    """Columns as wide as their widest cell, two spaces apart (``right``: aligned right)."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        cells = [
+            cell.rjust(w) if i in right else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append(("  " + "  ".join(cells)).rstrip())
+    return lines
+
+
 def cluster_text(rows: list[dict[str, Any]], state: str) -> str:
     if not rows:
         return "nbrpc: booting" if state == "booting" else f"nbrpc: no cluster ({state})"
-    lines = [f"nbrpc cluster: {len(rows)} processes, {state}"]
-    for r in rows:
-        lines.append(
-            f"  {r['name']:<12}{r['state']:<9}pid {r.get('pid', '–'):<8}"
+    lines = [f"nbrpc cluster: {len(rows)} processes, {_state_line(rows, state)}"]
+    table = [
+        [
+            r["name"],
+            r["state"],
+            f"pid {r.get('pid', '–')}",
             f"calls {_figure(r.get('calls_in_flight'))} running / "
-            f"{_figure(r.get('calls_done'))} done   RRefs {_figure(r.get('rrefs_owned'))} owned"
-        )
-    return "\n".join(lines)
+            f"{_figure(r.get('calls_done'))} done",
+            f"RRefs {_figure(r.get('rrefs_owned'))} owned",
+        ]
+        for r in rows
+    ]
+    return "\n".join(lines + _table(table))
 
 
 def records_text(
@@ -111,13 +135,12 @@ def records_text(
 ) -> str:
     """A cluster's processes as a table (``Cluster.summary()``, ``%rpc_init``'s printout)."""
     booted = f" (booted in {boot_s:.1f} s)" if boot_s is not None else ""
-    lines = [f"nbrpc: {len(rows)} processes in the RPC group, {state}{booted}"]
-    lines.append(f"  {'name':<12}{'rank':>5}  {'pid':>8}  {'host':<20}{'role':<10}state")
-    for r in rows:
-        lines.append(
-            f"  {r['name']:<12}{r['rank']:>5}  {r['pid']:>8}  {r['host']:<20}{r['role']:<10}"
-            f"{r['state']}"
-        )
+    lines = [f"nbrpc: {len(rows)} processes in the RPC group, {_state_line(rows, state)}{booted}"]
+    table = [["name", "rank", "pid", "host", "role", "state"]]
+    table += [
+        [r["name"], str(r["rank"]), str(r["pid"]), r["host"], r["role"], r["state"]] for r in rows
+    ]
+    lines += _table(table, right=frozenset({1, 2}))
     lines.extend(f"  {note}" for note in notes)
     return "\n".join(lines)
 

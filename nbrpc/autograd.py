@@ -11,6 +11,7 @@ Plain ``torch.distributed.autograd`` keeps working alongside.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -116,6 +117,29 @@ def trace_backward(context_id: int | None = None) -> Trace:
         context_id = current_context_id()
     check_context(context_id, "trace_backward")
     return _trace.trace_backward(context_id)
+
+
+def _local_backward(*args: Any, **kwargs: Any) -> Any:
+    """``torch.autograd.backward`` (``loss.backward()``), with torch's internal assertion
+    for a graph that crossed workers turned into the fix."""
+    try:
+        return _torch.local_backward(*args, **kwargs)
+    except RuntimeError as exc:
+        if _torch.LOCAL_BACKWARD_ACROSS_WORKERS not in str(exc):
+            raise
+        raise AutogradContextError(
+            "loss.backward() runs torch's local autograd engine, which cannot follow a graph "
+            "that crossed workers (tensors sent by RPC inside a distributed autograd "
+            "context). Run the backward pass with nbrpc.autograd.backward(context_id, "
+            "[loss]) inside the `with context() as context_id:` block (torch's spelling: "
+            "dist_autograd.backward), and read the gradients with "
+            "nbrpc.autograd.get_gradients(context_id)."
+        ) from None
+
+
+def install() -> None:
+    """``loss.backward()`` on a graph that crossed workers says what to use instead."""
+    _torch.route_local_backward(_local_backward)
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:

@@ -30,7 +30,7 @@ class DistributedOptimizer(_TorchDistributedOptimizer):
         self._owners = sorted({r.owner().name for r in params_rref})
         try:
             super().__init__(optimizer_class, params_rref, *args, **kwargs)
-        except RuntimeError as exc:
+        except (RuntimeError, WorkerDiedError) as exc:
             raise self._dead_owner(exc) from None
 
     def step(self, context_id: int | None = None) -> None:
@@ -39,13 +39,18 @@ class DistributedOptimizer(_TorchDistributedOptimizer):
         check_context(context_id, "DistributedOptimizer.step")
         try:
             super().step(context_id)
-        except RuntimeError as exc:
+        except (RuntimeError, WorkerDiedError) as exc:
             raise self._dead_owner(exc) from None
 
-    def _dead_owner(self, exc: RuntimeError) -> BaseException:
-        if not is_connection_loss(exc):
+    def _dead_owner(self, exc: Exception) -> BaseException:
+        """torch's lost connection (or nbrpc's WorkerDiedError, torch's calls being routed
+        through nbrpc's): the optimizer names the workers that own its parameters."""
+        if isinstance(exc, WorkerDiedError):
+            detail = f"{exc.worker} is gone"
+        elif is_connection_loss(exc):
+            detail = str(exc).splitlines()[0]
+        else:
             return exc
         return WorkerDiedError(
-            f"a worker owning parameters of this optimizer ({', '.join(self._owners)})",
-            str(exc).splitlines()[0],
+            f"a worker owning parameters of this optimizer ({', '.join(self._owners)})", detail
         )

@@ -96,6 +96,13 @@ def run_script(path, source: str, timeout: float = 180) -> str:
     return out.stdout
 
 
+def user_environment() -> dict[str, str]:
+    """This environment as a user's kernel would have it: without pytest's
+    ``PYTEST_CURRENT_TEST``, which makes ipykernel leave file descriptors 1 and 2 alone (it
+    forwards them to the cell otherwise): under it, the suite once saw what users did not."""
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+
+
 class Kernel:
     """A real Jupyter kernel, driven as a notebook would drive it.
 
@@ -109,8 +116,12 @@ class Kernel:
     def __init__(self) -> None:
         from jupyter_client.manager import start_new_kernel
 
-        self.km, self.kc = start_new_kernel(kernel_name="python3")
+        self.km, self.kc = start_new_kernel(kernel_name="python3", env=user_environment())
         self.prompts: list[str] = []
+        #: the last cell's errors as the notebook shows them (one list of lines each), and
+        #: what it wrote to stderr (red in a notebook)
+        self.tracebacks: list[list[str]] = []
+        self.stderr = ""
 
     def execute(
         self, code: str, timeout: float = 120, answers=None, allow_stdin: bool = True
@@ -118,11 +129,17 @@ class Kernel:
         """Execute ``code``: its stdout and display text, and its errors' texts."""
         out: list[str] = []
         errors: list[str] = []
+        err: list[str] = []
         self.prompts = []
+        self.tracebacks = []
         pending = list(answers or [])
 
         def hook(msg):
             kind, content = msg["msg_type"], msg["content"]
+            if kind == "error":
+                self.tracebacks.append(content["traceback"])
+            if kind == "stream" and content["name"] == "stderr":
+                err.append(content["text"])
             if kind == "stream" and "UsageError" not in content["text"]:
                 out.append(content["text"])
             elif kind in ("execute_result", "display_data"):
@@ -152,7 +169,27 @@ class Kernel:
             stdin_hook=stdin_hook,
             allow_stdin=allow_stdin,
         )
+        self.stderr = "".join(err)
         return "".join(out), errors
+
+    def stop_after(self, code: str, seconds: float, timeout: float = 120) -> tuple[float, list]:
+        """Run ``code`` and press the stop button ``seconds`` into it: how long the cell
+        ran on after the press, and its errors."""
+        import threading
+
+        pressed: list[float] = []
+
+        def press() -> None:
+            pressed.append(time.monotonic())
+            self.km.interrupt_kernel()
+
+        timer = threading.Timer(seconds, press)
+        timer.start()
+        try:
+            _, errors = self.execute(code, timeout)
+        finally:
+            timer.cancel()
+        return (time.monotonic() - pressed[0] if pressed else 0.0), errors
 
     def run(self, code: str, timeout: float = 120, **kw) -> str:
         """Execute ``code``; its output. Raises with the error's text."""
@@ -168,6 +205,20 @@ class Kernel:
     def close(self) -> None:
         self.kc.stop_channels()
         self.km.shutdown_kernel(now=True)
+
+
+@contextlib.contextmanager
+def running_kernel(*cells: str, closing: str = "import nbrpc; nbrpc.shutdown()"):
+    """A :class:`Kernel` that ran ``cells`` (a module's shared kernel), then ``closing``
+    and its end when the block ends."""
+    k = Kernel()
+    try:
+        for cell in cells:
+            k.run(cell, timeout=180)
+        yield k
+        k.run(closing, timeout=60)
+    finally:
+        k.close()
 
 
 def kernel_children() -> list[psutil.Process]:
@@ -253,6 +304,22 @@ def load_fakehosts():
 
 def _is_multi_host(item) -> bool:
     return os.path.basename(str(item.fspath)) == MULTI_HOST_NOTEBOOK
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    """nbval starts a tutorial's kernel in the setup of its first cell: start it as a user's
+    (see :func:`user_environment`)."""
+    saved = os.environ.pop("PYTEST_CURRENT_TEST", None) if _is_notebook(item) else None
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["PYTEST_CURRENT_TEST"] = saved
+
+
+def _is_notebook(item) -> bool:
+    return str(item.fspath).endswith(".ipynb")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -93,3 +93,13 @@ def test_gradients_of_a_finished_context():
         pass
     with pytest.raises(autograd.AutogradContextError, match="has ended"):
         autograd.get_gradients(ctx)
+
+
+def test_local_backward_across_workers_says_what_to_use(cell):
+    """torch 2.13 ends it in an internal assertion ("please report a bug to PyTorch"); the
+    wording is pinned here, where workers exist (_torch.LOCAL_BACKWARD_ACROSS_WORKERS)."""
+    x = torch.ones(3, requires_grad=True)
+    with nbrpc.autograd.context():
+        loss = nbrpc.rpc_sync("worker1", torch.mul, args=(x, 2)).sum()
+        with pytest.raises(nbrpc.AutogradContextError, match=r"nbrpc\.autograd\.backward"):
+            loss.backward()

@@ -103,7 +103,7 @@ def test_several_failures_raise_one_exception_group(shell, cluster):
     with pytest.raises(nbrpc.RpcCellError) as info:
         rpc(shell, source)
     group = info.value
-    assert isinstance(group, ExceptionGroup)
+    assert isinstance(group, nbrpc.NbrpcError)  # an ExceptionGroup would not show in IPython 9
     assert sorted(type(e).__name__ for e in group.exceptions) == [
         "KeyError",
         "ZeroDivisionError",
@@ -111,7 +111,7 @@ def test_several_failures_raise_one_exception_group(shell, cluster):
     assert sorted(e.worker for e in group.exceptions) == ["worker1", "worker2"]
     caught = []
     try:
-        raise group
+        raise group.group()
     except* ZeroDivisionError as zero:
         caught.append(zero.exceptions[0].worker)
     except* KeyError as key:

@@ -18,7 +18,7 @@ import time
 
 import pytest
 import torch
-from conftest import Kernel
+from conftest import running_kernel
 
 from nbrpc._debugger import deadlines, prompts
 
@@ -43,14 +43,8 @@ def outer(a):
 
 @pytest.fixture(scope="module")
 def kernel():
-    k = Kernel()
-    k.run("%load_ext nbrpc\n%rpc_init -n 2", timeout=180)
-    k.run(FUNCS)
-    yield k
-    try:
-        k.run("nbrpc.shutdown()", timeout=60)
-    finally:
-        k.close()
+    with running_kernel("%load_ext nbrpc\n%rpc_init -n 2", FUNCS) as k:
+        yield k
 
 
 def test_post_mortem_with_nothing_to_debug_says_so(kernel):

@@ -13,7 +13,7 @@ import socket
 import time
 
 import pytest
-from conftest import Kernel, load_fakehosts
+from conftest import load_fakehosts, running_kernel
 
 import nbrpc
 from nbrpc import _group, _options
@@ -91,13 +91,9 @@ def hosts():
 
 @pytest.fixture(scope="module")
 def kernel(hosts):
-    k = Kernel()
-    k.run(f"%load_ext nbrpc\nSSH = '-F {hosts.ssh_config}'\nimport nbrpc, os, socket, time, torch")
-    yield k
-    try:
-        k.run("import nbrpc; nbrpc.shutdown(release=True)", timeout=60)
-    finally:
-        k.close()
+    setup = f"%load_ext nbrpc\nSSH = '-F {hosts.ssh_config}'\nimport nbrpc, os, socket, time, torch"
+    with running_kernel(setup, closing="import nbrpc; nbrpc.shutdown(release=True)") as k:
+        yield k
 
 
 def _veth_bytes(i: int) -> int:

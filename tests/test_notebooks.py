@@ -41,9 +41,8 @@ def quickstart():
 
 def test_rpc_init_cell_shows_progress_and_summary(quickstart):
     out = quickstart["%load_ext nbrpc"]
-    # the progress widget (text/plain of its view): the phases line, then a row per worker
-    assert "VBox(children=(HTML(value='<small>starting the controller and engines" in out
-    assert "HBox(children=" in out
+    # the progress widget; where widgets do not render (here: its text/plain), what happens
+    assert "nbrpc: starting 2 workers (worker1, worker2)" in out
     assert "3 processes in the RPC group, ready" in out
     for name in ("worker0", "worker1", "worker2"):
         assert name in out

@@ -244,3 +244,26 @@ def test_functional_optimizers_call_the_notice_nbrpc_silences():
     )
     _torch.quiet_optimizer_notice_if_loaded()
     assert {getattr(m, _torch.OPTIMIZER_NOTICE) for m in modules} == {_torch.no_optimizer_notice}
+
+
+def test_the_calls_a_notebook_makes_can_be_routed_and_torchs_stay_reachable():
+    for name in _torch.USER_CALLS:
+        _pin(
+            callable(getattr(rpc_api, name, None)) and hasattr(rpc, name),
+            f"torch.distributed.rpc.{name} (or the api module's) is gone",
+            "route_user_calls and rpc_sync/rpc_async/remote",
+        )
+    _pin(
+        callable(getattr(torch.futures, "wait_all", None)),
+        "torch.futures.wait_all is gone",
+        "route_user_calls and wait_all",
+    )
+
+
+def test_tensor_backward_calls_torch_autograd_backward():
+    source = inspect.getsource(torch.Tensor.backward)
+    _pin(
+        "torch.autograd.backward(" in source,
+        "Tensor.backward no longer calls torch.autograd.backward",
+        "route_local_backward",
+    )

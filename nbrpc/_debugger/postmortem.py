@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import sys
 
-import torch.distributed.rpc as rpc
-
 from nbrpc import _group, _torch
 from nbrpc._errors import UnknownWorkerError, WorkerDiedError
 from nbrpc._wire import failures
@@ -41,7 +39,7 @@ def post_mortem() -> str | None:
     worker = seen["worker"]
     if worker not in _group.member_names():
         raise UnknownWorkerError(worker, _group.member_names())
-    raw = rpc.rpc_async(worker, remote_pdb.open_post_mortem, args=(seen["id"],), timeout=0)
+    raw = _torch.rpc_async(worker, remote_pdb.open_post_mortem, args=(seen["id"],), timeout=0)
     prompts.wait_on_main_thread(raw)  # the stop button and the worker's prompts, served here
 
     def lost(exc: BaseException) -> BaseException:

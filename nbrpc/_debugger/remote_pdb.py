@@ -21,9 +21,7 @@ import sys
 import threading
 from typing import IO, Any, cast
 
-import torch.distributed.rpc as rpc
-
-from nbrpc import _process
+from nbrpc import _process, _torch
 from nbrpc._wire import callee, failures, output
 
 from .prompts import kernel_end, kernel_prompt, kernel_sources
@@ -66,7 +64,7 @@ class _KernelIO:
             title = self.title
         output.drain_output()  # the call's own prints show before pdb's
         try:
-            kind, value = rpc.rpc_sync(
+            kind, value = _torch.rpc_sync(
                 output.kernel_name(),
                 kernel_prompt,
                 args=(_process.name(), self.session, text, prompt, title),
@@ -92,7 +90,7 @@ class _KernelIO:
             return
         session, self.session = self.session, None
         with contextlib.suppress(Exception):  # the kernel is gone
-            rpc.rpc_async(
+            _torch.rpc_async(
                 output.kernel_name(),
                 kernel_end,
                 args=(_process.name(), session, self._take_text()),
@@ -132,7 +130,9 @@ class RemotePdb(pdb.Pdb):
             return
         self._sources_asked.update(missing)
         try:
-            found = rpc.rpc_sync(output.kernel_name(), kernel_sources, args=(missing,), timeout=10)
+            found = _torch.rpc_sync(
+                output.kernel_name(), kernel_sources, args=(missing,), timeout=10
+            )
         except Exception:
             return
         for fn, text in found.items():

@@ -50,11 +50,13 @@ CONTROLLER_TIMEOUT_S = 60.0
 ENGINE_EXIT_WAIT_S = 5.0
 
 
-#: What every engine nbrpc starts is told, here or on another host: no nanny process, wait
-#: for the controller's connection file, and stop after ENGINE_ORPHAN_MISSES heartbeats
-#: without the controller.
+#: What every engine nbrpc starts is told, here or on another host: no nanny process,
+#: stdout/stderr that leave file descriptors 1 and 2 on the engine's log (see
+#: ``zygote.EngineOutStream``), wait for the controller's connection file, and stop after
+#: ENGINE_ORPHAN_MISSES heartbeats without the controller.
 ENGINE_ARGS = (
     "--IPEngine.enable_nanny=False",
+    "--IPEngine.out_stream_factory=nbrpc._engines.zygote.EngineOutStream",
     f"--IPEngine.wait_for_url_file={CONTROLLER_TIMEOUT_S:.0f}",
     f"--IPEngine.max_heartbeat_misses={ENGINE_ORPHAN_MISSES}",
 )

@@ -163,8 +163,11 @@ class LocalController(Controller):
         # loopback unless --listen opens it
         super().__init__(listen or "127.0.0.1", workdir, ForkedEngineSetLauncher)
         self._launchers: dict[int, Any] = {}  # pid -> launcher of every engine still ours
-        # pid -> (its log, the log's size when it started): kept after the engine died
-        self._logs: dict[int, tuple[str, int]] = {}
+        # pid -> (its log, open, and the log's size when it started): kept after the
+        # engine died. Open, because ipyparallel removes an engine's log as it sees the
+        # engine stop (``_log_output``), racing with the kernel's read of its last words:
+        # a crash report read by path was there in one run and gone in the next.
+        self._logs: dict[int, tuple[int, int]] = {}
         self._handed_out: set[int] = set()  # engine ids given to a cluster: never again
         self._watch()  # the watchdog first: a kernel killed from here on leaves nothing
         # then the zygote: a bad interpreter fails here, before the controller starts
@@ -197,14 +200,19 @@ class LocalController(Controller):
             raise BootError(f"could not start an engine: {exc}") from exc
         for launcher in self._ipp.engines[set_id].launchers.values():
             self._launchers[launcher.pid] = launcher
-            log = launcher.output_file
-            self._logs[launcher.pid] = (log, os.path.getsize(log) if os.path.exists(log) else 0)
+            fd = os.open(launcher.output_file, os.O_RDONLY | os.O_CREAT, 0o600)
+            self._logs[launcher.pid] = (fd, os.fstat(fd).st_size)
         self._watch()
 
     def last_output(self, pid: int) -> str:
         """What engine ``pid`` printed last (see :func:`last_words`); "" if nothing."""
-        path, start = self._logs.get(pid, ("", 0))
-        return last_words(path, start) if path else ""
+        fd, start = self._logs.get(pid, (-1, 0))
+        return last_words(fd, start) if fd >= 0 else ""
+
+    def _forget_log(self, pid: int) -> None:
+        fd, _ = self._logs.pop(pid, (-1, 0))
+        if fd >= 0:
+            os.close(fd)
 
     def _spare_ids(self) -> list[int]:
         return [i for i in sorted(self.client().ids) if i not in self._handed_out]
@@ -264,6 +272,7 @@ class LocalController(Controller):
             if launcher.state != "after" and process_alive(pid):
                 continue
             del self._launchers[pid]
+            self._forget_log(pid)
             dropped = True
             if os.path.exists(os.path.join(self._workdir, str(pid))):
                 continue  # it had started: a spare that was killed, not a bad start
@@ -291,7 +300,7 @@ class LocalController(Controller):
         while time.monotonic() < deadline and any(process_alive(p) for p in pids):
             time.sleep(0.02)
         for pid in pids:
-            self._logs.pop(pid, None)
+            self._forget_log(pid)
             launcher = self._launchers.pop(pid, None)
             if process_alive(pid) and launcher is not None:
                 watchdog.reap([pid])
@@ -336,6 +345,8 @@ class LocalController(Controller):
         except Exception as exc:
             log.warning("stopping ipyparallel's controller and engines: %s", exc)
         self._launchers.clear()
+        for pid in list(self._logs):
+            self._forget_log(pid)
         self._stop_watchdog()
 
 
@@ -349,13 +360,15 @@ _LOGGED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[.,]\d+ \[|\[[EWIF]\d{4} 
 BEFORE_LINES, STACK_LINES = 4, 12
 
 
-def last_words(path: str, start: int = 0) -> str:
-    """What an engine wrote as it crashed, from its log (bytes ``start`` on): the lines
-    just before faulthandler's report (a C++ abort's "terminate called ... what(): ..."),
-    and the report itself (the crashing thread's Python stack). "" when the log holds no
-    crash report (``kill -9``, the OOM killer, ``os._exit``) or cannot be read."""
+def last_words(log: str | int, start: int = 0) -> str:
+    """What an engine wrote as it crashed, from its log (a path, or an open descriptor;
+    bytes ``start`` on): the lines just before faulthandler's report (a C++ abort's
+    "terminate called ... what(): ..."), and the report itself (the crashing thread's
+    Python stack). "" when the log holds no crash report (``kill -9``, the OOM killer,
+    ``os._exit``) or cannot be read."""
     try:
-        with open(path, "rb") as f:
+        fd = os.dup(log) if isinstance(log, int) else os.open(log, os.O_RDONLY)
+        with os.fdopen(fd, "rb") as f:
             size = f.seek(0, os.SEEK_END)
             f.seek(max(start, size - 16384))
             lines = f.read().decode(errors="replace").splitlines()

@@ -13,8 +13,9 @@ nothing but the standard library.
 Once a second it checks the kernel. When the kernel is gone it terminates the listed
 processes and those whose environment holds MARKER (the controller's ``IPP_CLUSTER_ID``)
 (then kills what is left after a grace period) and removes the kernel's leftover
-shared-memory segments (:mod:`nbrpc._wire.shm`). It exits by itself when PIDFILE is
-removed: the launcher does that when it releases everything.
+shared-memory segments (:mod:`nbrpc._wire.shm`), its group store's directory and its own.
+It exits by itself when PIDFILE is removed: the launcher does that when it releases
+everything.
 """
 
 from __future__ import annotations
@@ -22,11 +23,16 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 
 POLL_S = 1.0
+#: The name prefix of the private directories controllers keep the pid file in: the
+#: watchdog removes the directory with it (a kernel killed left one behind each time).
+WORKDIR_PREFIX = "nbrpc-"
 GRACE_S = 3.0
 #: After the kernel's death, processes with the cluster's marker are looked for again
 #: for this long. A process the kernel was starting as it died may still be between fork
@@ -78,8 +84,20 @@ def sweep_segments(prefix: str) -> int:
 
 
 def segment_prefix(kernel_pid: int) -> str:
-    """The name prefix of the fast path's shared-memory segments of one kernel's clusters."""
+    """The name prefix of what one kernel's clusters leave in files: the fast path's
+    shared-memory segments, and the kernel's group store directory (``_group``)."""
     return f"nbrpc-{kernel_pid}"
+
+
+def sweep_directories(prefix: str) -> int:
+    """Remove ``$TMPDIR/PREFIX-*`` directories: a dead kernel's group store."""
+    removed = 0
+    pattern = os.path.join(tempfile.gettempdir(), f"{glob.escape(prefix)}-*")
+    for path in glob.glob(pattern):
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed += 1
+    return removed
 
 
 def read_pids(pidfile: str) -> list[int] | None:
@@ -141,8 +159,12 @@ def main(argv: list[str]) -> int:
         time.sleep(0.2)
         reap(started_with(marker))
     sweep_segments(segment_prefix(kernel))
+    sweep_directories(segment_prefix(kernel))
     with contextlib.suppress(OSError):
         os.unlink(pidfile)
+    workdir = os.path.dirname(os.path.abspath(pidfile))
+    if os.path.basename(workdir).startswith(WORKDIR_PREFIX):  # the controller's own, private
+        shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
 

@@ -39,13 +39,14 @@ def join(
     devices: list[str] | None = None,
 ) -> dict[str, Any]:
     """Join the notebook's RPC group as ``name``; return this process's description."""
-    from nbrpc import _agent, _group, _torch
+    from nbrpc import _agent, _group, _torch, autograd
     from nbrpc._debugger import remote_pdb
     from nbrpc._errors import BootError
     from nbrpc._wire import output
 
     _torch.quiet_internal_deprecations()  # the optimizer's TorchScript notice, see there
     _agent.install()
+    autograd.install()  # loss.backward() in a %%rpc cell says what to use instead
     spec = _group.StoreSpec(**store)
     if spec.kind == "file" and not os.path.exists(os.path.dirname(spec.path)):
         raise BootError(

@@ -27,6 +27,9 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
+
+from ipykernel.iostream import OutStream
 
 from nbrpc._engines.local import KERNEL_ENV, MARKS_ENV
 from nbrpc._engines.watchdog import process_alive
@@ -42,6 +45,23 @@ _ENGINE_MODULES = (
     "tornado.queues",
     "torch.distributed.rpc.rref_proxy",
 )
+
+
+class EngineOutStream(OutStream):
+    """ipykernel's stdout/stderr for an engine, without taking over file descriptors 1, 2.
+
+    By default ipykernel points fds 1 and 2 of an engine at a pipe that one of its threads
+    reads and forwards to the controller, where nothing shows it: what C++ writes there (a
+    crash's "terminate called ...", faulthandler's report) was lost with the process, and
+    a user's WorkerDiedError had no last words. ipykernel skips that takeover under pytest
+    (``PYTEST_CURRENT_TEST``), which every engine of the test suite inherited, so the suite
+    saw a log no user had. Engines now keep fds 1 and 2 on their log everywhere
+    (``--IPEngine.out_stream_factory``, in :data:`nbrpc._engines.controller.ENGINE_ARGS`).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["watchfd"] = False
+        super().__init__(*args, **kwargs)
 
 
 def _imports() -> None:

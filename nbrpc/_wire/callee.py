@@ -11,6 +11,7 @@ debugger's), the reply's route when shared memory reaches some peers only
 from __future__ import annotations
 
 import bdb
+import inspect
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from nbrpc import _process, _torch
-from nbrpc._errors import DebuggerQuitError
+from nbrpc._errors import DebuggerQuitError, SerializationError
 
 from . import failures, output, shm
 
@@ -39,6 +40,12 @@ class _Served:
 
 
 _served = _Served()
+_thread = threading.local()  # .depth: calls this thread is serving now (nested: > 1)
+
+
+def serving() -> bool:
+    """Whether this thread is an RPC thread serving a call now (a call it makes is nested)."""
+    return getattr(_thread, "depth", 0) > 0
 
 
 def call_builtin(op: Any, args: tuple, kwargs: dict | None) -> Any:
@@ -87,10 +94,32 @@ class WithCaller:
         return (udf_from, (_process.name(), self.reply, udf.func, udf.args, udf.kwargs))
 
 
+def _unsendable(result: Any, func: Any) -> SerializationError | None:
+    """The error for a result no pickler can send back, found before torch tries (it would
+    fail in C++, and the caller get a RuntimeError with C++ frames): what to do instead."""
+    name = getattr(func, "__qualname__", "the function")
+    if inspect.iscoroutine(result):
+        result.close()  # never awaited: no "coroutine was never awaited" warning here
+        return SerializationError(
+            f"{name} returned a coroutine: an `async def` function called by RPC returns one "
+            "without running it, and a coroutine cannot be sent back. Make it a plain "
+            "function, run it on the worker with asyncio.run(...), or return a "
+            "torch.futures.Future from a function decorated @rpc.functions.async_execution."
+        )
+    if inspect.isgenerator(result) or inspect.isasyncgen(result):
+        return SerializationError(
+            f"{name} returned a generator, which cannot be sent back over RPC (it runs where "
+            "it was made). Return list(...) of it, or keep it on the worker: "
+            "nbrpc.remote(...) returns an RRef to the value."
+        )
+    return None
+
+
 def run_function(python_udf: Any) -> Any:
     """Replaces ``torch.distributed.rpc.internal._run_function`` (called from C++)."""
     if shm.restricted():
         shm.expect_reply(None, None)  # one left by a call whose reply went another way
+    _thread.depth = getattr(_thread, "depth", 0) + 1
     printed, interrupted = output.begin_call()
     _torch.quiet_optimizer_notice_if_loaded()  # DistributedOptimizer's, see there
     func = _torch.udf_function(python_udf)
@@ -106,6 +135,9 @@ def run_function(python_udf: Any) -> Any:
         if isinstance(python_udf, AttributeError):
             raise python_udf
         result = _torch.run_udf(python_udf)
+        unsendable = _unsendable(result, func)
+        if unsendable is not None:
+            return failures.failure(unsendable)  # no traceback: nothing of the user's raised
         if getattr(python_udf, "reply", False) and not isinstance(result, torch.futures.Future):
             shm.expect_reply(result, python_udf.caller)  # pickled next, on this thread
         return result
@@ -115,6 +147,7 @@ def run_function(python_udf: Any) -> Any:
     except BaseException as exc:  # sys.exit() or KeyboardInterrupt must not reach torch's C++
         return failures.failure(exc, keep=counted)
     finally:
+        _thread.depth -= 1
         for hook in _served.after_call:
             hook()
         output.end_call(printed, interrupted)

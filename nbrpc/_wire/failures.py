@@ -18,8 +18,10 @@ that travels with the failure; the kernel remembers the last failure it received
 from __future__ import annotations
 
 import collections
+import copy
 import itertools
 import linecache
+import os
 import pickle
 import re
 import threading
@@ -30,7 +32,7 @@ from typing import Any
 import cloudpickle
 
 from nbrpc import _process
-from nbrpc._errors import RemoteError
+from nbrpc._errors import RemoteError, short_traceback
 from nbrpc._torch import RemoteException
 
 
@@ -116,9 +118,7 @@ def failure(exc: BaseException, keep: bool = False) -> RemoteException:
     if keep:
         failure_id = f"{_process.token()}.{next(_state.ids)}"
         _state.kept_id, _state.kept = failure_id, exc
-    frames = [
-        (f.filename, f.lineno or 0, f.name, f.line) for f in traceback.extract_tb(exc.__traceback__)
-    ][1:]  # the first frame is run_function itself
+    frames = _users_frames(traceback.extract_tb(exc.__traceback__))
     try:
         exc_bytes: bytes | None = cloudpickle.dumps(exc)
     except Exception:
@@ -131,15 +131,54 @@ def failure(exc: BaseException, keep: bool = False) -> RemoteException:
     return RemoteException(text_, type(exc))
 
 
+_OWN = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # nbrpc/
+
+
+def _users_frames(tb: traceback.StackSummary) -> list[tuple[str, int, str, str | None]]:
+    """The frames of a failed call worth showing: the user's, not nbrpc's around them
+    (``run_function``, the call facade's waits); all of them if nothing else is left."""
+    frames = [(f.filename, f.lineno or 0, f.name, f.line) for f in tb]
+    users = [f for f in frames if not os.path.abspath(f[0]).startswith(_OWN)]
+    return users or frames[1:]  # the first frame is run_function itself
+
+
 def format_remote_traceback(failure: _FailureText) -> str:
+    """The worker's traceback, its source lines read here first (this process's linecache
+    holds the notebook's cells), and a frame repeated more than 3 times in a row shown as
+    Python shows it ("[Previous line repeated 995 more times]": a RecursionError is 14
+    lines, not 2,000)."""
+    frames = traceback.StackSummary.from_list(
+        [
+            traceback.FrameSummary(
+                filename,
+                lineno,
+                name,
+                line=linecache.getline(filename, lineno).strip() or (line or "").strip(),
+            )
+            for filename, lineno, name, line in failure.frames
+        ]
+    )
     lines = [f"Remote traceback (most recent call last), on {failure.worker}:\n"]
-    for filename, lineno, name, line in failure.frames:
-        lines.append(f'  File "{filename}", line {lineno}, in {name}\n')
-        source = linecache.getline(filename, lineno).strip() or (line or "").strip()
-        if source:
-            lines.append(f"    {source}\n")
+    lines.extend(frames.format())
     lines.append(f"{failure.ename}: {failure.evalue}\n")
     return "".join(lines)
+
+
+class _ShortTraceback:
+    """A rebuilt exception's ``_render_traceback_``: IPython shows the notebook's lines and
+    the worker's traceback, not nbrpc's frames (:func:`nbrpc._errors.short_traceback`).
+    Not sent along if the exception travels on: the next receiver makes its own."""
+
+    def __init__(self, exc: BaseException | None) -> None:
+        self.exc = exc
+
+    def __call__(self) -> list[str]:
+        if self.exc is None:
+            raise AttributeError("no exception to render")  # IPython then shows its own
+        return short_traceback(self.exc)
+
+    def __reduce__(self) -> tuple:
+        return (_ShortTraceback, (None,))
 
 
 def rebuild(result: RemoteException) -> BaseException:
@@ -175,10 +214,32 @@ def rebuild(result: RemoteException) -> BaseException:
     try:
         exc.worker = failure.worker  # type: ignore[attr-defined]
         exc.remote_traceback = remote_tb  # type: ignore[attr-defined]
+        exc._render_traceback_ = _ShortTraceback(exc)  # type: ignore[attr-defined]
     except Exception:
         pass  # an exception type with __slots__: the note below still carries it
-    exc.add_note("\n" + remote_tb.rstrip("\n"))
+    _add_hop(exc, "\n" + remote_tb.rstrip("\n"))
     return exc
+
+
+_HOP = "\nRemote traceback (most recent call last), on "
+_BETWEEN = re.compile(r"^\(passed back through (\d+) more calls?\)$")
+
+
+def _add_hop(exc: BaseException, note: str) -> None:
+    """Add this hop's remote traceback to ``exc``. An exception passed back through many
+    nested calls keeps where it was raised and the last hop, and counts those between (a
+    40-deep chain of calls would otherwise carry 40 tracebacks)."""
+    notes = list(getattr(exc, "__notes__", ()))
+    hops = [i for i, n in enumerate(notes) if n.startswith(_HOP)]
+    if len(hops) >= 2 or (hops and any(_BETWEEN.match(n) for n in notes)):
+        between = len(hops) - 1  # every hop after the origin, shown or counted before
+        for n in notes[hops[0] + 1 :]:
+            match = _BETWEEN.match(n)
+            if match:
+                between += int(match.group(1))
+        s = "s" if between > 1 else ""
+        exc.__notes__ = [*notes[: hops[0] + 1], f"(passed back through {between} more call{s})"]
+    exc.add_note(note)
 
 
 def handle_exception(result: Any) -> None:
@@ -200,6 +261,29 @@ def handle_exception(result: Any) -> None:
             _state.rebuilt.popitem(last=False)
     exc.add_note(f"(nbrpc #{key})")
     raise exc
+
+
+def raisable(exc: BaseException) -> BaseException:
+    """What to raise for ``exc``, an exception a future keeps: a copy, and ``exc`` itself
+    left without a traceback.
+
+    torch keeps a future's exception from C++, where Python's garbage collector cannot
+    see it. Raised as it is, the exception gathers a traceback of the frames it passes
+    through, and those frames hold the future: a cycle the collector cannot break, which
+    kept every local of those frames alive (measured: the RRefs a failed
+    DistributedOptimizer held, so every later shutdown waited 5 s for their dead owner).
+    """
+    exc.__traceback__ = None
+    try:
+        twin = copy.copy(exc)
+    except Exception:  # a type that cannot be rebuilt from its args: raise it as it is
+        return exc
+    if type(twin) is not type(exc):
+        return exc
+    twin.__traceback__ = None
+    if isinstance(getattr(twin, "_render_traceback_", None), _ShortTraceback):
+        twin._render_traceback_ = _ShortTraceback(twin)  # type: ignore[attr-defined]
+    return twin
 
 
 def is_rebuilt(exc: BaseException) -> bool:

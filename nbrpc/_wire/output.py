@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed.rpc as rpc
+from nbrpc import _torch
 
 
 @dataclass
@@ -73,7 +73,7 @@ class _CallOutput:
             self._idle = threading.Event()
         self._idle.clear()
         try:
-            fut = rpc.rpc_async(
+            fut = _torch.rpc_async(
                 _forward.to, show_output, args=(_forward.me, chunks), timeout=OUTPUT_WAIT_S
             )
         except Exception as exc:  # the kernel is gone: keep the text on the worker

@@ -183,12 +183,7 @@ class RpcPickler(cloudpickle.Pickler):
         except SerializationError:
             raise
         except Exception as exc:
-            raise SerializationError(
-                f"cannot send {_describe(obj)} over RPC: {type(exc).__name__}: {exc}. "
-                "Objects holding locks, open files, sockets or generators cannot travel; "
-                "create them on the worker instead (inside the function, or keep them "
-                "there with nbrpc.remote)."
-            ) from exc
+            raise SerializationError(_cannot_send(obj, exc)) from exc
 
     @property
     def dispatch_table(self) -> dict:
@@ -257,8 +252,20 @@ def register_by_value(module: ModuleType) -> None:
     cloudpickle.register_pickle_by_value(module)  # RpcPickler.dump then forgets its memo
 
 
-def _describe(obj: Any) -> str:
+def _cannot_send(obj: Any, exc: Exception) -> str:
+    """Why ``obj`` cannot travel, and what to do: a call's arguments are made where the
+    call is sent from, a result where it runs."""
+    why = f"{type(exc).__name__}: {exc}"
     func = _torch.udf_function(obj)  # torch's PythonUDF: the call being sent
     if func is not None:
-        return f"a call of {getattr(func, '__qualname__', type(func).__name__)}"
-    return f"a {type(obj).__name__}"
+        name = getattr(func, "__qualname__", type(func).__name__)
+        return (
+            f"cannot send a call of {name} over RPC: {why}. Objects holding locks, open "
+            "files, sockets or generators cannot travel; create them on the worker instead "
+            "(inside the function, or keep them there with nbrpc.remote)."
+        )
+    return (
+        f"cannot send a {type(obj).__name__} back from {_process.name()} as a call's result: "
+        f"{why}. Return what pickles (numbers, tensors, lists, dicts of them), or keep the "
+        "object on the worker: nbrpc.remote(...) returns an RRef to it."
+    )

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from nbrpc import _process
+from nbrpc import _process, _torch
 
 from . import arena as _arena
 
@@ -270,13 +270,15 @@ def export_segment(storage: torch.UntypedStorage, prefix: str | None = None) -> 
     prefix = prefix or _state.prefix
     name = f"{prefix}-{os.getpid()}-{next(_counter)}-{uuid.uuid4().hex[:8]}"
     path = os.path.join(SHM_DIR, name)
+    populate = _POPULATE  # a recycled segment's pages exist: map them all at once
     if _claim(prefix, name, nbytes):
         fd = os.open(path, os.O_RDWR)
     else:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         os.ftruncate(fd, nbytes)
+        populate = 0  # fresh: the copy faults each page in once (populating zeroes them first)
     try:
-        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE)
+        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | populate)
     finally:
         os.close(fd)
     try:
@@ -369,9 +371,7 @@ SETUP_TIMEOUT_S = 90.0  # each worker's answer (bounded: one may have died)
 
 def _on_each(workers: list[str], func: Callable[..., Any], *args: Any) -> dict[str, Any]:
     """``func(*args)`` on every worker at once, by RPC; their answers by name."""
-    import torch.distributed.rpc as rpc
-
-    asked = {w: rpc.rpc_async(w, func, args=args, timeout=SETUP_TIMEOUT_S) for w in workers}
+    asked = {w: _torch.rpc_async(w, func, args=args, timeout=SETUP_TIMEOUT_S) for w in workers}
     return {w: fut.wait() for w, fut in asked.items()}
 
 
