@@ -1,0 +1,287 @@
+"""A new user's first hour, run the way users run nbrpc.
+
+A real Jupyter kernel (started as a user's is, see ``conftest.user_environment``), cells
+typed as a person types them (the README's example pasted as it stands, comments after
+magics, a space after a comma, the stop button pressed), and a plain script. Each test
+is one thing a new user tried that once failed or said too little: a path the suite
+called differently from a user can no longer pass while the user's path fails.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from conftest import Kernel, run_script, running_kernel, wait_until
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FUNCS = """
+import threading, time
+import torch
+import torch.distributed.autograd as dist_autograd
+import nbrpc
+
+def sleepy(seconds):
+    time.sleep(seconds)
+    return seconds
+
+def ping(n, me, other):   # a call made inside a call, n deep
+    if n == 0:
+        return "done"
+    return nbrpc.rpc_sync(other, ping, args=(n - 1, other, me))
+
+def make_generator():
+    return (i for i in range(3))
+
+async def make_coroutine():
+    return 1
+
+def make_lock():
+    return threading.Lock()
+
+class MyError(Exception):
+    pass
+
+def fail(x):
+    raise MyError(f"bad value {x}")
+
+def recurse(n):
+    return recurse(n + 1)
+
+def double(t):
+    return t * 2
+
+def crash(message):
+    import os
+    os.write(2, message.encode())
+    os.abort()
+"""
+
+
+def readme_example() -> str:
+    """The README's first notebook example, exactly as it stands there."""
+    text = (ROOT / "README.md").read_text()
+    return text.split("In a notebook:", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    with running_kernel(closing="%rpc_shutdown  # done for now") as k:
+        out = k.run(readme_example(), timeout=180)  # pasted as a user pastes it
+        assert "[worker1] adding on the worker" in out
+        assert "tensor(3)" in out
+        k.run(FUNCS)
+        yield k
+
+
+def _traceback(k: Kernel) -> str:
+    """The last cell's error as the notebook shows it."""
+    return "\n".join(line for tb in k.tracebacks for line in tb)
+
+
+def test_magics_take_a_trailing_comment_and_spaced_names(kernel):
+    out = kernel.run("%%rpc worker1  # only the first\nwho = 'w1'\nwho")
+    assert "Out[worker1]: 'w1'" in out
+    assert "worker2" not in out
+    out = kernel.run("%%rpc worker1, worker2\n1 + 1")
+    assert "Out[worker1]: 2" in out
+    assert "Out[worker2]: 2" in out
+    kernel.run("%rpc_status  # who is there")
+
+
+@pytest.mark.parametrize(
+    "cell",
+    [
+        "torch.futures.wait_all([nbrpc.rpc_async('worker2', sleepy, args=(10,))])",
+        "import torch.distributed.rpc as rpc\nrpc.rpc_sync('worker1', sleepy, args=(10,))",
+        "import torch.distributed.rpc as rpc\nrpc.rpc_async('worker1', sleepy, args=(10,)).wait()",
+    ],
+    ids=["torch.futures.wait_all", "rpc.rpc_sync", "rpc.rpc_async().wait()"],
+)
+def test_the_stop_button_ends_torch_style_waits(kernel, cell):
+    ran_on, errors = kernel.stop_after(cell, seconds=2)
+    assert errors
+    assert errors[0].startswith("KeyboardInterrupt")
+    assert ran_on < 5, f"the cell ran {ran_on:.1f} s after the stop button (the call: 10 s)"
+
+
+def _idle(kernel: Kernel) -> bool:
+    """No call runs on any worker (the stop button ends the wait, not the remote call)."""
+    return kernel.value("sum(r['calls_in_flight'] or 0 for r in nbrpc.status())") == 0
+
+
+def test_nested_calls_that_use_up_the_threads_say_why_and_free_the_cluster(kernel):
+    assert wait_until(lambda: _idle(kernel), timeout=30)  # a thread still computing is progress
+    t0 = time.monotonic()
+    _, errors = kernel.execute(
+        "nbrpc.rpc_sync('worker1', ping, args=(40, 'worker1', 'worker2'), timeout=20)"
+    )
+    took = time.monotonic() - t0
+    assert errors
+    assert errors[0].startswith("ThreadsExhaustedError")
+    text = _traceback(kernel)
+    for words in ("RPC threads of worker1, worker2", "--threads", "async_execution"):
+        assert words in text
+    assert took < 15, f"the jam was noticed after {took:.1f} s (the timeout: 20 s)"
+    t0 = time.monotonic()
+    assert kernel.value("nbrpc.rpc_sync('worker2', min, args=(1, 2))") == 1
+    assert time.monotonic() - t0 < 5, "the cluster stayed jammed after the error"
+    assert (
+        kernel.value("nbrpc.rpc_sync('worker1', ping, args=(10, 'worker1', 'worker2'))") == "done"
+    )
+
+
+@pytest.mark.parametrize(
+    ("func", "says"),
+    [
+        ("make_generator", "make_generator returned a generator"),
+        ("make_coroutine", "make_coroutine returned a coroutine"),
+        ("make_lock", "cannot send a lock back from worker1"),
+    ],
+)
+def test_a_result_that_cannot_travel_is_a_serialization_error_that_says_why(kernel, func, says):
+    out = kernel.run(
+        "try:\n"
+        f"    nbrpc.rpc_sync('worker1', {func})\n"
+        "except nbrpc.SerializationError as e:\n"
+        "    print('CAUGHT', e)"
+    )
+    assert "CAUGHT" in out
+    assert says in out
+    assert "Exception raised from" not in out  # no C++ frames
+    assert "create them on the worker" not in out  # the advice for arguments, not results
+
+
+def test_the_torch_api_a_notebook_calls_behaves_like_nbrpc(kernel):
+    out = kernel.run(
+        "import torch.distributed.rpc as rpc\n"
+        "print(rpc.rpc_sync('worker1', torch.ones, args=(3,)))\n"
+        "print(rpc.remote('worker2', torch.zeros, args=(10,)).to_here().shape)\n"
+        "print(rpc.rpc_sync('worker1', dict, kwargs={'k': 1}))\n"
+        "try:\n"
+        "    rpc.rpc_sync('worker1', fail, args=(2,))\n"
+        "except MyError as e:\n"
+        "    print('MyError from', e.worker)\n"
+        "try:\n"
+        "    rpc.rpc_sync('worker9', min, args=(1, 2))\n"
+        "except nbrpc.UnknownWorkerError as e:\n"
+        "    print('unknown:', e)"
+    )
+    assert "tensor([1., 1., 1.])" in out
+    assert "torch.Size([10])" in out
+    assert "{'k': 1}" in out
+    assert "MyError from worker1" in out
+    assert "unknown: No worker named 'worker9'" in out
+
+
+def test_tracebacks_show_the_users_lines_not_nbrpcs(kernel):
+    _, errors = kernel.execute("nbrpc.rpc_sync('worker1', recurse, args=(0,))")
+    assert errors[0].startswith("RecursionError")
+    text = _traceback(kernel)
+    assert "Previous line repeated" in text
+    assert len(text.splitlines()) < 40, text[:3000]  # it was 2,000 lines
+    _, errors = kernel.execute("%%rpc\nraise ValueError('on both')")
+    text = _traceback(kernel)
+    assert "%%rpc failed on worker1, worker2" in text
+    assert "_cells.py" not in text
+    assert "_agent.py" not in text
+    assert len(text.splitlines()) < 30, text
+    _, errors = kernel.execute(
+        "x = torch.ones(3, requires_grad=True)\n"
+        "with dist_autograd.context() as context_id:\n"
+        "    loss = nbrpc.rpc_sync('worker1', double, args=(x,)).sum()\n"
+        "    loss.backward()"
+    )
+    assert errors[0].startswith("AutogradContextError")
+    assert "nbrpc.autograd.backward(context_id, [loss])" in errors[0]
+
+
+def test_push_to_an_unknown_worker_names_push(kernel):
+    _, errors = kernel.execute("nbrpc.push({'a': 1}, workers='worker9')")
+    assert "nbrpc.push targets worker9" in errors[0]
+
+
+def test_a_crashed_worker_s_last_words_reach_the_cell_and_it_stays_quiet_after(kernel):
+    message = "terminate called after throwing an instance of 'c10::Error'\n"
+    _, errors = kernel.execute(f"nbrpc.rpc_sync('worker2', crash, args=({message!r},))")
+    assert errors[0].startswith("WorkerDiedError: worker2 is gone")
+    text = _traceback(kernel)
+    assert "terminate called after throwing an instance of 'c10::Error'" in text
+    assert "Fatal Python error: Aborted" in text
+    _, errors = kernel.execute("nbrpc.rpc_sync('worker2', min, args=(1, 2))")
+    assert errors[0].startswith("WorkerDiedError: worker2 is gone")
+    assert "tensorpipe_agent.cpp" not in kernel.stderr  # not sent: no C++ error line
+    assert kernel.value("nbrpc.rpc_sync('worker1', min, args=(1, 2))") == 1
+    assert wait_until(lambda: "worker2 dead" in kernel.run("print(nbrpc.current().summary())"))
+    kernel.run("%rpc_shutdown\n%rpc_init -n 2 --quiet")  # the next cluster for what follows
+
+
+def test_a_crashed_worker_s_last_words_reach_a_script(tmp_path):
+    out = run_script(
+        tmp_path / "crash.py",
+        "import nbrpc\n"
+        "def crash(message):\n"
+        "    import os\n"
+        "    os.write(2, message.encode())\n"
+        "    os.abort()\n"
+        "nbrpc.init(n=1, progress=False)\n"
+        "try:\n"
+        "    nbrpc.rpc_sync('worker1', crash, args=(\"terminate called (a test)\\n\",))\n"
+        "except nbrpc.WorkerDiedError as e:\n"
+        "    print(e)\n"
+        "nbrpc.shutdown(release=True)\n",
+    )
+    assert "The last output of worker1's process:" in out
+    assert "terminate called (a test)" in out
+    assert "Fatal Python error: Aborted" in out
+
+
+def test_before_rpc_init_a_torch_call_says_to_run_it_and_bad_input_is_one_line():
+    k = Kernel()
+    try:
+        k.run("%load_ext nbrpc")
+        _, errors = k.execute(
+            "import torch.distributed.rpc as rpc\nrpc.rpc_sync('worker1', min, args=(1, 2))"
+        )
+        assert errors[0].startswith("NotInitializedError")
+        assert "%rpc_init -n 2" in errors[0]
+        _, errors = k.execute("%rpc_init -n 0   # none")
+        assert k.tracebacks == [["ConfigError: -n must be at least 1, got 0"]]
+    finally:
+        k.close()
+
+
+def test_a_killed_kernel_leaves_no_directory_behind():
+    """The kernel's group store and its controller's directory (a kernel killed by the OS
+    or the notebook's "shut down" left both, one pair per kernel)."""
+    k = Kernel()
+    try:
+        k.run("%load_ext nbrpc\n%rpc_init -n 1 --quiet")
+        k.run(
+            "import glob, os, tempfile\n"
+            "from nbrpc._engines import local\n"
+            "ours = glob.glob(f'{tempfile.gettempdir()}/nbrpc-{os.getpid()}-*')\n"
+            "ours.append(os.path.dirname(local.kept().pidfile))"
+        )
+        dirs = k.value("ours")
+        assert len(dirs) == 2
+        assert all(Path(d).is_dir() for d in dirs)
+    finally:
+        k.km.shutdown_kernel(now=True)  # SIGKILL: no atexit runs
+        k.kc.stop_channels()
+    assert wait_until(lambda: not any(Path(d).exists() for d in dirs), timeout=20), dirs
+
+
+def test_the_status_table_keeps_its_columns_apart_at_a_hundred_workers():
+    from nbrpc import _views
+
+    rows = [
+        {"name": f"worker{i}", "rank": i, "pid": 10000 + i, "host": "h", "role": f"engine {i}"}
+        | {"state": "ready" if i != 7 else "dead"}
+        for i in range(101)
+    ]
+    text = _views.records_text(rows, "ready", 14.0, [])
+    assert "engine 100  ready" in text
+    assert text.splitlines()[0].endswith("ready; worker7 dead (booted in 14.0 s)")
