@@ -14,6 +14,7 @@ main thread waits on a call it also serves those debuggers' prompts (:mod:`nbrpc
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from . import _deadlock, _group, _ledger, _process, _torch
 from ._debugger import deadlines, prompts
 from ._errors import (
     ClusterClosedError,
+    NbrpcError,
     RpcTimeoutError,
     SerializationError,
     UnknownWorkerError,
@@ -410,6 +412,23 @@ def route_torch_calls() -> None:
 
 
 SNAPSHOT_TIMEOUT_S = 5.0
+PROBE_TIMEOUT_S = 3.0
+
+
+def _pong() -> None:
+    """What :func:`probe` asks of a worker: nothing but an answer."""
+
+
+def probe(names: list[str], timeout: float = PROBE_TIMEOUT_S) -> None:
+    """Ask ``names`` for an answer at once: a worker whose process is gone refuses the
+    connection and is marked dead (:func:`known_dead`), a live one answers in a round trip."""
+    asked = []
+    for name in names:
+        with contextlib.suppress(NbrpcError):
+            asked.append(_start("probe", name, _pong, (), None, timeout))
+    for fut in asked:
+        with contextlib.suppress(Exception):
+            fut.wait()
 
 
 def figures() -> dict[str, Any]:

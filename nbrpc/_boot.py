@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _collective, _devices, _group
+from . import _collective, _devices, _fence, _group
 from ._engines import JOIN_TIMEOUT_S, Engines, remote_message, worker
 from ._engines.watchdog import segment_prefix
 from ._errors import BootError
@@ -69,6 +69,11 @@ class _Boot:
         self.placeholder = settings.worker_names(settings.n or 0)
         self.progress = BootProgress(self.placeholder, settings.progress if settings.n else "off")
         self.kernel = worker.describe_process()
+        #: the addresses admitted to the cluster's sockets (None: it listens on loopback
+        #: only, where a filter could not tell anyone apart; see nbrpc._fence)
+        self.members: set[str] | None = None
+        if settings.listen and not _group.is_loopback(settings.listen):
+            self.members = {settings.listen}
 
     def run(self) -> None:
         settings, phases = self.settings, self.booted.seconds
@@ -86,6 +91,7 @@ class _Boot:
         self.progress.phase("engines", phases["engines"], "registered")
         names = settings.worker_names(len(engine_ids))
         validate_names(names, settings.self_name)
+        self.admit_engines(engine_ids)
         if settings.process_group:  # refuse unknown members before any join
             members = _collective.members_of(settings.process_group_workers, names)
         maps: dict = {}
@@ -94,6 +100,7 @@ class _Boot:
             maps, chosen = self.plan_devices(engine_ids, names)
             me = settings.self_name
             member = _join_kernel(settings, maps.get(me, {}), chosen.get(me))
+            _fence.admit(self.members)  # the kernel's new listeners too
         assert member is not None
         ranks = member.allocate_ranks(len(engine_ids))
         places = {
@@ -122,20 +129,41 @@ class _Boot:
         """The engine source starts; without device maps the kernel joins meanwhile.
         Returns the kernel's membership, if it joined."""
         settings, engines, phases = self.settings, self.engines, self.booted.seconds
+        if self.members is not None:  # before any socket of the cluster listens
+            self.members.update(engines.hosts())
+            _fence.admit(self.members)
         engines.start()  # local engines start now and import torch while the kernel joins
+        if self.members is not None:  # before engines on other hosts are launched
+            engines.fence_controller()
         if engines.reused:
             self.progress.phase("controller", 0.0, "kept from the last cluster")
         member = None
         if not settings.wants_devices:  # join at once; device maps must wait for the workers
             member = _join_kernel(settings, {}, None)
+            _fence.admit(self.members)  # its TensorPipe listeners, once they exist
         engines.launch(settings.n or 0)
         engines.connect()
+        if self.members is not None:  # it listens now that a client got in: all its sockets
+            engines.fence_controller()
         started = engines.controller_seconds()
         if started is not None and not phases.get("controller"):
             phases["controller"] = 0.0 if engines.reused else min(started, _since(self.t0))
             if not engines.reused:
                 self.progress.phase("controller", phases["controller"])
         return member
+
+    def admit_engines(self, engine_ids: list[int]) -> None:
+        """Add the addresses the engines reach the kernel from (an attached cluster's hosts
+        are known only now) to the members, before any of them joins."""
+        if self.members is None:
+            return
+        asked = [
+            self.engines.apply(eid, worker.address_toward, self.settings.listen)
+            for eid in engine_ids
+        ]
+        self.members.update(ar.get(timeout=JOIN_TIMEOUT_S) for ar in asked)
+        _fence.admit(self.members)
+        self.engines.fence_controller()
 
     def plan_devices(self, engine_ids: list[int], names: list[str]) -> tuple[dict, dict]:
         """Ask each engine for its devices, then plan and check every map before any join."""
@@ -169,6 +197,7 @@ class _Boot:
                 settings.num_worker_threads,
                 maps.get(name),
                 chosen.get(name),
+                sorted(self.members) if self.members is not None else None,
             )
             self.booted.engine_of[name] = eid
         infos = _wait_for_joins(pending, self.progress)

@@ -37,13 +37,19 @@ from . import (
     _engines,
     _group,
     _ledger,
+    _process,
     _torch,
     _views,
     autograd,
 )
 from ._debugger import prompts
 from ._engines.watchdog import process_alive, segment_prefix, sweep_segments
-from ._errors import AlreadyInitializedError, BootError, ClusterClosedError, NotInitializedError
+from ._errors import (
+    AlreadyInitializedError,
+    BootError,
+    ClusterClosedError,
+    NotInitializedError,
+)
 from ._options import Options, Settings, options_doc
 from ._rows import StatusRow, WorkerRecord
 from ._wire import shm
@@ -149,6 +155,7 @@ class Cluster:
                 "(or nbrpc.shutdown()) first, then start a new one."
             )
         _current.cluster = self
+        _process.warn_if_the_host_is_shared()
         self._enter(ClusterState.BOOTING)
         try:
             _route_torch()
@@ -260,6 +267,9 @@ class Cluster:
 
     def _leave(self, graceful: bool, timeout: float) -> None:
         """The workers leave the RPC group (the dead ones are removed on their behalf)."""
+        if graceful:  # a worker that died on another host is known by its heartbeats only
+            # after seconds: one that refuses a call now is dead, and must not be waited on
+            _agent.probe([r.name for r in self.records[1:] if r.state == "ready"])
         dead = self.dead_workers()
         if graceful:
             self._wait_for_calls_in_flight(timeout)
@@ -282,7 +292,17 @@ class Cluster:
             if self.process_group:
                 live = [r.name for r in self.records[1:] if r.state == "ready"]
                 _collective.destroy(self.process_group, live)
-            self.engines.leave(self._live_engine_ids(), graceful, timeout)
+            failed = self.engines.leave(self._live_engine_ids(), graceful, timeout)
+            if failed:
+                # torch keeps the group's join/leave token when a leave fails: the next
+                # %rpc_init's workers would wait 60 s for it (measured), so release it here
+                log.warning(
+                    "nbrpc: %s could not leave the RPC group cleanly (%s); the group was "
+                    "cleaned up for the next %%rpc_init",
+                    ", ".join(failed),
+                    next(iter(failed.values())),
+                )
+                dead = dead or list(failed)
         if dead:
             _group.release_stale_token()
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _group, _torch
+from . import _fence, _group, _torch
 from ._errors import ConfigError
 from ._wire import failures
 
@@ -137,6 +137,7 @@ def init_process_group(
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
+    _fence.fence_process(os.getpid())  # gloo's own listeners, across hosts
     return {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
 
 

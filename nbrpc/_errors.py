@@ -175,6 +175,12 @@ class DebuggerQuitError(NbrpcError, RuntimeError):
         )
 
 
+class SharedHostWarning(UserWarning):
+    """Other users run processes on this host: they can reach the cluster's loopback
+    ports, and through them run code as you (docs/security.md). Filterable with Python's
+    warnings: ``warnings.filterwarnings("ignore", category=nbrpc.SharedHostWarning)``."""
+
+
 class RemoteError(NbrpcError):
     """A worker raised an exception whose type could not be rebuilt in this process.
 

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from . import _torch
+from . import _fence, _torch
 from ._errors import BootError, ConfigError, NotInitializedError
 from ._wire import pickling
 
@@ -142,6 +142,7 @@ def _bound_socket(host: str, port: int) -> int:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        _fence.fence_socket(sock)  # members only, from its first SYN (see nbrpc._fence)
         sock.listen(1024)
     except OSError as exc:
         sock.close()
@@ -247,8 +248,35 @@ DEFAULT_TRANSPORTS = ("uv",)
 
 
 def transports() -> list[str]:
-    chosen = os.environ.get("NBRPC_TENSORPIPE_TRANSPORTS", "")
-    return [t.strip() for t in chosen.split(",") if t.strip()] or list(DEFAULT_TRANSPORTS)
+    return _listed("NBRPC_TENSORPIPE_TRANSPORTS") or list(DEFAULT_TRANSPORTS)
+
+
+#: TensorPipe channels nbrpc asks for (how a tensor's bytes travel once a pipe is open),
+#: only those a cluster uses. torch's default also registers "mpt_uv", which listens on 16
+#: lanes of its own: a local worker listened on 18 TCP ports, each a door a stray
+#: connection could reach (TensorPipe aborts on malformed input), for a channel a local
+#: cluster never picks: "cma" (one copy between processes of one host, same user) wins, and
+#: "basic" (through the pipe's own connection) needs no port either. Across hosts "mpt_uv"
+#: is the one used for large tensors (its lanes run in parallel: 64 MB round trips 94-97 ms
+#: against 101-103 ms with "basic" alone, between fake hosts here), and the member filter
+#: guards its ports (nbrpc._fence): it stays there.
+LOCAL_CHANNELS = ("cma", "basic")
+ACROSS_HOSTS_CHANNELS = ("mpt_uv", "cma", "basic")
+#: with CUDA tensors: device to device on one host ("cuda_ipc"), staged through the CPU
+#: between hosts ("cuda_basic")
+CUDA_CHANNELS = ("cuda_ipc", "cuda_basic")
+
+
+def channels(cuda: bool, across_hosts: bool) -> list[str]:
+    """The channels this process asks for (``NBRPC_TENSORPIPE_CHANNELS`` overrides)."""
+    return _listed("NBRPC_TENSORPIPE_CHANNELS") or [
+        *(CUDA_CHANNELS if cuda else ()),
+        *(ACROSS_HOSTS_CHANNELS if across_hosts else LOCAL_CHANNELS),
+    ]
+
+
+def _listed(variable: str) -> list[str]:
+    return [t.strip() for t in os.environ.get(variable, "").split(",") if t.strip()]
 
 
 def loopback_ifname() -> str:
@@ -294,6 +322,7 @@ def join(
         torch.cuda.init()
     options = _torch.tensorpipe_options(
         transports(),
+        channels(uses_cuda(device_maps, devices), not spec.loopback_only),
         init_method=f"{SCHEME}://group",
         rpc_timeout=rpc_timeout,
         num_worker_threads=num_worker_threads,

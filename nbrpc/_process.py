@@ -8,9 +8,14 @@ boot shows widgets only in a notebook), kept at the bottom so that any of them m
 from __future__ import annotations
 
 import os
+import sys
+import types
+import warnings
 from dataclasses import dataclass
 
 import torch.distributed.rpc as rpc
+
+from ._errors import SharedHostWarning
 
 
 def name() -> str:
@@ -40,13 +45,70 @@ def token() -> str:
     return _identity.token
 
 
+def other_users() -> dict[int, str]:
+    """Other people with processes on this host: uid -> name, for uids of human accounts
+    (1000 and up, as Debian and most distributions number them), this process's excepted."""
+    import pwd
+
+    me = os.getuid()
+    found: dict[int, str] = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                uid = next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
+        except (OSError, StopIteration, ValueError):
+            continue
+        if uid >= 1000 and uid != me and uid != 65534 and uid not in found:  # 65534: nobody
+            try:
+                found[uid] = pwd.getpwuid(uid).pw_name
+            except KeyError:
+                found[uid] = str(uid)
+    return found
+
+
 def in_notebook() -> bool:
     """Whether a Jupyter kernel runs this process (widgets can be shown)."""
-    import sys
-
     if "IPython" not in sys.modules:
         return False
     from IPython import get_ipython
 
     shell = get_ipython()
     return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+@dataclass
+class _Warned:
+    shared_host: bool = False
+
+
+_warned = _Warned()
+
+
+def warn_if_the_host_is_shared() -> None:
+    """Once per process: say that other users of this host can reach the cluster."""
+    if _warned.shared_host:
+        return
+    others = other_users()
+    if not others:
+        return
+    _warned.shared_host = True
+    who = ", ".join(f"{name} (uid {uid})" for uid, name in sorted(others.items())[:5])
+    warnings.warn(
+        f"other users run processes on this host: {who}. torch RPC has no authentication, "
+        "and they can reach this cluster's ports on loopback: with them, run code as you, "
+        "read your files and stop your kernel. docs/security.md says what they can do, and "
+        "how to get a host of your own (a per-user container or pod, or a VM).",
+        SharedHostWarning,
+        stacklevel=_callers_level(),
+    )
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` of the first frame outside nbrpc: a warning names the user's line."""
+    frame: types.FrameType | None = sys._getframe(2)
+    level = 2
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("nbrpc"):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -346,9 +346,9 @@ TP_SOCKET_IFNAME = "TP_SOCKET_IFNAME"
 GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
 
 
-def tensorpipe_options(transports: list[str], **kwargs: Any) -> Any:
-    """``TensorPipeRpcBackendOptions`` with a transport list (a private argument)."""
-    return rpc.TensorPipeRpcBackendOptions(_transports=transports, **kwargs)
+def tensorpipe_options(transports: list[str], channels: list[str], **kwargs: Any) -> Any:
+    """``TensorPipeRpcBackendOptions`` with transport and channel lists (private arguments)."""
+    return rpc.TensorPipeRpcBackendOptions(_transports=transports, _channels=channels, **kwargs)
 
 
 # -- distributed autograd -----------------------------------------------------------------

@@ -82,3 +82,16 @@ def test_no_process_spins_a_shared_memory_reactor(cluster):
                 names.append(f.read().strip())
         assert "TP_SHM_reactor" not in names, f"{record.name} runs TensorPipe's shm reactor"
         assert names, record
+
+
+def test_each_worker_listens_on_two_ports_not_eighteen(cluster):
+    """Fewer doors: torch's default channels include "mpt_uv", which listens on 16 lanes of
+    its own (a worker listened on 18 ports); nbrpc asks for "cma" and "basic", which need
+    none. Left: ipyparallel's engine port and TensorPipe's listener."""
+    for record in cluster.workers[1:]:
+        ports = [
+            c.laddr.port
+            for c in psutil.Process(record.pid).net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN
+        ]
+        assert len(ports) <= 2, f"{record.name} listens on {len(ports)} ports: {ports}"

@@ -117,8 +117,8 @@ def test_group_membership_internals():
     )
 
 
-def test_tensorpipe_options_accept_transports():
-    options = _torch.tensorpipe_options(["uv"], init_method="tcp://127.0.0.1:1")
+def test_tensorpipe_options_accept_transports_and_channels():
+    options = _torch.tensorpipe_options(["uv"], ["cma", "basic"], init_method="tcp://127.0.0.1:1")
     _pin(options.init_method == "tcp://127.0.0.1:1", "TensorPipe options", "tensorpipe_options")
 
 

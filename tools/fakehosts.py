@@ -59,6 +59,13 @@ def missing() -> str | None:
     return None
 
 
+def _output(argv: list[str], what: str, timeout: float) -> str:
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"{what}: {out.returncode} {out.stderr[-2000:]}")
+    return out.stdout
+
+
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(argv, check=check, capture_output=True, text=True)
 
@@ -181,15 +188,15 @@ class FakeHosts:
 
     def ssh(self, host: str, command: str, timeout: float = 30) -> str:
         """Run ``command`` on a fake host; returns its stdout (raises on failure)."""
-        out = subprocess.run(
-            ["ssh", "-F", self.ssh_config, "-o", "BatchMode=yes", host, command],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        if out.returncode != 0:
-            raise RuntimeError(f"ssh {host} {command!r}: {out.returncode} {out.stderr}")
-        return out.stdout
+        argv = ["ssh", "-F", self.ssh_config, "-o", "BatchMode=yes", host, command]
+        return _output(argv, f"ssh {host} {command!r}", timeout)
+
+    def python(self, host: str, code: str, timeout: float = 60) -> str:
+        """Run ``code`` with this interpreter in ``host``'s network (its address, its
+        routes), as a process there would; returns its stdout (raises on failure)."""
+        netns = f"{PREFIX}{self.names.index(host) + 1}"
+        argv = ["ip", "netns", "exec", netns, sys.executable, "-c", code]
+        return _output(argv, f"python on {host}", timeout)
 
     def processes(self, host: str) -> list[str]:
         """Command lines of the processes on ``host`` (its PID namespace), sshd's aside."""

@@ -33,12 +33,15 @@ kernel's main thread) calls these methods.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from nbrpc import _options
+import psutil
+
+from nbrpc import _fence, _options
 
 from .attached import AttachedSource
 from .local import LocalSource
@@ -80,6 +83,12 @@ class EngineSource(Protocol):
 
     def start(self) -> None:
         """Start what engines need (a controller, a zygote); returns at once."""
+        ...
+
+    def hosts(self) -> list[str]:
+        """The addresses of the hosts its engines will run on, known before they start
+        (admitted through the member filter first); [] when they are this host's, or
+        known only once they registered (they report them then)."""
         ...
 
     def launch(self, n: int) -> None:
@@ -165,6 +174,23 @@ class Engines:
         """Start what the engines need (returns at once: local engines import meanwhile)."""
         self.source.start()
 
+    def hosts(self) -> list[str]:
+        """The addresses of the engines' hosts known before they start (see the protocol)."""
+        return self.source.hosts()
+
+    def fence_controller(self) -> None:
+        """Filter the sockets of the controller this cluster started, and of the processes
+        it forked (its heart monitor), with this process's member list (nbrpc._fence)."""
+        pid = self.source.controller_pid()
+        if pid is None or not process_alive(pid):
+            return
+        pids = [pid]
+        with contextlib.suppress(psutil.Error):
+            pids += [c.pid for c in psutil.Process(pid).children(recursive=True)]
+        for each in pids:
+            with contextlib.suppress(OSError):  # one that exited meanwhile
+                _fence.fence_process(each)
+
     def launch(self, n: int) -> None:
         """Ask for ``n`` engines (waits for a new zygote's imports)."""
         self.source.launch(n)
@@ -210,23 +236,25 @@ class Engines:
 
     # -- stop --------------------------------------------------------------------------
 
-    def leave(self, engine_ids: list[int], graceful: bool, timeout: float) -> None:
-        """Ask the workers on ``engine_ids`` to leave the RPC group (bounded by timeout)."""
+    def leave(self, engine_ids: list[int], graceful: bool, timeout: float) -> dict[str, str]:
+        """Ask the workers on ``engine_ids`` to leave the RPC group (bounded by timeout);
+        the engines whose leave failed, with why in one line (graceful only)."""
+        failed: dict[str, str] = {}
         if self.client is None:
-            return
-        pending = []
+            return failed
+        pending = {}
         for eid in engine_ids:
             try:
-                pending.append(self.apply(eid, leave))
+                pending[eid] = self.apply(eid, leave)
             except Exception as exc:
-                log.warning("could not ask engine %s to leave: %s", eid, exc)
+                failed[f"engine {eid}"] = remote_message(exc)
         deadline = time.monotonic() + timeout
-        for ar in pending:
+        for eid, ar in pending.items():
             try:
                 ar.get(timeout=max(0.1, deadline - time.monotonic()))
             except Exception as exc:
-                if graceful:
-                    log.warning("a worker did not leave the RPC group cleanly: %s", exc)
+                failed[f"engine {eid}"] = remote_message(exc).splitlines()[0][:200]
+        return failed if graceful else {}
 
     def stop(self, pids: list[int], keep_spares: bool) -> None:
         """Stop the engines this cluster used (never reusable: torch joins once per

@@ -46,6 +46,9 @@ class AttachedSource:
     def start(self) -> None:
         pass  # they run already
 
+    def hosts(self) -> list[str]:
+        return []  # known once they registered: they report them
+
     def launch(self, n: int) -> None:
         pass  # ipyparallel's engines are started by whoever started the cluster
 

@@ -28,7 +28,7 @@ import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from nbrpc import _group
+from nbrpc import _fence, _group
 from nbrpc._errors import BootError, ConfigError
 
 CONNECT_TIMEOUT_S = 5
@@ -121,6 +121,21 @@ except OSError as exc:
     out["store"] = "%s" % exc
 print("NBRPC-PREFLIGHT " + json.dumps(out))
 """
+
+
+def addresses(entries: tuple[str, ...], ssh_args: tuple[str, ...] = ()) -> list[str]:
+    """The addresses ``entries`` reach, as ssh resolves them (the user's ssh config too):
+    the cluster admits them before their engines start (see nbrpc._fence)."""
+    found: set[str] = set()
+    for entry in counts(entries):
+        name = ssh_hostname(entry, ssh_args)
+        try:
+            found.update(
+                str(a[4][0]) for a in socket.getaddrinfo(name, 22, proto=socket.IPPROTO_TCP)
+            )
+        except OSError:
+            continue  # the preflight says why it cannot be reached
+    return sorted(found)
 
 
 @dataclass(frozen=True)
@@ -229,6 +244,7 @@ def preflight(
     try:
         probe = socket.socket(family, socket.SOCK_STREAM)
         probe.bind((listen, 0))
+        _fence.fence_socket(probe)
         probe.listen(64)  # the handshake completes in the backlog: nothing to accept
     except OSError as exc:
         raise BootError(f"cannot listen on {listen} ({exc}): is it this host's address?") from exc

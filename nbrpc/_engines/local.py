@@ -449,6 +449,9 @@ class LocalSource:
         assert self.engines is not None, "start() comes first"
         return self.engines
 
+    def hosts(self) -> list[str]:
+        return []  # this host's
+
     def launch(self, n: int) -> None:
         self._ours().reserve(n)
 

@@ -342,6 +342,10 @@ class SshSource:
         assert self.engines is not None, "start() comes first"
         return self.engines
 
+    def hosts(self) -> list[str]:
+        s = self.settings
+        return hosts.addresses(s.hosts or (), s.ssh_args)
+
     def launch(self, n: int) -> None:
         self._ours().spawn()
 

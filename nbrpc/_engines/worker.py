@@ -37,9 +37,13 @@ def join(
     num_worker_threads: int,
     device_maps: dict | None = None,
     devices: list[str] | None = None,
+    members: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Join the notebook's RPC group as ``name``; return this process's description."""
-    from nbrpc import _agent, _group, _torch, autograd
+    """Join the notebook's RPC group as ``name``; return this process's description.
+
+    ``members``: the cluster's addresses, when it listens beyond loopback: then this
+    process's listening sockets admit those alone (:mod:`nbrpc._fence`)."""
+    from nbrpc import _agent, _fence, _group, _torch, autograd
     from nbrpc._debugger import remote_pdb
     from nbrpc._errors import BootError
     from nbrpc._wire import output
@@ -66,10 +70,19 @@ def join(
         device_maps=device_maps,
         devices=devices,
     )
+    _fence.admit(members)  # before the first call reaches this worker's listeners
     _agent.set_active(True)  # code running here may call nbrpc.rpc_sync & co. too
     info = describe_process()
     info.update(name=name, rank=rank)
     return info
+
+
+def address_toward(peer: str) -> str:
+    """This host's address on its route to ``peer`` (the kernel's): what the kernel admits."""
+    family = socket.AF_INET6 if ":" in peer else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((peer, 9))  # a UDP "connect" only picks the route: nothing is sent
+        return str(s.getsockname()[0])
 
 
 def host_entry() -> str | None:
