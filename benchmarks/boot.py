@@ -11,6 +11,11 @@ imported what its user imports first (``import torch`` / ``import nbrpc``, as a 
 - ``nbrpc re-run``: in that kernel, ``nbrpc.shutdown()``, a pause while the warm spares
   start (a person re-running a cell), then ``nbrpc.init(n=2)`` and the calls;
 - ``nbrpc re-run at once``: the same without the pause (spares still starting);
+- ``first boot after %load_ext``: an IPython shell runs ``%load_ext nbrpc`` (which warms
+  up in the background), a pause while the warm-up ends (a person reading the next cell),
+  then ``%rpc_init -n 2`` and a call to each worker. The same run measures the warm
+  processes' idle CPU (10 s, as a share of one core) and memory (PSS: their share of the
+  memory they use, shared pages split), under ``warm-up cost``;
 - ``ipyparallel default start``: ``ipp.Cluster(n=2)`` started and connected with its
   defaults, then ``apply`` on each engine.
 """
@@ -78,6 +83,43 @@ nbrpc.shutdown(release=True)
 print(json.dumps(out))
 """
 
+LOADEXT = """
+import json, time
+import psutil
+from IPython.core.interactiveshell import InteractiveShell
+import nbrpc
+from nbrpc._engines import local
+
+shell = InteractiveShell.instance()
+t0 = time.perf_counter()
+shell.run_line_magic("load_ext", "nbrpc")
+deadline = time.monotonic() + 120
+ready = lambda: local.kept() is not None and local.kept().registered_spares() >= 2
+while not ready() and time.monotonic() < deadline:
+    time.sleep(0.05)
+warmed = time.perf_counter() - t0
+time.sleep(1.0)
+warm = psutil.Process().children(recursive=True)  # the watchdog too
+busy = lambda: sum(sum(p.cpu_times()[:2]) for p in warm)
+cpu0, t_idle = busy(), time.perf_counter()
+time.sleep(10)
+idle = (busy() - cpu0) / (time.perf_counter() - t_idle)
+pss = sum(p.memory_full_info().pss for p in warm) / 2**20
+t0 = time.perf_counter()
+shell.run_line_magic("rpc_init", "-n 2 --quiet")
+for name in ("worker1", "worker2"):
+    nbrpc.rpc_sync(name, min, args=(1, 2))
+took = time.perf_counter() - t0
+phases = dict(nbrpc.current().boot_seconds)
+nbrpc.shutdown(release=True)
+print(json.dumps({
+    "first boot after %load_ext": took,
+    "phases, first boot after %load_ext": phases,
+    "warm-up cost": {"background s": warmed, "idle CPU %": 100 * idle, "PSS MB": pss,
+                     "processes": len(warm)},
+}))
+"""
+
 IPYPARALLEL = """
 import json, logging, time
 import ipyparallel as ipp
@@ -108,7 +150,7 @@ def _run(source: str, folder: str, name: str) -> dict:
 
 def main() -> int:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
-    peers = {"plain": PLAIN, "nbrpc": NBRPC, "ipyparallel": IPYPARALLEL}
+    peers = {"plain": PLAIN, "nbrpc": NBRPC, "loadext": LOADEXT, "ipyparallel": IPYPARALLEL}
     samples: dict[str, list] = {}
     order = list(peers)
     shuffle = random.Random(1).shuffle
@@ -123,6 +165,8 @@ def main() -> int:
         if key.startswith("phases"):  # the phases of the round whose total is the median
             totals = [v["total"] for v in values]
             result[key] = values[totals.index(sorted(totals)[len(totals) // 2])]
+        elif key == "warm-up cost":  # each figure's median
+            result[key] = {k: statistics.median(v[k] for v in values) for k in values[0]}
         else:
             result[key] = {
                 "median": statistics.median(values),

@@ -234,13 +234,19 @@ def report(results: dict) -> None:
     base = base_boot = boot["plain torch script"]["median"]
     print("boot, 2 workers, to a call answered by each   median   min..max   vs plain torch script")
     for name, row in boot.items():
-        if name.startswith("phases"):
+        if name.startswith("phases") or name == "warm-up cost":
             continue
         spread = f"{row['min']:.2f}..{row['max']:.2f} s" if "min" in row else ""
         print(f"  {name:<34}{row['median']:6.2f} s  {spread:<14}{row['median'] / base:6.2f}x")
-    for name in ("phases, first boot", "phases, re-run"):
+    for name in ("phases, first boot", "phases, re-run", "phases, first boot after %load_ext"):
         phases = ", ".join(f"{k} {v:.2f} s" for k, v in boot[name].items())
         print(f"  {name}: {phases}")
+    cost = boot["warm-up cost"]
+    print(
+        f"  warm-up after %load_ext: ready {cost['background s']:.2f} s in the background; "
+        f"idle, its {cost['processes']:.0f} processes use {cost['idle CPU %']:.2f} % of a core "
+        f"and {cost['PSS MB']:.0f} MB (PSS)"
+    )
     if "skipped" in results.get("cuda", {}):
         print(f"CUDA RPC: skipped: {results['cuda']['skipped']}")
     ray = results.get("ray", {})

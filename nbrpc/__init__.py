@@ -131,5 +131,7 @@ def load_ipython_extension(ipython: Any) -> None:
     from ._agent import route_torch_calls
     from ._magics import RpcMagics
 
-    ipython.register_magics(RpcMagics)
+    magics = RpcMagics(shell=ipython)
+    ipython.register_magics(magics)
     route_torch_calls()
+    magics.start_warming()  # while the person reads: the first %rpc_init only joins

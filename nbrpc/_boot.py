@@ -136,7 +136,7 @@ class _Boot:
         if self.members is not None:  # before engines on other hosts are launched
             engines.fence_controller()
         if engines.reused:
-            self.progress.phase("controller", 0.0, "kept from the last cluster")
+            self.progress.phase("controller", 0.0, engines.reused)
         member = None
         if not settings.wants_devices:  # join at once; device maps must wait for the workers
             member = _join_kernel(settings, {}, None)

@@ -9,17 +9,35 @@ and nbval see the same exception as from :func:`nbrpc.init`.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from traitlets import Bool
 
-from . import _cells, _cluster, _options, _process
+from . import _cells, _cluster, _engines, _options, _process
 from ._debugger import postmortem
+
+#: ``NBRPC_PREWARM=0`` in the environment: ``%load_ext nbrpc`` starts nothing.
+PREWARM_ENV = "NBRPC_PREWARM"
 
 
 @magics_class
 class RpcMagics(Magics):
+    prewarm = Bool(
+        True,
+        help="%load_ext nbrpc starts the controller, the zygote and 2 spare engines in the "
+        "background, so that the first %rpc_init only joins them. False (or NBRPC_PREWARM=0 "
+        "in the environment): nothing starts before %rpc_init.",
+    ).tag(config=True)
+
+    def start_warming(self) -> bool:
+        """Warm up for the first ``%rpc_init`` unless switched off; whether it started."""
+        if not self.prewarm or os.environ.get(PREWARM_ENV, "1").strip() == "0":
+            return False
+        return _engines.prewarm()
+
     @magic_arguments()
     @argument(
         "targets",

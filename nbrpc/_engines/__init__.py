@@ -45,6 +45,7 @@ from nbrpc import _fence, _options
 
 from .attached import AttachedSource
 from .local import LocalSource
+from .local import prewarm as _prewarm_here
 from .ssh import SshSource
 from .watchdog import process_alive
 from .worker import leave
@@ -61,8 +62,9 @@ class EngineSource(Protocol):
     #: the engines run on other hosts: their pids are not this host's, and shared memory
     #: is probed host by host
     remote: bool
-    #: the controller and warm engines were kept from the last cluster
-    reused: bool
+    #: why the controller and warm engines were there before this cluster ("kept from
+    #: the last cluster", "warmed up at %load_ext"); "" when started for it
+    reused: str
 
     def __init__(self, settings: _options.Settings) -> None: ...
 
@@ -140,6 +142,12 @@ def resolve(settings: _options.Settings) -> _options.Settings:
     return source_for(settings).resolve(settings)
 
 
+def prewarm() -> bool:
+    """Warm up the default source (this host's controller, zygote and spares) in the
+    background for a first cluster soon; False when one is kept or warming already."""
+    return _prewarm_here()
+
+
 def release_kept() -> None:
     """Stop what any source keeps between clusters (controllers, spare engines)."""
     for source in SOURCES:
@@ -167,7 +175,8 @@ class Engines:
         return self.source.remote
 
     @property
-    def reused(self) -> bool:
+    def reused(self) -> str:
+        """Why the source's controller and engines were already there ("": they were not)."""
         return self.source.reused
 
     def start(self) -> None:

@@ -25,7 +25,7 @@ class AttachedSource:
     #: taken as this host's (``ipcluster start`` here): their pids are watched, and the
     #: shared-memory probe tells whether they see this kernel's /dev/shm
     remote = False
-    reused = False
+    reused = ""
 
     def __init__(self, settings: _options.Settings) -> None:
         self.settings = settings

@@ -14,6 +14,11 @@ stops every engine; what this module changes (measured on 2 cores, ipyparallel 9
   so the next ``%rpc_init`` only joins them. ``nbrpc.shutdown(release=True)``
   (``%rpc_shutdown --release``) stops the controller and the spares at once; so does
   interpreter exit, and the watchdog does it when the kernel dies.
+- The first cluster need not wait either: ``%load_ext nbrpc`` calls :func:`prewarm`,
+  which starts the controller, the zygote and :data:`PREWARM_SPARES` spares in a
+  background thread while the person reads and types the next cell (never on
+  ``import nbrpc``). An ``init`` that comes before they are ready waits for that thread
+  (:func:`_wait_for_warming`) rather than starting a second controller.
 
 The controller's own settings (heartbeats, threads) are in :mod:`.controller`.
 """
@@ -27,6 +32,7 @@ import os
 import re
 import select
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -54,6 +60,9 @@ MARKS_ENV = "NBRPC_ENGINE_MARKS"
 #: Set for every engine: the kernel's pid; the engine exits when that process is gone.
 KERNEL_ENV = "NBRPC_KERNEL_PID"
 ZYGOTE_TIMEOUT_S = 120.0  # its imports; minutes only on a machine far slower than this one
+#: Spares :func:`prewarm` starts: ``%rpc_init``'s default ``-n``. A first cluster of more
+#: starts the rest at its boot; one of fewer leaves the others as spares for the next.
+PREWARM_SPARES = 2
 
 
 class Zygote:
@@ -391,11 +400,23 @@ def last_words(log: str | int, start: int = 0) -> str:
     return "\n".join(f"    {line[:300]}" for line in before + report if line.strip())
 
 
+KEPT = "kept from the last cluster"
+WARMED = "warmed up at %load_ext"
+
+
 @dataclass
 class _Kept:
     """This kernel's controller, zygote and spare engines, kept between clusters."""
 
     controller: LocalController | None = None
+    #: how the kept controller came to be there (KEPT or WARMED), said by the next boot
+    origin: str = ""
+    #: prewarm's thread while it runs
+    warming: threading.Thread | None = None
+    #: what prewarm's thread hit, if it failed (the next boot starts afresh, and says)
+    warm_error: str = ""
+    #: seconds prewarm took, from %load_ext to spares registered
+    warm_seconds: float | None = None
 
 
 _kept = _Kept()
@@ -406,8 +427,55 @@ def kept() -> LocalController | None:
     return _kept.controller
 
 
+def prewarm(spares: int = PREWARM_SPARES) -> bool:
+    """Start this host's controller, zygote and ``spares`` engines in a background thread;
+    returns at once. False (nothing started) when a controller is kept or warming already.
+
+    Costs, measured in ``make bench``: see docs/benchmarks.md (idle CPU, memory). The
+    watchdog stops them if the kernel dies; interpreter exit and
+    ``%rpc_shutdown --release`` stop them as they stop a kept controller.
+    """
+    if _kept.controller is not None or _kept.warming is not None:
+        return False
+    t0 = time.monotonic()
+
+    def warm() -> None:
+        ours = None
+        try:
+            ours = LocalController(None, sys.executable)
+            ours.client()  # connected now, not at the first init
+            ours.warm(spares)
+            deadline = time.monotonic() + ZYGOTE_TIMEOUT_S
+            while ours.registered_spares() < min(spares, SPARES_MAX):
+                if time.monotonic() > deadline or ours._raise_if_an_engine_failed():
+                    break  # the first init waits for them, or says why they failed
+                time.sleep(0.05)
+            _kept.warm_seconds = time.monotonic() - t0
+            _kept.controller, _kept.origin = ours, WARMED
+        except BaseException as exc:  # an init after it starts afresh and reports its own
+            _kept.warm_error = f"{type(exc).__name__}: {exc}"
+            log.debug("nbrpc: warming up failed: %s", _kept.warm_error)
+            if ours is not None:
+                with contextlib.suppress(Exception):
+                    ours.release()
+
+    _kept.warm_error = ""
+    _kept.warming = threading.Thread(target=warm, name="nbrpc-prewarm", daemon=True)
+    _kept.warming.start()
+    return True
+
+
+def _wait_for_warming() -> None:
+    """Wait for prewarm's thread, if it runs (in short joins: the stop button works)."""
+    thread = _kept.warming
+    while thread is not None and thread.is_alive():
+        thread.join(0.05)
+    _kept.warming = None
+
+
 def release() -> None:
     """Stop this kernel's controller and every engine it runs (spares included)."""
+    _wait_for_warming()
     ours, _kept.controller = _kept.controller, None
     if ours is not None:
         ours.release()
@@ -420,7 +488,7 @@ class LocalSource:
 
     def __init__(self, settings: _options.Settings) -> None:
         self.settings = settings
-        self.reused = False
+        self.reused = ""
         self.engines: LocalController | None = None
 
     @classmethod
@@ -436,13 +504,15 @@ class LocalSource:
         release()
 
     def start(self) -> None:
+        _wait_for_warming()  # a controller warming up is this one, or is released below
         key = (self.settings.listen, self.settings.python)
         ours = _kept.controller
-        self.reused = ours is not None and ours.key == key
+        self.reused = _kept.origin if ours is not None and ours.key == key else ""
         if ours is not None and not self.reused:
-            release()
+            release()  # another interpreter or address: what was kept cannot serve
         if _kept.controller is None:
             _kept.controller = LocalController(*key)
+        _kept.origin = KEPT  # for the next cluster, if this one keeps it
         self.engines = _kept.controller
 
     def _ours(self) -> LocalController:

@@ -310,7 +310,7 @@ class SshSource:
     """Engines on other hosts over ssh (``--hosts``), one per entry, in list order."""
 
     remote = True
-    reused = False
+    reused = ""
 
     def __init__(self, settings: _options.Settings) -> None:
         self.settings = settings
