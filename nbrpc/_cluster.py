@@ -52,7 +52,7 @@ from ._errors import (
 )
 from ._options import Options, Settings, options_doc
 from ._rows import StatusRow, WorkerRecord
-from ._wire import shm
+from ._wire import native_output, shm
 
 log = logging.getLogger("nbrpc")
 
@@ -159,7 +159,10 @@ class Cluster:
         self._enter(ClusterState.BOOTING)
         try:
             _route_torch()
+            native_output.quiet_kernel_stderr()  # torch's lines about workers nbrpc stops
+            _process.watch_cells()  # a worker's native output goes to the running cell
             _boot.boot(self.settings, self.engines, self.booted)
+            native_output.joined([r.name for r in self.records[1:]])
         except BaseException as exc:
             # an engine that failed to start: the others were started the same way
             self._abandon(release=isinstance(exc, BootError))
@@ -178,6 +181,7 @@ class Cluster:
         release = release or bool(self.engines.taken)
         self._enter(ClusterState.SHUTTING_DOWN)
         names = list(self.booted.engine_of)  # every worker asked to join, joined or not
+        native_output.expect_leaving(names)
         try:
             # stopped, not asked to leave: torch's leave waits for the group's join token,
             # which a worker whose join failed half way may hold (30 s, then an error)
@@ -252,6 +256,7 @@ class Cluster:
                 _engines.release_kept()
             return
         self._enter(ClusterState.SHUTTING_DOWN)
+        native_output.expect_leaving([r.name for r in self.records[1:]])
         try:
             self._leave(graceful, timeout)
         finally:

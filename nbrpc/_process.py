@@ -12,6 +12,7 @@ import sys
 import types
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed.rpc as rpc
 
@@ -112,3 +113,40 @@ def _callers_level() -> int:
     while frame is not None and frame.f_globals.get("__name__", "").startswith("nbrpc"):
         frame, level = frame.f_back, level + 1
     return level
+
+
+@dataclass
+class _Cells:
+    """Whether a cell runs in this kernel now (watched once a cluster starts in it)."""
+
+    watched: bool = False
+    running: bool = True  # until watched: a script, or the cell that started watching
+
+
+_cells = _Cells()
+
+
+def watch_cells() -> None:
+    """In an IPython kernel, once: follow whether a cell runs (IPython's events)."""
+    if _cells.watched or "IPython" not in sys.modules:
+        return
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    if shell is None:
+        return
+    _cells.watched = True
+
+    def started(*_: Any) -> None:
+        _cells.running = True
+
+    def ended(*_: Any) -> None:
+        _cells.running = False
+
+    shell.events.register("pre_run_cell", started)
+    shell.events.register("post_run_cell", ended)
+
+
+def cell_running() -> bool:
+    """Whether output now has a cell to go to (always, outside IPython)."""
+    return _cells.running

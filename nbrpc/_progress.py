@@ -11,6 +11,8 @@ from __future__ import annotations
 import sys
 import time
 
+from ._views import widget_bundle
+
 STEPS = ("waiting", "engine started", "joining RPC", "ready")
 
 
@@ -43,13 +45,9 @@ class BootProgress:
             self._rows[name] = (bar, label)
         self._box = w.VBox(rows)
         # a front end without widgets shows text/plain: say what happens, not "VBox(...)"
-        bundle = self._box._repr_mimebundle_()
-        data = dict(bundle[0] if isinstance(bundle, tuple) else bundle or {})
-        data["text/plain"] = (
-            f"nbrpc: starting {len(self.names)} workers ({', '.join(self.names[:8])}"
-        )
-        data["text/plain"] += ", ...)" if len(self.names) > 8 else ")"
-        display(data, raw=True)
+        text = f"nbrpc: starting {len(self.names)} workers ({', '.join(self.names[:8])}"
+        text += ", ...)" if len(self.names) > 8 else ")"
+        display(widget_bundle(self._box, text), raw=True)
 
     def update(self, name: str, step: int, detail: str = "") -> None:
         if self.steps.get(name) == step and self.details.get(name) == detail:

@@ -403,3 +403,12 @@ def backward_text(trace: dict[str, Any]) -> str:
     for e in hops:
         lines.append(f"  hop {e['src']} -> {e['dst']}")
     return "\n".join(lines)
+
+
+def widget_bundle(widget: Any, text: str) -> dict[str, Any]:
+    """``widget``'s display data with ``text`` as its text/plain: what a front end without
+    widgets (nbval, nbconvert, a terminal) shows instead of "HBox(...)"."""
+    bundle = widget._repr_mimebundle_()
+    data = dict(bundle[0] if isinstance(bundle, tuple) else bundle or {})
+    data["text/plain"] = text
+    return data

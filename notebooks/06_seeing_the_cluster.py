@@ -188,6 +188,25 @@ except ZeroDivisionError as exc:
 # %rpc_debug
 
 # %% [markdown]
+# ## Progress from the workers
+#
+# A loop on a worker shows its progress in the cell that called it, live: `tqdm.auto`
+# there draws a widget bar labelled with the worker (the text bar where widgets do not
+# render), and a line a worker rewrites with `\r` updates in place. What C and C++ code
+# on a worker writes to its file descriptors shows too, as that worker's stderr.
+
+# %%
+# %%rpc
+import os
+import time
+
+from tqdm.auto import tqdm
+
+for _ in tqdm(range(10), desc="epoch 1"):
+    time.sleep(0.1)
+written = os.write(2, b"a line from C on this worker\n")
+
+# %% [markdown]
 # Where widgets do not render (nbconvert to HTML, a terminal), the same views print as text:
 
 # %%

@@ -3,8 +3,9 @@
 A JupyterLab server starts on loopback with a token; Debian's Chromium (never a downloaded
 browser) opens a copy of ``notebooks/06_seeing_the_cluster.ipynb`` and runs it cell group
 by cell group. The DOM must show every worker in the cluster view, every RRef in the
-ownership view (and lose the released one while the page stays open), and cross-worker
-edges in the backward view. Screenshots go to ``test-artifacts/browser/`` (git-ignored).
+ownership view (and lose the released one while the page stays open), cross-worker edges
+in the backward view, and each worker's tqdm bar as a widget. Screenshots go to
+``test-artifacts/browser/`` (git-ignored).
 """
 
 from __future__ import annotations
@@ -169,6 +170,12 @@ def _wait(page, condition: str, what: str, timeout_s: float = 120, arg=None) -> 
         _fail_with_page(page, f"timed out after {timeout_s} s waiting for {what}")
 
 
+#: both workers' bars of the tutorial's "epoch 1" cell, drawn as widgets and completed
+BARS_DONE = """() => {
+  const rows = Array.from(document.querySelectorAll('.widget-hbox'))
+    .filter(r => /\\[worker[12]\\]\\s*epoch 1/.test(r.innerText));
+  return rows.filter(r => r.querySelector('.progress-bar-success')).length >= 2;
+}"""
 STDIN_ASKS = """([prompt, n]) => {
   const box = document.querySelector('.jp-Stdin-input');
   return !!box && box.value === '' && box.closest('.jp-Stdin').innerText.includes(prompt)
@@ -309,6 +316,21 @@ def test_views_render_and_update_in_jupyterlab(lab):
             _type_pdb(page, "(Pdb worker2)", 2, "c")
             _wait(page, "() => !document.querySelector('.jp-Stdin-input')", "pdb to close")
             timings["pdb in the page"] = time.monotonic() - t3
+
+            # A worker's tqdm.auto bar is a live widget labelled with the worker.
+            t4 = time.monotonic()
+            page.evaluate(RUN_CELL, "epoch 1")
+            _wait(page, BARS_DONE, "a completed progress bar from each worker", timeout_s=60)
+            _wait(
+                page,
+                "() => document.body.innerText.includes('[worker2] a line from C on this worker')",
+                "a worker's fd-level line",
+                timeout_s=15,
+            )
+            timings["worker progress bars"] = time.monotonic() - t4
+            page.locator(".widget-hbox", has_text="[worker1]").first.screenshot(
+                path=str(ARTIFACTS / "worker_bar.png")
+            )
 
             page.evaluate(RUN_CELL, "%rpc_shutdown")
             _wait(

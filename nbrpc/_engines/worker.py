@@ -46,7 +46,7 @@ def join(
     from nbrpc import _agent, _fence, _group, _torch, autograd
     from nbrpc._debugger import remote_pdb
     from nbrpc._errors import BootError
-    from nbrpc._wire import output
+    from nbrpc._wire import bars, native_output, output
 
     _torch.quiet_internal_deprecations()  # the optimizer's TorchScript notice, see there
     _agent.install()
@@ -60,6 +60,8 @@ def join(
             "and RPC endpoint listen there."
         )
     output.forward_output_to(kernel, name)
+    native_output.start_tail()  # what C and C++ write too
+    bars.install()  # tqdm.auto here draws its widget in the calling cell
     remote_pdb.install()  # breakpoint() opens pdb in the calling cell
     _group.join(
         name,
@@ -93,5 +95,7 @@ def host_entry() -> str | None:
 def leave(timeout: float = 0) -> None:
     """Leave the group gracefully; the engine itself keeps running."""
     from nbrpc import _group
+    from nbrpc._wire import native_output
 
+    native_output.stop_tail()
     _group.leave(timeout)

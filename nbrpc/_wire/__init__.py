@@ -7,7 +7,11 @@ and what happens around a call on the callee:
   tensors out-of-band, RRefs with their ledger label;
 * :mod:`.callee` -- what runs around the function a peer asked for (counts, hooks,
   routes) and torch's ``_run_function`` hook;
-* :mod:`.output` -- what a call prints on a worker, shown in the calling cell;
+* :mod:`.output` -- what a call prints on a worker, shown in the calling cell (lines
+  updated in place shown in place, tqdm bars drawn);
+* :mod:`.native_output` -- what C and C++ write to a worker's file descriptors, forwarded;
+  torch's lines about connections nbrpc closed, kept out of the cell;
+* :mod:`.bars` -- ``tqdm.auto`` / ``tqdm.notebook`` on a worker: a widget bar in the cell;
 * :mod:`.failures` -- a failed call's exception and traceback, rebuilt by the caller, and
   the last failure kept for a post-mortem;
 * :mod:`.shm` and :mod:`.arena` -- large CPU tensors through shared memory between

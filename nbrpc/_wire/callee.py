@@ -21,7 +21,7 @@ import torch
 from nbrpc import _process, _torch
 from nbrpc._errors import DebuggerQuitError, SerializationError
 
-from . import failures, output, shm
+from . import failures, native_output, output, shm
 
 # nbrpc's own RPCs (output, ledger, trace) and torch's (group membership, RRef type
 # queries, shutdown) are not user calls: not counted.
@@ -150,6 +150,7 @@ def run_function(python_udf: Any) -> Any:
         _thread.depth -= 1
         for hook in _served.after_call:
             hook()
+        native_output.before_call_ends(printed)
         output.end_call(printed, interrupted)
         if counted:
             with _served.lock:

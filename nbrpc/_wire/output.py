@@ -4,16 +4,24 @@ On workers, ``sys.stdout`` and ``sys.stderr`` are wrapped once (:func:`forward_o
 while a thread runs an RPC call its writes are sent, line by line, to the notebook kernel
 (an ``rpc_async`` to :func:`show_output`), prefixed with the worker's name. Before the call
 returns, the pending lines are awaited, so output arrives before the result does.
+
+A line that updates itself with ``\r`` and no newline (tqdm's text bar, Keras-style
+progress) is not held back until its newline: its latest state is sent every
+:data:`PARTIAL_EVERY_S` while it changes. The kernel shows it in place
+(:class:`_OpenLines`): in a notebook, one display per worker and stream, updated; in a
+terminal, the line rewritten after ``\r``.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from html import escape
 from typing import Any
 
-from nbrpc import _torch
+from nbrpc import _process, _torch
+from nbrpc._views import widget_bundle
 
 
 @dataclass
@@ -27,14 +35,83 @@ class _Forwarding:
 _forward = _Forwarding()
 _call = threading.local()  # .output: the _CallOutput of the RPC call running on this thread
 OUTPUT_WAIT_S = 10.0
+#: How often a line updated in place (``\r``, no newline yet) is sent while it changes:
+#: it reaches the cell within this plus one message (the issue asked for 0.2 s).
+PARTIAL_EVERY_S = 0.1
 
 
-def show_output(worker: str, chunks: list[tuple[str, str]]) -> None:
-    """Runs in the kernel: print a worker's output, each line marked with its name."""
-    for stream, text in chunks:
+def lines_of(text: str) -> list[str]:
+    """``text`` cut after each newline only (``str.splitlines`` also cuts at ``\r``, which
+    here updates a line rather than ending it); the last piece may lack its newline."""
+    pieces = text.split("\n")
+    lines = [piece + "\n" for piece in pieces[:-1]]
+    return [*lines, pieces[-1]] if pieces[-1] else lines
+
+
+def visible(line: str) -> str:
+    """What a terminal shows of ``line``: the text after its last ``\r`` (a trailing
+    ``\r`` returns to the start of a line it does not clear)."""
+    parts = line.rstrip("\n").split("\r")
+    while len(parts) > 1 and not parts[-1]:
+        parts.pop()
+    return parts[-1]
+
+
+@dataclass
+class _OpenLines:
+    """In the kernel: the lines workers update in place, by (worker, stream), until their
+    newline. In a notebook each is a display updated in place (interleaved lines of other
+    workers cannot break it); elsewhere the line is rewritten after ``\r``."""
+
+    shown: dict[tuple[str, str], Any] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def show(self, worker: str, stream: str, text: str) -> None:
         out = sys.stderr if stream == "stderr" else sys.stdout
-        out.write("".join(f"[{worker}] {line}" for line in text.splitlines(keepends=True)))
+        key = (worker, stream)
+        for line in lines_of(text):
+            done = line.endswith("\n")
+            with self.lock:
+                handle = self.shown.get(key)
+                if handle is None and (done or "\r" not in line):
+                    out.write(
+                        f"[{worker}] {visible(line)}\n" if "\r" in line else f"[{worker}] {line}"
+                    )
+                    continue
+                self._update(key, handle, out, f"[{worker}] {visible(line)}", done)
         out.flush()
+
+    def _update(self, key: tuple[str, str], handle: Any, out: Any, text: str, done: bool) -> None:
+        if not _process.in_notebook():  # a terminal: rewrite the line
+            out.write(f"\r{text}" + ("\n" if done else ""))
+            if done:
+                self.shown.pop(key, None)
+            else:
+                self.shown[key] = True
+            return
+        from IPython.display import display
+
+        bundle = {"text/plain": text}
+        if handle is None:
+            self.shown[key] = display(bundle, raw=True, display_id=True)
+        else:
+            handle.update(bundle, raw=True)
+        if done:
+            del self.shown[key]
+
+
+_open_lines = _OpenLines()
+
+
+def show_output(worker: str, chunks: list[tuple[str, Any]]) -> None:
+    """Runs in the kernel: print a worker's output, each line marked with its name; a
+    line updated in place (``\r``) is shown in place; a ``"bar"`` chunk is a tqdm bar's
+    state (:func:`show_bar`)."""
+    for stream, text in chunks:
+        if stream == "bar":
+            show_bar(worker, text)
+        else:
+            _open_lines.show(worker, stream, text)
 
 
 class _CallOutput:
@@ -47,20 +124,47 @@ class _CallOutput:
 
     def __init__(self) -> None:
         self.buffers = {"stdout": "", "stderr": ""}
-        self._pending: list[tuple[str, str]] = []
+        self._pending: list[tuple[str, Any]] = []
         self._in_flight = False
         self._lock = threading.RLock()
         # made at the first message: most calls print nothing (an Event costs ~4 us a call)
         self._idle: threading.Event | None = None
+        self._partial: threading.Timer | None = None  # sends a line updated in place
+        self._sent_partial = {"stdout": "", "stderr": ""}
 
     def write(self, stream: str, text: str) -> None:
-        buf = self.buffers[stream] + text
-        cut = buf.rfind("\n") + 1
-        self.buffers[stream] = buf[cut:]
-        if cut:
-            self._queue(stream, buf[:cut])
+        with self._lock:
+            buf = self.buffers[stream] + text
+            cut = buf.rfind("\n") + 1
+            self.buffers[stream] = buf[cut:]
+            if cut:
+                self._sent_partial[stream] = ""
+                self._queue(stream, buf[:cut])
+            if "\r" in self.buffers[stream] and self._partial is None:
+                self._partial = threading.Timer(PARTIAL_EVERY_S, self._send_partial)
+                self._partial.daemon = True
+                self._partial.start()
 
-    def _queue(self, stream: str, text: str) -> None:
+    def write_bar(self, state: dict[str, Any]) -> None:
+        """A tqdm bar's state (:mod:`.bars`), in order with the call's text."""
+        with self._lock:
+            self._queue("bar", state)
+
+    def _send_partial(self) -> None:
+        """Send the latest state of each line updated in place (from the timer)."""
+        with self._lock:
+            self._partial = None
+            for stream, buf in self.buffers.items():
+                if "\r" not in buf:
+                    continue
+                at = buf.rstrip("\r").rfind("\r")
+                latest = buf[at:] if at >= 0 else buf
+                self.buffers[stream] = latest  # what its newline completes later
+                if latest != self._sent_partial[stream]:
+                    self._sent_partial[stream] = latest
+                    self._queue(stream, latest)
+
+    def _queue(self, stream: str, text: Any) -> None:
         with self._lock:
             self._pending.append((stream, text))
             if not self._in_flight:
@@ -79,7 +183,7 @@ class _CallOutput:
         except Exception as exc:  # the kernel is gone: keep the text on the worker
             self._in_flight = False
             self._idle.set()
-            text = "".join(t for _, t in chunks)
+            text = "".join(t for s, t in chunks if s != "bar")
             if sys.__stderr__ is not None:
                 sys.__stderr__.write(f"{text}(nbrpc: could not forward output: {exc})\n")
             return
@@ -100,9 +204,13 @@ class _CallOutput:
 
     def close(self) -> None:
         """Send what is left and wait (bounded) until the kernel has printed it all."""
-        for stream, rest in self.buffers.items():
-            if rest:
-                self._queue(stream, rest + "\n")
+        with self._lock:
+            if self._partial is not None:
+                self._partial.cancel()
+                self._partial = None
+            for stream, rest in self.buffers.items():
+                if rest:
+                    self._queue(stream, rest + "\n")
         if self._idle is not None:
             self._idle.wait(OUTPUT_WAIT_S)
 
@@ -128,6 +236,77 @@ class _ForwardingStream:
         return getattr(self._wrapped, name)
 
 
+# -- bars (tqdm on a worker, nbrpc._wire.bars), drawn in the kernel ------------------------
+
+
+@dataclass
+class _Bars:
+    """The bars shown in the kernel, by (worker, bar id), until they close."""
+
+    shown: dict[tuple[str, int], Any] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_bars = _Bars()
+
+
+class _Row:
+    """One worker's bar in a notebook: label, progress, tqdm's figures; one display."""
+
+    def __init__(self, worker: str, state: dict[str, Any]) -> None:
+        import ipywidgets as w
+        from IPython.display import display
+
+        self.worker = worker
+        self.label = w.HTML(layout={"width": "auto"})
+        self.progress = w.IntProgress(min=0, max=max(state["total"], 1))
+        self.figures = w.HTML()
+        self.box = w.HBox([self.label, self.progress, self.figures])
+        self.handle = display(self._bundle(state), raw=True, display_id=True)
+        self.update(state)
+
+    def _bundle(self, state: dict[str, Any]) -> dict[str, Any]:
+        return widget_bundle(self.box, f"[{self.worker}] {state['text']}")
+
+    def update(self, state: dict[str, Any]) -> None:
+        desc = state["desc"].rstrip(": ")
+        self.label.value = f"<code>[{escape(self.worker)}]</code> {escape(desc)}".rstrip()
+        if state["total"]:
+            self.progress.max = state["total"]
+            self.progress.value = min(state["n"], state["total"])
+        else:  # unknown total: a full bar that fills as the count says
+            self.progress.value = self.progress.max
+        meter = state["text"]  # tqdm's figures: what follows its bar
+        self.figures.value = f"<code>{escape(meter.split('|')[-1].strip())}</code>"
+        if state["closed"]:
+            done = not state["total"] or state["n"] >= state["total"]
+            self.progress.bar_style = "success" if done else "danger"
+            self.handle.update(self._bundle(state), raw=True)  # the text bar, final
+
+
+def show_bars(worker: str, states: list[dict[str, Any]]) -> None:
+    """Runs in the kernel: bars of ``worker`` changed (see the module doc)."""
+    for state in states:
+        show_bar(worker, state)
+
+
+def show_bar(worker: str, state: dict[str, Any]) -> None:
+    """One bar's new state, drawn in the cell (a widget in a notebook; text elsewhere)."""
+    key = (worker, state["id"])
+    if not _process.in_notebook():
+        end = "\n" if state["closed"] else ""
+        _open_lines.show(worker, "stderr", f"\r{state['text']}{end}")
+        return
+    with _bars.lock:
+        row = _bars.shown.get(key)
+        if row is None:
+            _bars.shown[key] = row = _Row(worker, state)
+        else:
+            row.update(state)
+        if state["closed"]:
+            del _bars.shown[key]
+
+
 def forward_output_to(kernel: str, me: str) -> None:
     """On a worker: send output printed during RPC calls to ``kernel``, marked ``me``."""
     _forward.to, _forward.me = kernel, me
@@ -142,12 +321,34 @@ def kernel_name() -> str | None:
     return _forward.to
 
 
+#: the outputs of the calls running on this worker now (native output goes with the one
+#: call running, see .native_output)
+_running: set[_CallOutput] = set()
+
+
+def running_calls() -> list[_CallOutput]:
+    """The outputs of the calls running on this worker now."""
+    return list(_running)
+
+
+def current_call() -> Any:
+    """The output of the call running on this thread (None: none, or not forwarded)."""
+    return getattr(_call, "output", None)
+
+
+def worker_name() -> str | None:
+    """On a worker: its own name, as its output is tagged."""
+    return _forward.me
+
+
 def begin_call() -> tuple[Any, Any]:
     """A call starts on this thread: ``(its output, the output it interrupts)``; its
     output is ``None`` where nothing is forwarded (the kernel's own calls)."""
     output = _CallOutput() if _forward.to is not None else None
     previous = getattr(_call, "output", None)
     _call.output = output
+    if output is not None:
+        _running.add(output)
     return output, previous
 
 
@@ -155,6 +356,7 @@ def end_call(output: Any, previous: Any) -> None:
     """The call of :func:`begin_call` ends: what it printed reaches the kernel first."""
     _call.output = previous
     if output is not None:
+        _running.discard(output)
         output.close()
 
 

@@ -1,0 +1,261 @@
+"""What native code writes to file descriptors 1 and 2: a worker's, forwarded to the cell;
+the kernel's, without the lines nbrpc's own shutdown causes.
+
+Python's ``print`` on a worker is forwarded by :mod:`.output`. C and C++ (torch's warnings,
+NCCL, CUDA, extensions) write to the file descriptors instead, which on an engine stay on
+its log (``zygote.EngineOutStream``: a crash's last words are read back from there). So a
+worker does not move them: :class:`LogTail` reads what is appended to that log, every
+:data:`TAIL_EVERY_S` and once more as each call ends, and forwards it. It goes with the
+running call when exactly one runs (in order with its ``print`` output, before its result),
+else to the cell running in the kernel; with no cell running it stays in the log only.
+ipyparallel's own log lines are left out; both descriptors go to one log, so both arrive as
+the worker's stderr.
+
+torch writes a warning in every process when a peer's connection closes::
+
+    [W1123 ...tensorpipe_agent.cpp:723] RPC agent for worker0 encountered error when
+    reading incoming request from worker1: EOF: end of file (this error originated at ...)
+
+When nbrpc itself made that peer leave (a shutdown, a restart), the line says nothing
+the user did not ask for; a cell showed one per worker, in red, at every ``%rpc_shutdown``.
+:func:`expect_leaving` names such peers for :data:`LEAVING_GRACE_S`; while they are named,
+:func:`expected` drops exactly these lines (:data:`CLOSED_BY_PEER`), in the kernel's own
+stderr (:func:`quiet_kernel_stderr`, a pipe between file descriptor 2 and what it was) and
+in what workers forward. Any other line passes unchanged: a peer that drops its connection
+when nbrpc did not ask it to is still reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import select
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from nbrpc import _process, _torch
+
+from . import output
+
+#: How often a worker looks for new native output in its log.
+TAIL_EVERY_S = 0.1
+#: How long after nbrpc asked a peer to leave its connection's end is expected.
+LEAVING_GRACE_S = 15.0
+#: torch's line for a peer's connection that closed (group 1: the peer's name).
+CLOSED_BY_PEER = re.compile(
+    r"^\[[EW]\d{4} [^\]]*tensorpipe_agent\.cpp:\d+\] RPC agent for \S+ encountered error "
+    r"when reading incoming request from (\S+): "
+    r"(EOF: end of file|ECONNRESET: connection reset by peer|.*pipe closed)"
+)
+#: ipyparallel's log lines in an engine's log ("2026-11-22 22:14:28.813 [IPEngine.0] ...").
+IPYPARALLEL_LOG = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[.,]\d+ \[")
+
+
+@dataclass
+class _Leaving:
+    """Peers nbrpc asked to leave, and until when their connections' end is expected."""
+
+    until: dict[str, float] = field(default_factory=dict)
+    dropped: int = 0  # lines dropped so far (tests and docs read it)
+
+
+_leaving = _Leaving()
+
+
+def expect_leaving(names: list[str], seconds: float = LEAVING_GRACE_S) -> None:
+    """nbrpc is making ``names`` leave: the closing of their connections is expected."""
+    until = time.monotonic() + seconds
+    for name in names:
+        _leaving.until[name] = until
+
+
+def joined(names: list[str]) -> None:
+    """``names`` joined a new cluster: a closing connection of theirs is news again."""
+    for name in names:
+        _leaving.until.pop(name, None)
+
+
+def expected(line: str) -> bool:
+    """Whether ``line`` is torch's report of a connection that nbrpc closed on purpose."""
+    match = CLOSED_BY_PEER.match(line)
+    if match is None:
+        return False
+    until = _leaving.until.get(match.group(1), 0.0)
+    if time.monotonic() > until:
+        return False
+    _leaving.dropped += 1
+    return True
+
+
+def dropped() -> int:
+    """How many expected lines were kept out of the cell in this process."""
+    return _leaving.dropped
+
+
+# -- the kernel's own stderr ---------------------------------------------------------------
+
+
+@dataclass
+class _Quieted:
+    pump: threading.Thread | None = None
+    saved: int = -1
+
+
+_quieted = _Quieted()
+
+
+def quiet_kernel_stderr() -> None:
+    """In a Jupyter kernel, once: file descriptor 2 becomes a pipe whose lines reach what
+    it was before (ipykernel's own pipe to the cell) unless :func:`expected`.
+
+    Only in a kernel: ipykernel already reads fd 2 through a pipe of its own there, and
+    a script's stderr stays untouched (its last lines at exit must not wait on a thread).
+    The pipe's write end does not block: should this process's pump ever stop, native
+    lines are dropped rather than hanging the thread that writes them.
+    """
+    if _quieted.pump is not None or not _process.in_notebook():
+        return
+    saved = os.dup(2)
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    _quieted.saved = saved
+    _quieted.pump = threading.Thread(
+        target=_pump, args=(read_end, saved), name="nbrpc-stderr", daemon=True
+    )
+    _quieted.pump.start()
+
+
+def _pump(read_end: int, to: int) -> None:
+    pending = b""
+    while True:
+        try:
+            ready, _, _ = select.select([read_end], [], [], TAIL_EVERY_S)
+            data = os.read(read_end, 65536) if ready else b""
+        except OSError:
+            return
+        if ready and not data:  # the write end is closed: nothing more will come
+            _write(to, pending)
+            return
+        pending += data
+        # complete lines; a partial line once it has sat for a period (a C progress line)
+        cut = pending.rfind(b"\n") + 1 if ready else len(pending)
+        chunk, pending = pending[:cut], pending[cut:]
+        lines = output.lines_of(chunk.decode(errors="replace"))
+        _write(to, "".join(x for x in lines if not expected(x)).encode())
+
+
+def _write(fd: int, data: bytes) -> None:
+    while data:
+        try:
+            data = data[os.write(fd, data) :]
+        except BlockingIOError:
+            time.sleep(0.01)
+        except OSError:
+            return
+
+
+# -- a worker's native output --------------------------------------------------------------
+
+
+class LogTail:
+    """On a worker: what native code appends to its log (file descriptor 2, when that is a
+    file), forwarded by ``send(text)`` as complete lines, ipyparallel's log lines left out.
+    """
+
+    def __init__(self, path: str, send: Any) -> None:
+        self._file = open(path, "rb")  # noqa: SIM115 (kept open: the log may be unlinked)
+        self._file.seek(0, os.SEEK_END)
+        self._send = send
+        self._pending = b""
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nbrpc-log-tail", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def of_this_process(cls, send: Any) -> LogTail | None:
+        """A tail of this process's log, or None where fd 2 is not a regular file."""
+        with contextlib.suppress(OSError):
+            path = os.readlink("/proc/self/fd/2")
+            if os.path.isfile(path):
+                return cls(path, send)
+        return None
+
+    def _run(self) -> None:
+        while not self._stopped.wait(TAIL_EVERY_S):
+            self.poll()
+
+    def poll(self, flush: bool = False) -> None:
+        """Forward what was appended since the last poll (``flush``: a partial line too)."""
+        with self._lock:
+            try:
+                data = self._file.read()
+            except (OSError, ValueError):
+                return
+            if not data and not (flush and self._pending):
+                return
+            text = self._pending + (data or b"")
+            cut = len(text) if flush else text.rfind(b"\n") + 1
+            self._pending = text[cut:]
+            lines = output.lines_of(text[:cut].decode(errors="replace"))
+        keep = [line for line in lines if not IPYPARALLEL_LOG.match(line)]
+        if keep:
+            with contextlib.suppress(Exception):  # the kernel is gone: the log keeps it
+                self._send("".join(keep))
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._file.close()
+
+
+@dataclass
+class _Tail:
+    tail: LogTail | None = None
+
+
+_tail = _Tail()
+
+
+def start_tail() -> None:
+    """On a worker, once it forwards output: forward its native output too."""
+    if _tail.tail is None:
+        _tail.tail = LogTail.of_this_process(forward)
+
+
+def stop_tail() -> None:
+    """On a worker that leaves the group: nothing can be forwarded any more."""
+    tail, _tail.tail = _tail.tail, None
+    if tail is not None:
+        tail.stop()
+
+
+def before_call_ends(printed: Any) -> None:
+    """A call is ending on this worker: native output it wrote goes with it, before its
+    result, when it is the only call running."""
+    tail = _tail.tail
+    if tail is not None and printed is not None and output.running_calls() == [printed]:
+        tail.poll()
+
+
+def forward(text: str) -> None:
+    """On a worker: native output goes with the one call running, else to the kernel."""
+    calls = output.running_calls()
+    if len(calls) == 1:
+        calls[0].write("stderr", text)
+        return
+    kernel = output.kernel_name()
+    if kernel is not None:
+        _torch.rpc_async(kernel, show, args=(output.worker_name(), text), timeout=10)
+
+
+def show(worker: str, text: str) -> None:
+    """Runs in the kernel: a worker's native output, shown in the cell that is running
+    (none running: it stays in the worker's log), without the lines nbrpc caused."""
+    lines = [line for line in output.lines_of(text) if not expected(line)]
+    if lines and _process.cell_running():
+        output.show_output(worker, [("stderr", "".join(lines))])
