@@ -51,6 +51,8 @@ class _Calls:
     cancelled: bool = False
     last_output: Callable[[str], str] | None = None
     dead: dict[str, str] = field(default_factory=dict)  # name -> what torch said
+    #: ranks of processes nbrpc.restart replaced -> their name: what they owned is gone
+    replaced: dict[int, str] = field(default_factory=dict)
 
 
 _calls = _Calls()
@@ -98,6 +100,37 @@ def mark_dead(name: str, detail: str = "") -> None:
     _calls.dead.setdefault(name, detail)
 
 
+def restarted(names: list[str], old_ranks: list[int]) -> None:
+    """``names`` are being replaced by new processes: their old ranks' RRefs are gone."""
+    for name, rank in zip(names, old_ranks, strict=True):
+        _calls.replaced[rank] = name
+
+
+def revived(names: list[str]) -> None:
+    """``names`` joined again (a restart): calls to them go out again."""
+    for name in names:
+        _calls.dead.pop(name, None)
+
+
+def _replaced_error(rank: int) -> WorkerDiedError | None:
+    name = _calls.replaced.get(rank)
+    if name is None:
+        return None
+    return WorkerDiedError(name, restarted=rank)
+
+
+def _owner(rref: Any) -> WorkerInfo:
+    """``RRef.owner`` (and so every proxy call, ``rref.rpc_sync().f()``): an owner that a
+    restart replaced is a WorkerDiedError naming the restart (installed by :func:`install`)."""
+    try:
+        return _torch.original_owner(rref)
+    except RuntimeError:
+        replaced = _replaced_error(_ledger.owner_rank(rref))
+        if replaced is not None:
+            raise replaced from None
+        raise
+
+
 def known_dead() -> set[str]:
     """Workers whose calls failed because their process is gone (seen before ipyparallel
     misses their heartbeats, which takes seconds for a worker on another host)."""
@@ -124,6 +157,9 @@ def workers() -> list[str]:
 def _destination(to: str | WorkerInfo | int, what: str) -> WorkerInfo:
     _group.require_active(what)
     if isinstance(to, WorkerInfo):
+        replaced = _replaced_error(to.id)
+        if replaced is not None:
+            raise replaced
         return to
     if isinstance(to, str):
         if to in _calls.dead:
@@ -338,6 +374,9 @@ def _to_here(rref: Any, timeout: float = _torch.UNSET_RPC_TIMEOUT) -> Any:
             raise
         owner = _torch.owner_name(rref)
         if owner is None:
+            replaced = _replaced_error(_ledger.owner_rank(rref))
+            if replaced is not None:
+                raise replaced from None
             # it left the group (died, or belonged to a cluster since shut down)
             raise WorkerDiedError("the worker that owned this RRef", str(exc)) from None
         limit = None if timeout == _torch.UNSET_RPC_TIMEOUT else timeout
@@ -357,8 +396,9 @@ def _await_creation(rref: Any, timeout: float) -> None:
 
 
 def install() -> None:
-    """Give every RRef's ``to_here`` nbrpc's error translation (idempotent)."""
+    """Give every RRef's ``to_here`` and ``owner`` nbrpc's error translation (idempotent)."""
     _torch.patch_rref_method("to_here", _to_here)
+    _torch.patch_rref_method("owner", _owner)
 
 
 # -- torch's API, as a notebook calls it ------------------------------------------------------

@@ -186,21 +186,12 @@ class _Boot:
         t_join = time.monotonic()
         for name, (rank, eid) in places.items():
             self.progress.update(name, 2)
-            pending[name] = self.engines.apply(
-                eid,
-                worker.join,
-                name,
-                rank,
-                member.spec.to_dict(),
-                member.name,
-                settings.rpc_timeout,
-                settings.num_worker_threads,
-                maps.get(name),
-                chosen.get(name),
-                sorted(self.members) if self.members is not None else None,
+            members = sorted(self.members) if self.members is not None else None
+            pending[name] = ask_to_join(
+                self.engines, settings, member, name, (rank, eid), maps, chosen, members
             )
             self.booted.engine_of[name] = eid
-        infos = _wait_for_joins(pending, self.progress)
+        infos = wait_for_joins(pending, self.progress)
         imported = self.engines.import_seconds()
         if imported is not None:
             phases["torch import"] = imported
@@ -244,6 +235,35 @@ class _Boot:
         self.booted.records = records
 
 
+def ask_to_join(
+    engines: Engines,
+    settings: Settings,
+    member: Any,
+    name: str,
+    place: tuple[int, int],
+    maps: dict,
+    chosen: dict,
+    members: list[str] | None,
+) -> Any:
+    """Ask an engine to join the kernel's group as ``name`` (``place``: its rank and engine
+    id), with its device maps and devices; ipyparallel's AsyncResult of
+    :func:`nbrpc._engines.worker.join`. ``members``: who may connect, across hosts."""
+    rank, eid = place
+    return engines.apply(
+        eid,
+        worker.join,
+        name,
+        rank,
+        member.spec.to_dict(),
+        member.name,
+        settings.rpc_timeout,
+        settings.num_worker_threads,
+        maps.get(name),
+        chosen.get(name),
+        members,
+    )
+
+
 def _since(t0: float) -> float:
     return time.monotonic() - t0
 
@@ -261,7 +281,7 @@ def _join_kernel(settings: Settings, device_maps: dict, devices: list[str] | Non
     )
 
 
-def _wait_for_joins(pending: dict[str, Any], progress: BootProgress) -> dict[str, dict]:
+def wait_for_joins(pending: dict[str, Any], progress: BootProgress) -> dict[str, dict]:
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     infos: dict[str, dict] = {}
     while len(infos) < len(pending):

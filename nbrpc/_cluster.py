@@ -38,6 +38,7 @@ from . import (
     _group,
     _ledger,
     _process,
+    _restart,
     _torch,
     _views,
     autograd,
@@ -163,6 +164,8 @@ class Cluster:
             _process.watch_cells()  # a worker's native output goes to the running cell
             _boot.boot(self.settings, self.engines, self.booted)
             native_output.joined([r.name for r in self.records[1:]])
+            if self.settings.restart == "dead":
+                _restart.watch_for_dead(_restart_dead_of_current)
         except BaseException as exc:
             # an engine that failed to start: the others were started the same way
             self._abandon(release=isinstance(exc, BootError))
@@ -221,6 +224,32 @@ class Cluster:
                 _agent.mark_dead(record.name)
                 prompts.forget_worker(record.name)
         return [r.name for r in self.records[1:] if r.state == "dead"]
+
+    def restart(self, *names: str) -> _restart.Restarted:
+        """Replace workers ``names``, dead or alive, with fresh processes under the same
+        names; the kernel and the other workers keep everything (see :mod:`nbrpc._restart`)."""
+        if self.state is not ClusterState.READY:
+            raise ClusterClosedError(
+                f"this cluster is {self.state.value}: restart works on a running cluster. "
+                "Start one with %rpc_init."
+            )
+        return _restart.run(self, list(names))
+
+    def restart_dead(self) -> None:
+        """``restart='dead'``: replace the workers that died, saying which and why (before
+        each cell)."""
+        if self.state is not ClusterState.READY or self.settings.restart != "dead":
+            return
+        dead = self.dead_workers()
+        if not dead:
+            return
+        for name in dead:
+            why = self.last_output(name).strip() or "no last words: killed, or out of memory"
+            print(f"nbrpc: {name} died ({why.splitlines()[0].strip()}); restarting it")
+        try:
+            print(self.restart(*dead).summary())
+        except Exception as exc:  # the cell runs anyway; the next one tries again
+            print(f"nbrpc: could not restart {', '.join(dead)}: {exc}")
 
     def last_output(self, name: str) -> str:
         """What worker ``name``'s process printed last outside calls (its engine log): the
@@ -285,6 +314,7 @@ class Cluster:
                 record.state = "stopped"
         if dead:
             live = [r.name for r in self.records[1:] if r.state == "ready"]
+            native_output.expect_gone([r.rank for r in self.records[1:] if r.name in dead])
             try:
                 _group.forget(dead, live)
             except Exception as exc:
@@ -456,6 +486,19 @@ def shutdown(
         _engines.release_kept()
 
 
+def restart(*names: str) -> _restart.Restarted:
+    """Replace workers ``names`` (dead or alive) with fresh processes under the same names,
+    where they ran; the kernel and the other workers keep their state
+    (``%rpc_restart worker2``). What the old processes owned is gone: their RRefs raise
+    :class:`~nbrpc.WorkerDiedError` naming the restart, their ``%%rpc`` namespaces start
+    empty, and a process group among the workers is rebuilt (its collective state is gone).
+    An unknown name, an attached cluster, or a process group that cannot be rebuilt is a
+    :class:`~nbrpc.ConfigError` before anything stops; a new process that cannot start or
+    join is a :class:`~nbrpc.BootError`, and the rest of the cluster keeps working.
+    Returns what it did (its repr says it)."""
+    return current().restart(*names)
+
+
 def status(timeout: float = _agent.SNAPSHOT_TIMEOUT_S) -> list[StatusRow]:
     """Live figures for each process of the current cluster (see :meth:`Cluster.status`)."""
     return current().status(timeout)
@@ -473,6 +516,12 @@ def _at_exit() -> None:
     member = _group.current_kernel_membership()
     if member is not None:
         member.close()
+
+
+def _restart_dead_of_current() -> None:
+    """Before each cell (``restart='dead'``): the current cluster replaces its dead workers."""
+    if _current.cluster is not None:
+        _current.cluster.restart_dead()
 
 
 def _torch_shutdown(graceful: bool = True, timeout: float = 0) -> None:

@@ -36,6 +36,8 @@ log = logging.getLogger("nbrpc")
 
 INIT_TIMEOUT_S = 60.0
 DESTROY_TIMEOUT_S = 10.0
+#: backends nbrpc.restart rebuilds among all members after replacing one of them
+REBUILDABLE = ("gloo", "nccl")
 
 
 class ProcessGroupInfo(dict):

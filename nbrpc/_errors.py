@@ -145,9 +145,18 @@ class DeviceMapError(NbrpcError, ValueError):
 class WorkerDiedError(NbrpcError, ConnectionError):
     """A worker's process is gone (killed, crashed, out of memory) or unreachable."""
 
-    def __init__(self, worker: str, detail: str = "", last_output: str = "") -> None:
+    def __init__(
+        self, worker: str, detail: str = "", last_output: str = "", restarted: int | None = None
+    ) -> None:
         self.worker = worker
-        self._init_args = (worker, detail, last_output)
+        self._init_args = (worker, detail, last_output, restarted)
+        if restarted is not None:  # nbrpc.restart replaced the process (rank ``restarted``)
+            super().__init__(
+                f"{worker} was restarted (nbrpc.restart): the process this refers to (rank "
+                f"{restarted}) is gone, and the objects it owned (RRefs) with it. The new "
+                f"{worker} answers calls: make what you need again there."
+            )
+            return
         super().__init__(
             f"{worker} is gone: its connection closed (the process died or was killed)"
             + (f"; torch said: {detail}" if detail else "")

@@ -36,6 +36,7 @@ class _Entry:
     created_by: str
     type: str | None
     creator: str
+    owner: int = -1  # the owner's rank when the handle was made (-1: not known)
 
 
 @dataclass
@@ -55,9 +56,20 @@ _ledger = _Ledger()
 
 
 def _record(rref: PyRRef, created_by: str, type_name: str | None, creator: str) -> PyRRef:
+    try:  # known now; once a restart replaced the owner, torch no longer knows its rank
+        owner = _torch.original_owner(rref).id
+    except RuntimeError:
+        owner = -1
     with _ledger.lock:
-        _ledger.handles[rref] = _Entry(created_by, type_name, creator)
+        _ledger.handles[rref] = _Entry(created_by, type_name, creator, owner)
     return rref
+
+
+def owner_rank(rref: PyRRef) -> int:
+    """The rank of ``rref``'s owner when this process got the handle (-1: not known)."""
+    with _ledger.lock:
+        entry = _ledger.handles.get(rref)
+    return entry.owner if entry is not None else -1
 
 
 def _callable_name(func: Any) -> str:

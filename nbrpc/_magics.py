@@ -94,6 +94,16 @@ class RpcMagics(Magics):
             + ("; controller and spare engines released" if args.release else "")
         )
 
+    @magic_arguments()
+    @argument("names", nargs="+", help="the workers to restart, separated by spaces or commas")
+    @line_magic
+    def rpc_restart(self, line: str) -> None:
+        """Replace workers, dead or alive, with fresh processes under the same names; the
+        kernel and the other workers keep everything (their RRefs, namespaces, processes)."""
+        args = _parse(self.rpc_restart, line)
+        names = [n for part in args.names for n in part.split(",") if n]
+        print(_cluster.restart(*names).summary())
+
     @line_magic
     def rpc_status(self, line: str) -> None:
         """Show the cluster: a live ClusterView in a notebook, a table elsewhere."""

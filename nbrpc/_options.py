@@ -255,6 +255,17 @@ class Options(TypedDict, total=False):
             metavar="PATH",
         ),
     ]
+    restart: Annotated[
+        str | None,
+        Opt(
+            "--restart-dead",
+            "replace a worker that died before the next cell runs",
+            doc="``'dead'``: before each cell (IPython), a worker that died is replaced by a "
+            "fresh process under the same name, with a line that names it and why it died "
+            "(see :func:`nbrpc.restart`). ``None``: a dead worker stays dead.",
+            switch=(None, "dead"),
+        ),
+    ]
 
 
 def declared() -> dict[str, Opt]:
@@ -439,6 +450,12 @@ def _process_group(v: dict[str, Any]) -> tuple[str | None, tuple[str, ...] | Non
     return backend, members
 
 
+def _restart_mode(restart: str | None) -> str | None:
+    if restart not in (None, "dead"):
+        raise ConfigError(f"restart={restart!r}: use 'dead' (replace workers that died) or None")
+    return restart
+
+
 def _progress_mode(progress: str | bool) -> str:
     if progress == "auto":
         progress = "widget" if _process.in_notebook() else "off"
@@ -475,6 +492,8 @@ class Settings:
     hosts: tuple[str, ...] | None = None
     ssh_args: tuple[str, ...] = ()
     remote_python: str | None = None
+    #: "dead": replace workers that died before the next cell (nbrpc._restart)
+    restart: str | None = None
 
     @classmethod
     def make(cls, n: int | None = None, /, **options: Any) -> Settings:
@@ -531,6 +550,7 @@ class Settings:
             hosts=entries,
             ssh_args=ssh_args,
             remote_python=v["remote_python"],
+            restart=_restart_mode(v["restart"]),
         )
 
     @property

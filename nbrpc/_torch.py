@@ -297,6 +297,11 @@ def patch_rref_method(name: str, replacement: Callable[..., Any]) -> None:
     setattr(PyRRef, name, replacement)
 
 
+def original_owner(rref: PyRRef) -> Any:
+    """torch's own ``RRef.owner``, also after :func:`patch_rref_method` replaced it."""
+    return _patched.rref_methods.get("owner", PyRRef.owner)(rref)
+
+
 def original_to_here(rref: PyRRef, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
     """torch's own ``RRef.to_here``, also after :func:`patch_rref_method` replaced it."""
     return _patched.rref_methods.get("to_here", PyRRef.to_here)(rref, timeout)

@@ -172,6 +172,19 @@ nbrpc.push({"scale": 3})  # values into every worker's namespace ...
 print("pulled back:", nbrpc.pull("scale"))  # ... and out again
 
 # %% [markdown]
+# ## Restart a worker without losing the rest
+#
+# A worker that died (out of memory, a crash in an extension, `kill`) or hangs is replaced
+# by a fresh process under the same name: `%rpc_restart worker2`. The kernel and worker1 keep
+# everything; what the old worker2 held is gone, and says so.
+
+# %%
+# %rpc_restart worker2
+print("worker1 kept its namespace:", nbrpc.pull("scale", workers="worker1"))
+print("worker2 starts afresh:", get_ipython().run_cell_magic("rpc", "worker2", "'calls' in dir()"))
+print("and answers:", nbrpc.rpc_sync("worker2", remote_add, args=(40, 2)))
+
+# %% [markdown]
 # ## Status, shutdown, and a second cluster in the same kernel
 #
 # `%rpc_shutdown` keeps the controller and starts spare engines (torch already imported) in

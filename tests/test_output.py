@@ -16,7 +16,7 @@ import sys
 import time
 
 import pytest
-from conftest import Kernel, user_environment
+from conftest import Kernel, running_kernel, user_environment
 
 SETUP = """%load_ext nbrpc
 %rpc_init -n 2 --quiet
@@ -50,13 +50,8 @@ def native_later(text, after):
 
 @pytest.fixture(scope="module")
 def kernel():
-    k = Kernel()
-    try:
-        k.run(SETUP, timeout=180)
+    with running_kernel(SETUP, closing="nbrpc.shutdown(release=True)") as k:
         yield k
-        k.run("nbrpc.shutdown(release=True)", timeout=60)
-    finally:
-        k.close()
 
 
 def _events(k: Kernel, code: str, timeout: float = 60) -> list[tuple[float, str, dict]]:

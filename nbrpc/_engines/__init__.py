@@ -65,6 +65,9 @@ class EngineSource(Protocol):
     #: why the controller and warm engines were there before this cluster ("kept from
     #: the last cluster", "warmed up at %load_ext"); "" when started for it
     reused: str
+    #: why :meth:`replace` cannot work for this source ("": it can), said before a
+    #: restart stops anything
+    cannot_replace: str
 
     def __init__(self, settings: _options.Settings) -> None: ...
 
@@ -125,6 +128,12 @@ class EngineSource(Protocol):
     def stop(self, engine_ids: list[int], pids: list[int], keep_warm: bool) -> None:
         """Stop the engines a cluster used (``pids``: those of this host);
         ``keep_warm``: start spares for the next cluster, where the source keeps any."""
+        ...
+
+    def replace(self, engine_ids: list[int], pids: list[int], timeout: float) -> list[int]:
+        """Kill the engines ``engine_ids`` (processes ``pids`` on their own hosts) and
+        start as many new ones where they ran; the new ids, registered, in that order
+        (``nbrpc.restart``)."""
         ...
 
 
@@ -264,6 +273,18 @@ class Engines:
             except Exception as exc:
                 failed[f"engine {eid}"] = remote_message(exc).splitlines()[0][:200]
         return failed if graceful else {}
+
+    @property
+    def cannot_replace(self) -> str:
+        """Why engines of this source cannot be restarted ("": they can)."""
+        return self.source.cannot_replace
+
+    def replace(self, engine_ids: list[int], pids: list[int], timeout: float) -> list[int]:
+        """New engines in place of ``engine_ids`` (see the protocol); they become this
+        cluster's."""
+        new = self.source.replace(engine_ids, pids, timeout)
+        self.taken = [i for i in self.taken if i not in engine_ids] + new
+        return new
 
     def stop(self, pids: list[int], keep_spares: bool) -> None:
         """Stop the engines this cluster used (never reusable: torch joins once per

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nbrpc import _options
-from nbrpc._errors import BootError
+from nbrpc._errors import BootError, ConfigError
 
 log = logging.getLogger("nbrpc")
 
@@ -26,6 +26,10 @@ class AttachedSource:
     #: shared-memory probe tells whether they see this kernel's /dev/shm
     remote = False
     reused = ""
+    cannot_replace = (
+        "the engines of an attached ipyparallel cluster are not nbrpc's to replace. Restart "
+        "the engine with ipyparallel, then %rpc_shutdown and %rpc_init"
+    )
 
     def __init__(self, settings: _options.Settings) -> None:
         self.settings = settings
@@ -105,3 +109,6 @@ class AttachedSource:
             except Exception as exc:
                 log.warning("closing the ipyparallel client: %s", exc)
             self._client = None
+
+    def replace(self, engine_ids: list[int], pids: list[int], timeout: float) -> list[int]:
+        raise ConfigError(self.cannot_replace)

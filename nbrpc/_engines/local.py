@@ -31,6 +31,7 @@ import logging
 import os
 import re
 import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -485,6 +486,7 @@ class LocalSource:
     """Engines forked on this host from the kept controller's zygote (the default)."""
 
     remote = False
+    cannot_replace = ""
 
     def __init__(self, settings: _options.Settings) -> None:
         self.settings = settings
@@ -551,3 +553,13 @@ class LocalSource:
         ours.retire(pids, engine_ids)
         if keep_warm and engine_ids:
             ours.warm(len(engine_ids))
+
+    def replace(self, engine_ids: list[int], pids: list[int], timeout: float) -> list[int]:
+        """Kill them (a restart is for a worker that is broken or stuck: no waiting for a
+        graceful exit), then fork as many new ones (a spare if one is registered)."""
+        ours = self._ours()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        ours.retire(pids, engine_ids)
+        return ours.take(len(engine_ids), timeout)

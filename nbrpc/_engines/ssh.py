@@ -179,6 +179,7 @@ class HostController(Controller):
         super().__init__(listen, workdir, HostEngineSetLauncher)
         self.remote_dir = f".nbrpc/run-{self._ipp.cluster_id}"
         self._launchers: list[HostEngineLauncher] = []
+        self.entry_of: dict[int, str] = {}  # engine id -> its --hosts entry
         self._start_controller()
 
     @property
@@ -191,15 +192,17 @@ class HostController(Controller):
 
     # -- engines ---------------------------------------------------------------------
 
-    def spawn(self) -> None:
-        """Start one engine per ``--hosts`` entry (one ssh session each, hosts in parallel)."""
+    def spawn(self, entries: list[str] | None = None) -> None:
+        """Start one engine per ``--hosts`` entry (one ssh session each, hosts in parallel);
+        ``entries``: only these (a restart)."""
+        entries = list(self.plan.entries) if entries is None else entries
         engines = {
             host: {"n": n, "environment": {HOST_ENV: host}}
-            for host, n in hosts.counts(self.plan.entries).items()
+            for host, n in hosts.counts(tuple(entries)).items()
         }
         try:
             set_id = self._ipp.start_engines_sync(
-                len(self.plan.entries),
+                len(entries),
                 engines=engines,
                 ssh_args=self.ssh_args,
                 scp_args=self.scp_args,
@@ -213,7 +216,7 @@ class HostController(Controller):
             raise
         except Exception as exc:
             raise BootError(f"could not start engines over ssh: {exc}") from exc
-        self._launchers = list(self._ipp.engines[set_id].launchers.values())
+        self._launchers += list(self._ipp.engines[set_id].launchers.values())
 
     def take(self, timeout: float, on_registered: Callable[[int], None] | None = None) -> list[int]:
         """Engine ids in ``--hosts`` order, once every engine registered."""
@@ -244,7 +247,44 @@ class HostController(Controller):
         by_entry: dict[str, list[int]] = {}
         for eid, entry in zip(ids, entries, strict=True):
             by_entry.setdefault(entry, []).append(eid)
-        return [by_entry[entry].pop(0) for entry in self.plan.entries]
+        taken = [by_entry[entry].pop(0) for entry in self.plan.entries]
+        self.entry_of.update(zip(taken, self.plan.entries, strict=True))
+        return taken
+
+    def replace(self, engine_ids: list[int], pids: list[int], timeout: float) -> list[int]:
+        """Kill engines on their hosts (over ssh), start new ones on the same entries, and
+        return their ids once registered, in that order."""
+        entries = [self.entry_of[eid] for eid in engine_ids]
+        by_host = {la.location: la for la in self._launchers}
+        for entry, pid in zip(entries, pids, strict=True):
+            launcher = by_host.get(entry)
+            if launcher is not None:
+                self._quietly(launcher, f"kill -9 {int(pid)} 2>/dev/null; true")
+        client = self.client()
+        deadline = time.monotonic() + timeout
+        while any(eid in client.ids for eid in engine_ids) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the heart monitor notices (about 2 s)
+        known = set(client.ids) | set(self.entry_of)
+        self.spawn(entries)
+        new: list[int] = []
+        while True:
+            fresh = sorted(set(client.ids) - known)
+            if len(fresh) >= len(entries):
+                break
+            if time.monotonic() > deadline:
+                raise BootError(
+                    f"no new engine on {', '.join(entries)} registered within {timeout:.0f} s; "
+                    f"the logs are in {self.log_dir}"
+                )
+            time.sleep(0.05)
+        on = dict(
+            zip(fresh, client[fresh].apply_async(worker.host_entry).get(timeout=30), strict=True)
+        )
+        for entry in entries:
+            eid = next(e for e in fresh if on[e] == entry and e not in new)
+            new.append(eid)
+            self.entry_of[eid] = entry
+        return new
 
     def retire(self, engine_ids: list[int], kernel_pid: int) -> None:
         """Stop the engines (ask, then kill what is left) and remove the run's files."""
@@ -311,6 +351,7 @@ class SshSource:
 
     remote = True
     reused = ""
+    cannot_replace = ""
 
     def __init__(self, settings: _options.Settings) -> None:
         self.settings = settings
@@ -376,3 +417,6 @@ class SshSource:
         finally:
             ours.release()
             self.engines = None
+
+    def replace(self, engine_ids: list[int], pids: list[int], timeout: float) -> list[int]:
+        return self._ours().replace(engine_ids, pids, timeout)

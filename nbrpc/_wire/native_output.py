@@ -50,6 +50,13 @@ CLOSED_BY_PEER = re.compile(
     r"when reading incoming request from (\S+): "
     r"(EOF: end of file|ECONNRESET: connection reset by peer|.*pipe closed)"
 )
+#: torch's error when it drops a reference to an RRef whose owner left the group (group 1:
+#: the owner's rank), followed by a C++ stack (:data:`CPP_STACK`)
+DELETING_GONE_RREF = re.compile(
+    r"^\[E\d{4} [^\]]*rref_impl\.cpp:\d+\] Error occurred when deletingUserRRef\(.*"
+    r"could not find destination id (\d+)"
+)
+CPP_STACK = re.compile(r"^(Exception raised from |frame #\d+: |<omitting python frames>)")
 #: ipyparallel's log lines in an engine's log ("2026-11-22 22:14:28.813 [IPEngine.0] ...").
 IPYPARALLEL_LOG = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[.,]\d+ \[")
 
@@ -59,6 +66,9 @@ class _Leaving:
     """Peers nbrpc asked to leave, and until when their connections' end is expected."""
 
     until: dict[str, float] = field(default_factory=dict)
+    #: ranks of processes nbrpc replaced or removed: references to what they owned are
+    #: dropped with an error line torch cannot help writing (ranks are never reused)
+    gone: set[int] = field(default_factory=set)
     dropped: int = 0  # lines dropped so far (tests and docs read it)
 
 
@@ -72,6 +82,12 @@ def expect_leaving(names: list[str], seconds: float = LEAVING_GRACE_S) -> None:
         _leaving.until[name] = until
 
 
+def expect_gone(ranks: list[int]) -> None:
+    """The processes of ``ranks`` left for good (a restart, a death nbrpc cleaned up
+    after): torch's error as it drops references to their RRefs is expected."""
+    _leaving.gone.update(ranks)
+
+
 def joined(names: list[str]) -> None:
     """``names`` joined a new cluster: a closing connection of theirs is news again."""
     for name in names:
@@ -79,7 +95,12 @@ def joined(names: list[str]) -> None:
 
 
 def expected(line: str) -> bool:
-    """Whether ``line`` is torch's report of a connection that nbrpc closed on purpose."""
+    """Whether ``line`` is torch's report of a connection that nbrpc closed on purpose, or
+    of a reference dropped to an RRef of a process nbrpc replaced."""
+    gone = DELETING_GONE_RREF.match(line)
+    if gone is not None and int(gone.group(1)) in _leaving.gone:
+        _leaving.dropped += 1
+        return True
     match = CLOSED_BY_PEER.match(line)
     if match is None:
         return False
@@ -145,8 +166,29 @@ def _pump(read_end: int, to: int) -> None:
         # complete lines; a partial line once it has sat for a period (a C progress line)
         cut = pending.rfind(b"\n") + 1 if ready else len(pending)
         chunk, pending = pending[:cut], pending[cut:]
-        lines = output.lines_of(chunk.decode(errors="replace"))
-        _write(to, "".join(x for x in lines if not expected(x)).encode())
+        _write(to, "".join(_kept(output.lines_of(chunk.decode(errors="replace")))).encode())
+
+
+@dataclass
+class _Block:
+    dropping: bool = False  # the C++ stack under a dropped error line follows it
+
+
+_block = _Block()
+
+
+def _kept(lines: list[str]) -> list[str]:
+    """``lines`` without the expected ones (and the C++ stack under a dropped error)."""
+    kept = []
+    for line in lines:
+        if expected(line):
+            _block.dropping = True
+        elif _block.dropping and CPP_STACK.match(line):
+            pass
+        else:
+            _block.dropping = False
+            kept.append(line)
+    return kept
 
 
 def _write(fd: int, data: bytes) -> None:
@@ -256,6 +298,6 @@ def forward(text: str) -> None:
 def show(worker: str, text: str) -> None:
     """Runs in the kernel: a worker's native output, shown in the cell that is running
     (none running: it stays in the worker's log), without the lines nbrpc caused."""
-    lines = [line for line in output.lines_of(text) if not expected(line)]
+    lines = _kept(output.lines_of(text))
     if lines and _process.cell_running():
         output.show_output(worker, [("stderr", "".join(lines))])

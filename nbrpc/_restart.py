@@ -1,0 +1,217 @@
+"""Restart workers without losing the rest: ``%rpc_restart worker2``, :func:`restart`.
+
+A worker that died (out of memory, a segfault in an extension, ``kill``) or is stuck is
+replaced by a fresh process under the same name, where it ran before (forked here from
+the kept zygote; on the same ``--hosts`` entry). The kernel and the other workers keep
+their processes, namespaces and RRefs. In order, for the names asked:
+
+1. Everything is checked before anything stops: the names (workers of this cluster), the
+   source (an attached ipyparallel cluster's engines are not nbrpc's to replace), and a
+   process group's backend (rebuilt among all its members afterwards: gloo or nccl).
+2. The old process stops (asked, then killed: a restart is for a worker that is broken or
+   stuck), and leaves the group on its behalf (``_group.forget``, as for a dead worker).
+   Calls to it and RRefs it owned fail with :class:`~nbrpc.WorkerDiedError` naming the
+   restart; the ownership view drops them.
+3. A new engine joins under the same name with a new rank (ranks are never reused: torch
+   caches connections by rank); the shared-memory fast path is set up for it; a process
+   group is rebuilt among all its members (its collective state is gone, and the
+   restart's summary says so).
+
+A new process that cannot start or join is a :class:`~nbrpc.BootError`; the rest of the
+cluster keeps working without it, and a second restart of that name works.
+
+``restart="dead"`` (``%rpc_init --restart-dead``) restarts a worker that died before the
+next cell runs, with a line naming it and why it died (:func:`watch_for_dead`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from . import _agent, _collective, _fence, _group
+from ._boot import ask_to_join, wait_for_joins
+from ._engines import JOIN_TIMEOUT_S
+from ._engines.watchdog import segment_prefix
+from ._errors import BootError, ConfigError
+from ._progress import BootProgress
+from ._rows import WorkerRecord
+from ._wire import native_output, shm
+
+
+@dataclass
+class Restarted:
+    """What one restart did, as the notebook shows it."""
+
+    names: list[str]
+    old: dict[str, tuple[int, int]]  # name -> (pid, rank) before
+    new: dict[str, tuple[int, int]]  # name -> (pid, rank) after
+    process_group: bool = False  # rebuilt: its collective state is gone
+    seconds: float = 0.0
+
+    def __repr__(self) -> str:
+        return self.summary()
+
+    def summary(self) -> str:
+        lines = []
+        for name in self.names:
+            (old_pid, old_rank), (pid, rank) = self.old[name], self.new[name]
+            lines.append(
+                f"nbrpc: {name} restarted (pid {old_pid} -> {pid}, rank {old_rank} -> {rank}) "
+                f"in {self.seconds:.1f} s: its RRefs and %%rpc namespace are gone"
+            )
+        if self.process_group:
+            lines.append(
+                "nbrpc: the process group was rebuilt among all its members: collective "
+                "state (its communicators, DDP's buckets) starts over"
+            )
+        return "\n".join(lines)
+
+
+def run(cluster: Any, names: list[str]) -> Restarted:
+    """Restart ``names`` of ``cluster`` (a :class:`nbrpc.Cluster` that is ready); a new
+    process that cannot start or join is a :class:`BootError` that says the rest works."""
+    try:
+        return _run(cluster, names)
+    except BootError as exc:
+        records = {r.name: r for r in cluster.records[1:]}
+        failed = [n for n in names if records.get(n) and records[n].state == "restarting"]
+        for name in failed:
+            records[name].state = "dead"
+        _agent.revived(failed)
+        for name in failed:
+            _agent.mark_dead(name, f"its restart failed: {str(exc).splitlines()[0]}")
+        raise BootError(
+            f"{', '.join(failed or names)} could not be restarted: {exc}\nThe rest of the "
+            f"cluster works without {'them' if len(failed) > 1 else 'it'}; "
+            f"%rpc_restart {' '.join(failed or names)} tries again."
+        ) from None
+
+
+def _run(cluster: Any, names: list[str]) -> Restarted:
+    t0 = time.monotonic()
+    records = {r.name: r for r in cluster.records[1:]}
+    _check(cluster, names, records)
+    settings, booted, engines = cluster.settings, cluster.booted, cluster.engines
+    pg = booted.process_group
+    others = [r.name for r in cluster.records[1:] if r.name not in names and r.state == "ready"]
+    old = {n: (records[n].pid, records[n].rank) for n in names}
+
+    native_output.expect_leaving(names)  # torch's "EOF" lines about them are expected
+    for name in names:  # calls to them fail at once meanwhile, naming why
+        _agent.mark_dead(name, "it is being restarted (nbrpc.restart)")
+    if pg:  # every member leaves it: it is rebuilt among all of them below
+        _collective.destroy(pg, others)
+        booted.process_group = None
+    for name in names:
+        records[name].state = "restarting"
+    try:
+        new_ids = engines.replace(
+            [records[n].engine_id for n in names], [records[n].pid for n in names], JOIN_TIMEOUT_S
+        )
+    finally:  # the old processes are gone either way: out of the group, on their behalf
+        _group.forget(names, others)
+        _group.release_stale_token()
+        _agent.restarted(names, [old[n][1] for n in names])
+        native_output.expect_gone([old[n][1] for n in names])
+
+    member = _group.current_kernel_membership()
+    assert member is not None, "the kernel joined at the boot"
+    ranks = member.allocate_ranks(len(names))
+    admitted = _fence.members()  # across hosts: who may connect to the new process
+    fenced = sorted(admitted) if admitted is not None else None
+    pending = {}
+    for name, rank, eid in zip(names, ranks, new_ids, strict=True):
+        pending[name] = ask_to_join(
+            engines, settings, member, name, (rank, eid), booted.device_maps, {}, fenced
+        )
+        booted.engine_of[name] = eid
+    try:
+        infos = wait_for_joins(pending, BootProgress(names, "off"))
+    except BootError:
+        _group.forget_names(names)  # half joined: neither its name nor torch's token stay
+        raise
+    _agent.revived(names)
+    for name in names:
+        info, record = infos[name], records[name]
+        record.pid, record.rank, record.host = info["pid"], info["rank"], info["host"]
+        record.engine_id, record.state = booted.engine_of[name], "ready"
+        record.role = f"engine {record.engine_id}"
+        record.devices = info["devices"]
+    native_output.joined(names)
+    _fast_path(cluster, member, names)
+    result = Restarted(list(names), old, {n: (records[n].pid, records[n].rank) for n in names})
+    if pg:
+        members = list(pg["ranks"])
+        prefix = f"nbrpc-process-group/{os.getpid()}/{ranks[0]}"  # ranks are never reused
+        devices = {r.name: r.devices for r in cluster.records[1:]}
+        booted.process_group = _collective.start(
+            pg["backend"], members, member.spec.to_dict(), prefix, devices
+        )
+        result.process_group = True
+    result.seconds = time.monotonic() - t0
+    return result
+
+
+def _check(cluster: Any, names: list[str], records: dict[str, WorkerRecord]) -> None:
+    """Refuse, before anything stops, what a restart cannot do."""
+    if not names:
+        raise ConfigError("name the workers to restart, e.g. %rpc_restart worker2")
+    unknown = [n for n in names if n not in records]
+    if unknown:
+        raise ConfigError(
+            f"cannot restart {', '.join(unknown)}: not workers of this cluster. Its workers: "
+            f"{', '.join(records)} (the kernel cannot be restarted from itself)."
+        )
+    if len(set(names)) != len(names):
+        raise ConfigError(f"restart {', '.join(names)}: a name is given twice")
+    why = cluster.engines.cannot_replace
+    if why:
+        raise ConfigError(f"cannot restart {', '.join(names)}: {why}")
+    pg = cluster.booted.process_group
+    if pg and pg["backend"] not in _collective.REBUILDABLE:
+        raise ConfigError(
+            f"cannot restart {', '.join(names)}: the workers' {pg['backend']} process group "
+            "cannot be rebuilt in place. Nothing was stopped; run %rpc_shutdown then %rpc_init."
+        )
+
+
+def _fast_path(cluster: Any, member: Any, names: list[str]) -> None:
+    booted, threshold = cluster.booted, cluster.settings.shm_threshold
+    if not booted.fast_path:
+        return
+    prefix = segment_prefix(os.getpid())
+    if cluster.engines.remote:
+        workers = [r.name for r in cluster.records[1:]]
+        booted.shm_peers = shm.set_up_by_host(prefix, threshold, member.name, workers)
+    else:
+        shm.set_up(prefix, threshold, names, member.spec.loopback_only)
+
+
+# -- restart="dead": before each cell, a worker that died is replaced ----------------------
+
+
+@dataclass
+class _Watching:
+    hooked: bool = False
+
+
+_watching = _Watching()
+
+
+def watch_for_dead(restart_dead: Any) -> None:
+    """In IPython, once: ``restart_dead()`` before each cell (the running cluster replaces
+    the workers that died, if it asked to)."""
+    import sys
+
+    if _watching.hooked or "IPython" not in sys.modules:
+        return
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    if shell is None:
+        return
+    shell.events.register("pre_run_cell", lambda *_: restart_dead())
+    _watching.hooked = True

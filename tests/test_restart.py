@@ -1,0 +1,214 @@
+"""Issue 26: restart a worker without losing the rest, in real kernels, as a person types.
+
+One kernel's cluster of two workers: state on both, then ``%rpc_restart worker2``; the
+kernel and worker1 keep everything, what the old worker2 owned fails naming the restart,
+and every path to the new worker2 works (the kernel, worker1, back, shared memory,
+distributed autograd and the optimizer, compared with a local reference). Then a dead
+worker, a process group rebuilt, ``--restart-dead``, and the faults (an unknown name, a new
+process that dies as it starts).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+from conftest import Kernel, running_kernel
+
+SETUP = """%load_ext nbrpc
+%rpc_init -n 2 --quiet
+import os, time, torch, nbrpc
+from nbrpc import autograd as dist_autograd
+from nbrpc.optim import DistributedOptimizer
+
+class Counter:
+    def __init__(self):
+        self.n = 0
+    def add(self, k):
+        self.n += k
+        return self.n
+
+def whoami():
+    return os.getpid()
+
+def call_back():
+    return nbrpc.rpc_sync("worker0", whoami)
+
+def call_peer(name):
+    return nbrpc.rpc_sync(name, whoami)
+
+def double(t):
+    return t * 2
+
+def make_layer():
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 2)
+
+def forward(layer_rref, x):
+    return layer_rref.local_value()(x)
+
+def params(layer_rref):
+    return [nbrpc.RRef(p) for p in layer_rref.local_value().parameters()]
+
+def weights(layer_rref):
+    return [p.detach().clone() for p in layer_rref.local_value().parameters()]
+"""
+
+
+def _first(errors: list[str]) -> str:
+    """The cell's first error ("" when it raised none)."""
+    return errors[0] if errors else ""
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    with running_kernel(SETUP, closing="nbrpc.shutdown(release=True)") as k:
+        yield k
+
+
+def test_restart_keeps_the_rest_and_every_path_to_the_new_process_works(kernel):
+    k = kernel
+    k.run(
+        "c1 = nbrpc.remote('worker1', Counter)\nc2 = nbrpc.remote('worker2', Counter)\n"
+        "c1.rpc_sync().add(5); c2.rpc_sync().add(7)\n"
+        "pids = {n: nbrpc.rpc_sync(n, whoami) for n in ('worker1', 'worker2')}"
+    )
+    k.run("%%rpc\nremembered = 'here'")
+    t0 = time.monotonic()
+    out = k.run("%rpc_restart worker2")
+    took = time.monotonic() - t0
+    assert "worker2 restarted" in out, out
+    assert "%%rpc namespace are gone" in out, out
+    print(f"local restart, no spare: {took:.2f} s")
+
+    # the kernel and worker1 keep their processes and state
+    assert k.value("nbrpc.rpc_sync('worker1', whoami) == pids['worker1']")
+    assert k.value("c1.rpc_sync().add(1)") == 6
+    assert k.value("nbrpc.rpc_sync('worker2', whoami) != pids['worker2']")
+    cells = k.run("%%rpc\nprint('remembered' in globals())")
+    assert "[worker1] True" in cells, cells
+    assert "[worker2] False" in cells, cells  # a fresh namespace
+
+    # what the old worker2 owned fails, naming the restart
+    for expr in ("c2.to_here()", "c2.rpc_sync().add(1)"):
+        out, errors = k.execute(expr)
+        assert _first(errors).startswith("WorkerDiedError"), (expr, errors)
+        assert "worker2 was restarted" in errors[0], errors[0]
+    owners = k.value("sorted({r['owner'] for r in nbrpc.ownership()})")
+    assert "worker2" not in owners, owners  # the view shows the old one's objects gone
+
+    # every path to the new process
+    assert k.value("nbrpc.rpc_sync('worker2', call_back) == os.getpid()")
+    assert k.value("nbrpc.rpc_sync('worker1', call_peer, args=('worker2',))") == k.value(
+        "nbrpc.rpc_sync('worker2', whoami)"
+    )
+    assert k.value("nbrpc.rpc_sync('worker2', call_peer, args=('worker1',)) == pids['worker1']")
+    assert k.value("nbrpc.rpc_sync('worker2', Counter).add(2)") == 2
+    k.run("big = torch.randn(16 * 2**20)")  # 64 MB: the shared-memory path
+    assert k.value("torch.equal(nbrpc.rpc_sync('worker2', double, args=(big,)), big * 2)")
+
+    # distributed autograd and the optimizer across it, against a local reference
+    step = (
+        "layer = nbrpc.remote('worker2', make_layer)\n"
+        "x = torch.ones(3, 4)\n"
+        "with dist_autograd.context() as ctx:\n"
+        "    loss = nbrpc.rpc_sync('worker2', forward, args=(layer, x)).sum()\n"
+        "    dist_autograd.backward(ctx, [loss])\n"
+        "    opt = DistributedOptimizer(torch.optim.SGD, "
+        "nbrpc.rpc_sync('worker2', params, args=(layer,)), lr=0.1)\n"
+        "    opt.step(ctx)\n"
+        "remote_w = nbrpc.rpc_sync('worker2', weights, args=(layer,))\n"
+        "ref = make_layer()\n"
+        "ref(x).sum().backward()\n"
+        "torch.optim.SGD(ref.parameters(), lr=0.1).step()\n"
+        "same = all(torch.allclose(a, b) for a, b in zip(remote_w, ref.parameters()))"
+    )
+    k.run(step)
+    assert k.value("same")
+    states = dict(k.value("[(r['name'], r['state']) for r in nbrpc.status()]"))
+    assert set(states.values()) == {"ready"}, states
+
+
+def test_a_dead_worker_is_restarted_and_a_bad_name_stops_nothing(kernel):
+    k = kernel
+    before = k.value("[r.pid for r in nbrpc.current().records]")
+    out, errors = k.execute("%rpc_restart worker9")
+    assert _first(errors).startswith("ConfigError"), errors
+    assert "worker9: not workers of this cluster" in errors[0]
+    assert k.value("[r.pid for r in nbrpc.current().records]") == before  # nothing stopped
+
+    pid = k.value("nbrpc.rpc_sync('worker1', whoami)")
+    os.kill(pid, signal.SIGKILL)
+    out, errors = k.execute("nbrpc.rpc_sync('worker1', whoami)")
+    assert _first(errors).startswith("WorkerDiedError"), errors
+    out = k.run("%rpc_restart worker1")
+    assert "worker1 restarted" in out, out
+    assert k.value("nbrpc.rpc_sync('worker1', whoami)") != pid
+
+
+def test_a_new_process_that_dies_as_it_starts_is_a_boot_error_and_a_second_try_works(kernel):
+    k = kernel
+    zygote = next(
+        p
+        for p in psutil.Process(k.value("os.getpid()")).children()
+        if "nbrpc._engines.zygote" in " ".join(p.cmdline())
+    )
+    known = {c.pid for c in zygote.children(recursive=True)}
+    stop = threading.Event()
+
+    def kill_new_engines() -> None:  # what an out-of-memory kill at start looks like
+        while not stop.is_set():
+            for child in zygote.children(recursive=True):
+                if child.pid not in known:
+                    child.kill()
+            time.sleep(0.01)
+
+    killer = threading.Thread(target=kill_new_engines, daemon=True)
+    killer.start()
+    try:
+        out, errors = k.execute("%rpc_restart worker2", timeout=180)
+    finally:
+        stop.set()
+        killer.join()
+    assert _first(errors).startswith("BootError"), (out, errors)
+    print("restart of a process that died at start:", errors[0])
+    assert k.value("nbrpc.rpc_sync('worker1', lambda: 41 + 1)") == 42  # the rest works
+    out = k.run("%rpc_restart worker2")
+    assert "worker2 restarted" in out, out
+    assert k.value("nbrpc.rpc_sync('worker2', lambda: 6 * 7)") == 42
+
+
+def test_a_process_group_is_rebuilt_and_restart_dead_replaces_a_dead_worker():
+    k = Kernel()
+    try:
+        k.run(
+            "%load_ext nbrpc\n%rpc_init -n 2 --process-group gloo --restart-dead --quiet\n"
+            "import os, signal, nbrpc",
+            timeout=180,
+        )
+        reduce = (
+            "%%rpc\nimport torch, torch.distributed as dist\n"
+            "x = torch.tensor([dist.get_rank() + 1.0])\ndist.all_reduce(x)\nx.item()"
+        )
+        assert "3.0" in k.run(reduce)
+        out = k.run("%rpc_restart worker1")
+        assert "process group was rebuilt" in out, out
+        out = k.run(reduce)
+        assert out.count("3.0") == 2, out
+
+        pid = k.value("nbrpc.current().records[2].pid")
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(3.0)  # ipyparallel's heartbeats see it gone
+        out = k.run("print(nbrpc.rpc_sync('worker2', os.getpid))")
+        assert "nbrpc: worker2 died" in out, out
+        assert "worker2 restarted" in out, out
+        assert str(pid) not in out.splitlines()[-1]
+        assert out.count("3.0") == 0
+        assert k.run(reduce).count("3.0") == 2
+        k.run("nbrpc.shutdown(release=True)", timeout=60)
+    finally:
+        k.close()
