@@ -8,7 +8,7 @@ their processes, namespaces and RRefs. In order, for the names asked:
 1. Everything is checked before anything stops: the names (workers of this cluster), the
    source (an attached ipyparallel cluster's engines are not nbrpc's to replace), and a
    process group's backend (rebuilt among all its members afterwards: gloo or nccl).
-2. The old process stops (asked, then killed: a restart is for a worker that is broken or
+2. The old process is killed, not asked (a restart is for a worker that is broken or
    stuck), and leaves the group on its behalf (``_group.forget``, as for a dead worker).
    Calls to it and RRefs it owned fail with :class:`~nbrpc.WorkerDiedError` naming the
    restart; the ownership view drops them.
