@@ -477,6 +477,7 @@ def figures() -> dict[str, Any]:
     calls = callee.call_counts()
     return {
         **_ledger.snapshot(),
+        **_process.resources(),
         "name": _process.name(),
         "calls_in_flight": calls["in_flight"],
         "calls_done": calls["done"],

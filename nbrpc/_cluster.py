@@ -388,7 +388,9 @@ class Cluster:
     ) -> list[StatusRow]:
         """Live figures per process: the record (state, pid, host, devices, role) plus
         ``calls_in_flight``, ``calls_done`` (Python calls it served), ``rrefs_owned`` and
-        ``rrefs_held`` (Python RRef handles it holds).
+        ``rrefs_held`` (Python RRef handles it holds), ``cpu_percent`` (of one core, since
+        the previous status or the join), ``memory_rss`` (bytes) and ``cuda`` (per device
+        it uses: allocated and reserved bytes, utilisation).
 
         Figures are ``None`` for a process that is not ready or did not answer in time.
         """
@@ -413,6 +415,9 @@ class Cluster:
                     calls_done=snap["calls_done"] if snap else None,
                     rrefs_owned=snap["owned"] if snap else None,
                     rrefs_held=len(snap["handles"]) if snap else None,
+                    cpu_percent=snap["cpu_percent"] if snap else None,
+                    memory_rss=snap["memory_rss"] if snap else None,
+                    cuda=snap["cuda"] if snap else None,
                     device_maps=self.device_maps.get(r.name, {}),
                 )
             )

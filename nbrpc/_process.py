@@ -150,3 +150,54 @@ def watch_cells() -> None:
 def cell_running() -> bool:
     """Whether output now has a cell to go to (always, outside IPython)."""
     return _cells.running
+
+
+@dataclass
+class _Meter:
+    """psutil's handle on this process, kept: its CPU figure is "since the previous call"."""
+
+    proc: Any = None
+
+
+_meter = _Meter()
+
+
+def resources() -> dict[str, Any]:
+    """What this process uses now (``%rpc_status``'s card, ``nbrpc.status()``'s rows):
+    ``cpu_percent`` of one core since the previous call (the first call, at the join,
+    starts the interval), ``memory_rss`` in bytes, and ``cuda``: per device, the memory
+    torch's allocator holds and the device's utilisation (see :func:`cuda_memory`)."""
+    import psutil
+
+    if _meter.proc is None:
+        _meter.proc = psutil.Process()
+        _meter.proc.cpu_percent(None)
+    proc = _meter.proc
+    with proc.oneshot():
+        cpu = proc.cpu_percent(None)
+        rss = proc.memory_info().rss
+    return {"cpu_percent": cpu, "memory_rss": rss, "cuda": cuda_memory()}
+
+
+def cuda_memory() -> list[dict[str, Any]]:
+    """Per CUDA device this process uses: ``allocated`` and ``reserved`` bytes (torch's
+    caching allocator) and ``utilization`` (%, ``None`` without NVML). Empty where this
+    process has not initialised CUDA: asking would create a CUDA context in it."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return []
+    devices = []
+    for index in range(torch.cuda.device_count()):
+        try:
+            utilization: int | None = int(torch.cuda.utilization(index))
+        except Exception:  # no NVML (pynvml) here: the memory figures stand alone
+            utilization = None
+        devices.append(
+            {
+                "device": f"cuda:{index}",
+                "allocated": int(torch.cuda.memory_allocated(index)),
+                "reserved": int(torch.cuda.memory_reserved(index)),
+                "utilization": utilization,
+            }
+        )
+    return devices

@@ -11,6 +11,15 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, NotRequired, TypedDict
 
 
+class CudaMemory(TypedDict):
+    """One CUDA device of a process (``StatusRow["cuda"]``)."""
+
+    device: str  # "cuda:0"
+    allocated: int  # bytes held by tensors (torch's caching allocator)
+    reserved: int  # bytes the allocator holds from the device
+    utilization: int | None  # % over NVML's last sample; None without NVML
+
+
 class StatusRow(TypedDict):
     """One process of the cluster (``nbrpc.status()``)."""
 
@@ -26,6 +35,10 @@ class StatusRow(TypedDict):
     calls_done: int | None
     rrefs_owned: int | None
     rrefs_held: int | None
+    #: % of one core since the previous status (or the join); None: no answer
+    cpu_percent: float | None
+    memory_rss: int | None  # resident memory, bytes
+    cuda: list[CudaMemory] | None  # the devices the process uses (none: CPU only)
     device_maps: dict[str, dict[str, str]]
 
 

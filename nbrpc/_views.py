@@ -71,7 +71,9 @@ def cluster_html(rows: list[dict[str, Any]], state: str) -> str:
             f'<div style="font-size:12px">calls: <b>{_figure(r.get("calls_in_flight"))}</b> '
             f"running, {_figure(r.get('calls_done'))} done</div>"
             f'<div style="font-size:12px">RRefs: {_figure(r.get("rrefs_owned"))} owned, '
-            f"{_figure(r.get('rrefs_held'))} held</div>{_maps_html(r.get('device_maps'))}</div>"
+            f"{_figure(r.get('rrefs_held'))} held</div>"
+            f'<div class="resources" style="font-size:12px">{escape(resources_text(r))}</div>'
+            f"{_cuda_html(r.get('cuda'))}{_maps_html(r.get('device_maps'))}</div>"
         )
     return (
         f'<div class="nbrpc-cluster" data-state="{escape(state)}" style="{_FONT}">'
@@ -79,6 +81,36 @@ def cluster_html(rows: list[dict[str, Any]], state: str) -> str:
         f"{escape(state)}</div>"
         f'<div style="display:flex;flex-wrap:wrap;gap:8px">{"".join(cards)}</div></div>'
     )
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "–"
+    for unit, size in (("GB", 2**30), ("MB", 2**20)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n / 2**10:.0f} KB"
+
+
+def resources_text(r: dict[str, Any]) -> str:
+    """ "CPU 12 % · 310.2 MB": a process's CPU (of one core) and resident memory."""
+    cpu = r.get("cpu_percent")
+    return f"CPU {'–' if cpu is None else f'{cpu:.0f}'} % · {_bytes(r.get('memory_rss'))}"
+
+
+def cuda_text(device: dict[str, Any]) -> str:
+    """ "cuda:0 1.2 GB / 2.0 GB, 40 %": allocated / reserved memory, utilisation."""
+    used = device.get("utilization")
+    return f"{device['device']} {_bytes(device['allocated'])} / {_bytes(device['reserved'])}" + (
+        "" if used is None else f", {used} %"
+    )
+
+
+def _cuda_html(devices: list | None) -> str:
+    if not devices:
+        return ""
+    lines = "".join(f"<div>{escape(cuda_text(d))}</div>" for d in devices)
+    return f'<div class="cuda" style="font-size:11px;color:#1b5e20">{lines}</div>'
 
 
 def _maps_html(maps: dict | None) -> str:
@@ -124,6 +156,8 @@ def cluster_text(rows: list[dict[str, Any]], state: str) -> str:
             f"calls {_figure(r.get('calls_in_flight'))} running / "
             f"{_figure(r.get('calls_done'))} done",
             f"RRefs {_figure(r.get('rrefs_owned'))} owned",
+            resources_text(r),
+            "; ".join(cuda_text(d) for d in r.get("cuda") or []),
         ]
         for r in rows
     ]

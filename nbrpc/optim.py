@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import traceback
 from typing import Any
 
 from . import _torch
@@ -44,7 +45,14 @@ class DistributedOptimizer(_TorchDistributedOptimizer):
 
     def _dead_owner(self, exc: Exception) -> BaseException:
         """torch's lost connection (or nbrpc's WorkerDiedError, torch's calls being routed
-        through nbrpc's): the optimizer names the workers that own its parameters."""
+        through nbrpc's): the optimizer names the workers that own its parameters.
+
+        ``exc``'s finished frames are cleared first: a failed future holds its exception
+        from C++, where the garbage collector cannot see it, and torch's frames under it
+        hold the other owners' futures and the optimizer RRefs they returned (a test once
+        found one such RRef left, now and then, depending on which owner answered first).
+        """
+        traceback.clear_frames(exc.__traceback__)
         if isinstance(exc, WorkerDiedError):
             detail = f"{exc.worker} is gone"
         elif is_connection_loss(exc):

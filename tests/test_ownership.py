@@ -2,12 +2,14 @@
 
 import gc
 import threading
+import time
 
 import pytest
 import torch
 from conftest import notebook_code, wait_until
 
 import nbrpc
+from nbrpc import _process, _views
 
 pytestmark = pytest.mark.usefixtures("cluster")
 
@@ -151,3 +153,59 @@ def test_ledger_is_thread_safe_under_concurrent_creation():
     made.clear()
     gc.collect()
     assert wait_until(lambda: not _new_rows(before))
+
+
+SPIN = """
+def spin(seconds):
+    import time
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        pass
+    return seconds
+"""
+
+
+def test_status_says_what_each_process_uses():
+    nb = notebook_code(SPIN)
+    nbrpc.status()  # each process's CPU figure counts from here
+    fut = nbrpc.rpc_async("worker1", nb.spin, args=(2.0,))
+    time.sleep(1.2)
+    rows = {r["name"]: r for r in nbrpc.status()}
+    assert fut.wait() == 2.0
+    busy, idle = rows["worker1"]["cpu_percent"], rows["worker2"]["cpu_percent"]
+    assert busy > 5, rows["worker1"]
+    assert busy > idle, (busy, idle)
+    for row in rows.values():
+        assert row["memory_rss"] > 50 * 2**20, row  # torch alone is more
+        assert row["cuda"] == [], row  # no process here initialised CUDA
+    text = _views.cluster_text(list(rows.values()), "ready")
+    assert "CPU " in text
+    assert " MB" in text
+    print("status:", {n: (r["cpu_percent"], r["memory_rss"] >> 20) for n, r in rows.items()})
+
+
+def test_cuda_figures_come_from_torchs_allocator(monkeypatch):
+    """The CUDA path on a CPU machine: what a GPU process reports, from torch's allocator
+    (no GPU here: torch.cuda's answers are given, the code that reads them is nbrpc's)."""
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda i: (i + 1) * 3 * 2**29)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda i: (i + 1) * 2**31)
+
+    def utilization(i):
+        if i == 1:
+            raise ModuleNotFoundError("pynvml does not seem to be installed")
+        return 40
+
+    monkeypatch.setattr(torch.cuda, "utilization", utilization)
+    devices = _process.cuda_memory()
+    assert devices == [
+        {"device": "cuda:0", "allocated": 3 * 2**29, "reserved": 2**31, "utilization": 40},
+        {"device": "cuda:1", "allocated": 3 * 2**30, "reserved": 2**32, "utilization": None},
+    ]
+    assert [_views.cuda_text(d) for d in devices] == [
+        "cuda:0 1.5 GB / 2.0 GB, 40 %",
+        "cuda:1 3.0 GB / 4.0 GB",
+    ]
+    html = _views.cluster_html([{"name": "worker1", "state": "ready", "cuda": devices}], "ready")
+    assert "cuda:1 3.0 GB / 4.0 GB" in html

@@ -43,7 +43,7 @@ def join(
 
     ``members``: the cluster's addresses, when it listens beyond loopback: then this
     process's listening sockets admit those alone (:mod:`nbrpc._fence`)."""
-    from nbrpc import _agent, _fence, _group, _torch, autograd
+    from nbrpc import _agent, _fence, _group, _process, _torch, autograd
     from nbrpc._debugger import remote_pdb
     from nbrpc._errors import BootError
     from nbrpc._wire import bars, native_output, output
@@ -74,6 +74,7 @@ def join(
     )
     _fence.admit(members)  # before the first call reaches this worker's listeners
     _agent.set_active(True)  # code running here may call nbrpc.rpc_sync & co. too
+    _process.resources()  # the first %rpc_status's CPU figure counts from the join
     info = describe_process()
     info.update(name=name, rank=rank)
     return info
