@@ -206,14 +206,7 @@ class _Boot:
         return infos
 
     def set_up_fast_path(self, member: Any, names: list[str]) -> None:
-        prefix = segment_prefix(os.getpid())
-        threshold, booted = self.settings.shm_threshold, self.booted
-        if self.engines.remote:
-            booted.shm_peers = shm.set_up_by_host(prefix, threshold, member.name, names)
-            booted.fast_path = any(booted.shm_peers.values())
-        else:
-            local = member.spec.loopback_only
-            booted.fast_path = shm.set_up(prefix, threshold, names, local)
+        set_up_fast_path(self.booted, self.settings, self.engines, member, names)
 
     def record(self, me: str, names: list[str], infos: dict[str, dict]) -> None:
         kernel = self.kernel
@@ -233,6 +226,20 @@ class _Boot:
                 )
             )
         self.booted.records = records
+
+
+def set_up_fast_path(
+    booted: Booted, settings: Settings, engines: Engines, member: Any, names: list[str]
+) -> None:
+    """Shared memory for large tensors with the workers ``names`` (across hosts: host by
+    host, and ``names`` are then every worker, whose peers are worked out again)."""
+    prefix = segment_prefix(os.getpid())
+    threshold = settings.shm_threshold
+    if engines.remote:
+        booted.shm_peers = shm.set_up_by_host(prefix, threshold, member.name, names)
+        booted.fast_path = any(booted.shm_peers.values())
+    else:
+        booted.fast_path = shm.set_up(prefix, threshold, names, member.spec.loopback_only)
 
 
 def ask_to_join(

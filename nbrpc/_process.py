@@ -69,14 +69,18 @@ def other_users() -> dict[int, str]:
     return found
 
 
-def in_notebook() -> bool:
-    """Whether a Jupyter kernel runs this process (widgets can be shown)."""
+def shell() -> Any:
+    """This process's IPython shell, or None (a script: IPython not even imported)."""
     if "IPython" not in sys.modules:
-        return False
+        return None
     from IPython import get_ipython
 
-    shell = get_ipython()
-    return shell is not None and getattr(shell, "kernel", None) is not None
+    return get_ipython()
+
+
+def in_notebook() -> bool:
+    """Whether a Jupyter kernel runs this process (widgets can be shown)."""
+    return getattr(shell(), "kernel", None) is not None
 
 
 @dataclass
@@ -128,12 +132,8 @@ _cells = _Cells()
 
 def watch_cells() -> None:
     """In an IPython kernel, once: follow whether a cell runs (IPython's events)."""
-    if _cells.watched or "IPython" not in sys.modules:
-        return
-    from IPython import get_ipython
-
-    shell = get_ipython()
-    if shell is None:
+    ipython = shell()
+    if _cells.watched or ipython is None:
         return
     _cells.watched = True
 
@@ -143,8 +143,8 @@ def watch_cells() -> None:
     def ended(*_: Any) -> None:
         _cells.running = False
 
-    shell.events.register("pre_run_cell", started)
-    shell.events.register("post_run_cell", ended)
+    ipython.events.register("pre_run_cell", started)
+    ipython.events.register("post_run_cell", ended)
 
 
 def cell_running() -> bool:

@@ -31,14 +31,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from . import _agent, _collective, _fence, _group
-from ._boot import ask_to_join, wait_for_joins
+from . import _agent, _collective, _fence, _group, _process
+from ._boot import ask_to_join, set_up_fast_path, wait_for_joins
 from ._engines import JOIN_TIMEOUT_S
-from ._engines.watchdog import segment_prefix
 from ._errors import BootError, ConfigError
 from ._progress import BootProgress
 from ._rows import WorkerRecord
-from ._wire import native_output, shm
+from ._wire import native_output
 
 
 @dataclass
@@ -179,15 +178,12 @@ def _check(cluster: Any, names: list[str], records: dict[str, WorkerRecord]) -> 
 
 
 def _fast_path(cluster: Any, member: Any, names: list[str]) -> None:
-    booted, threshold = cluster.booted, cluster.settings.shm_threshold
-    if not booted.fast_path:
+    """The shared-memory path with the new processes, where the cluster had it."""
+    if not cluster.booted.fast_path:
         return
-    prefix = segment_prefix(os.getpid())
-    if cluster.engines.remote:
-        workers = [r.name for r in cluster.records[1:]]
-        booted.shm_peers = shm.set_up_by_host(prefix, threshold, member.name, workers)
-    else:
-        shm.set_up(prefix, threshold, names, member.spec.loopback_only)
+    if cluster.engines.remote:  # every worker's peers, worked out again
+        names = [r.name for r in cluster.records[1:]]
+    set_up_fast_path(cluster.booted, cluster.settings, cluster.engines, member, names)
 
 
 # -- restart="dead": before each cell, a worker that died is replaced ----------------------
@@ -204,14 +200,8 @@ _watching = _Watching()
 def watch_for_dead(restart_dead: Any) -> None:
     """In IPython, once: ``restart_dead()`` before each cell (the running cluster replaces
     the workers that died, if it asked to)."""
-    import sys
-
-    if _watching.hooked or "IPython" not in sys.modules:
+    ipython = _process.shell()
+    if _watching.hooked or ipython is None:
         return
-    from IPython import get_ipython
-
-    shell = get_ipython()
-    if shell is None:
-        return
-    shell.events.register("pre_run_cell", lambda *_: restart_dead())
+    ipython.events.register("pre_run_cell", lambda *_: restart_dead())
     _watching.hooked = True

@@ -78,11 +78,16 @@ def _stream_text(events, name: str | None = None) -> str:
     )
 
 
+def _shown(events, kinds=("display_data", "update_display_data")) -> list[tuple[float, dict]]:
+    """The displays among ``events`` (a line or a bar shown in place), with their times."""
+    return [(t, c) for t, kind, c in events if kind in kinds]
+
+
 def test_a_line_updated_with_cr_arrives_live_and_in_place(kernel):
     t_call = time.time()
     events = _events(kernel, "nbrpc.rpc_sync('worker1', text_bar, args=(10, 0.2))")
     done = _result_at(events)
-    shows = [(t, c) for t, kind, c in events if kind in ("display_data", "update_display_data")]
+    shows = _shown(events)
     assert shows, f"no in-place display: {[k for _, k, _ in events]}"
     ids = {c["transient"]["display_id"] for _, c in shows}
     assert len(ids) == 1, "one line, updated in place"
@@ -107,11 +112,7 @@ def test_in_place_lines_from_remote_and_nested_calls_reach_the_calling_cell(kern
         "nbrpc.rpc_sync('worker1', nbrpc.rpc_sync, args=('worker2', text_bar, (3, 0.15)))"
     )
     events = _events(kernel, code)
-    finals = [
-        c["data"]["text/plain"]
-        for _, kind, c in events
-        if kind in ("display_data", "update_display_data")
-    ]
+    finals = [c["data"]["text/plain"] for _, c in _shown(events)]
     assert any(t.startswith("[worker1] step 3/3") for t in finals), finals
     assert any(t.startswith("[worker2] step 3/3") for t in finals), finals
 
@@ -138,7 +139,7 @@ def test_tqdm_auto_on_a_worker_draws_a_widget_bar_in_the_calling_cell(kernel):
         if kind == "comm_msg" and "bar_style" in c["data"].get("state", {})
     ]
     assert styles[-1] == "success"
-    final = [c for _, kind, c in events if kind == "update_display_data"][-1]
+    final = _shown(events, ("update_display_data",))[-1][1]
     text = final["data"]["text/plain"]  # what nbval and nbconvert keep
     assert text.startswith("[worker2] fit: 100%"), text
     assert "8/8" in text, text
@@ -153,11 +154,8 @@ def test_bars_of_two_workers_in_a_rpc_cell_are_two_rows(kernel):
         "for _ in trange(4, desc='cell'):\n    time.sleep(0.1)"
     )
     events = _events(kernel, cell)
-    plain = [
-        c["data"]["text/plain"]
-        for _, kind, c in events
-        if kind == "update_display_data" and "text/plain" in c["data"]
-    ]
+    updates = _shown(events, ("update_display_data",))
+    plain = [c["data"]["text/plain"] for _, c in updates if "text/plain" in c["data"]]
     finished = {text.split("]")[0] + "]" for text in plain if "4/4" in text}
     assert finished == {"[worker1]", "[worker2]"}, plain
 

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbrpc._process import shell as ipython_shell
 from nbrpc._wire import failures
 
 from . import deadlines
@@ -61,14 +62,6 @@ class _Desk:
 
 
 _desk = _Desk()
-
-
-def ipython_shell() -> Any:
-    if "IPython" not in sys.modules:
-        return None
-    from IPython import get_ipython
-
-    return get_ipython()
 
 
 def no_input_reason() -> str | None:

@@ -92,12 +92,9 @@ def remote_tqdm_class() -> type:
 def send(state: dict[str, Any]) -> None:
     """A bar's state to the kernel: with the running call's output (in order, before its
     result), else on its own."""
-    calls = output.running_calls()
-    target = getattr(output.current_call(), "write_bar", None)
-    if target is None and len(calls) == 1:
-        target = calls[0].write_bar
-    if target is not None:
-        target(state)
+    call = output.call_here()
+    if call is not None:
+        call.write_bar(state)
         return
     kernel = output.kernel_name()
     if kernel is not None:

@@ -286,9 +286,9 @@ def before_call_ends(printed: Any) -> None:
 
 def forward(text: str) -> None:
     """On a worker: native output goes with the one call running, else to the kernel."""
-    calls = output.running_calls()
-    if len(calls) == 1:
-        calls[0].write("stderr", text)
+    call = output.call_here()  # this thread (the tail's) serves none
+    if call is not None:
+        call.write("stderr", text)
         return
     kernel = output.kernel_name()
     if kernel is not None:

@@ -331,9 +331,15 @@ def running_calls() -> list[_CallOutput]:
     return list(_running)
 
 
-def current_call() -> Any:
-    """The output of the call running on this thread (None: none, or not forwarded)."""
-    return getattr(_call, "output", None)
+def call_here() -> _CallOutput | None:
+    """The call that output written now on this worker goes with: the one this thread
+    serves, else the only call running here (None: none runs, or several do and which one
+    wrote it cannot be told)."""
+    current = getattr(_call, "output", None)
+    if current is not None:
+        return current
+    calls = list(_running)
+    return calls[0] if len(calls) == 1 else None
 
 
 def worker_name() -> str | None:
