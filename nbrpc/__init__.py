@@ -48,7 +48,9 @@ from ._errors import (
     UnknownWorkerError,
     WorkerDiedError,
 )
-from ._rows import OwnershipRow, StatusRow, Trace, WorkerRecord
+from ._rows import CallRow, OwnershipRow, StackRow, StatusRow, Trace, WorkerRecord
+from ._stacks import stacks
+from ._timeline import Recording, record
 from ._wire.pickling import register_by_value
 from .autograd import trace_backward
 
@@ -58,6 +60,7 @@ __all__ = [
     "AlreadyInitializedError",
     "AutogradContextError",
     "BootError",
+    "CallRow",
     "CellResults",
     "Cluster",
     "ClusterClosedError",
@@ -69,11 +72,13 @@ __all__ = [
     "NotInitializedError",
     "OwnershipRow",
     "RRef",
+    "Recording",
     "RemoteError",
     "RpcCellError",
     "RpcTimeoutError",
     "SerializationError",
     "SharedHostWarning",
+    "StackRow",
     "StatusRow",
     "ThreadsExhaustedError",
     "Trace",
@@ -92,12 +97,14 @@ __all__ = [
     "post_mortem",
     "pull",
     "push",
+    "record",
     "register_by_value",
     "remote",
     "restart",
     "rpc_async",
     "rpc_sync",
     "shutdown",
+    "stacks",
     "status",
     "trace_backward",
     "widgets",

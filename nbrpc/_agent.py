@@ -495,14 +495,20 @@ def snapshots(
     _group.require_active("nbrpc.ownership()")
     me = rpc.get_worker_info().name
     skip = {*skip, *_calls.dead}
+    others = [name for name in _group.member_names() if name != me and name not in skip]
+    return {me: figures(), **ask_all(others, figures, (), timeout)}
+
+
+def ask_all(names: list[str], func: Callable[..., Any], args: tuple, timeout: float) -> dict:
+    """``func(*args)`` on every process of ``names`` at once: the answers by name. A
+    process that died, left, or did not answer within ``timeout`` is left out."""
     asked = {}
-    for name in _group.member_names():
-        if name != me and name not in skip:
-            try:
-                asked[name] = _start("ownership", name, figures, (), None, timeout)
-            except (WorkerDiedError, UnknownWorkerError):  # it left since the list was read
-                continue
-    found = {me: figures()}
+    for name in names:
+        try:
+            asked[name] = _start("ask", name, func, args, None, timeout)
+        except (WorkerDiedError, UnknownWorkerError):  # it left since the list was read
+            continue
+    found = {}
     for name, fut in asked.items():
         try:
             found[name] = fut.wait()

@@ -26,14 +26,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _collective, _devices, _fence, _group
+from . import _collective, _devices, _fence, _group, _timeline
 from ._engines import JOIN_TIMEOUT_S, Engines, remote_message, worker
 from ._engines.watchdog import segment_prefix
 from ._errors import BootError
 from ._options import Settings, validate_names
 from ._progress import BootProgress
 from ._rows import WorkerRecord
-from ._wire import shm
+from ._wire import shm, stacks
 
 
 @dataclass
@@ -107,6 +107,7 @@ class _Boot:
             name: (rank, eid) for name, rank, eid in zip(names, ranks, engine_ids, strict=True)
         }
         infos = self.join_workers(member, places, maps, chosen)
+        _timeline.measure_clocks(names)  # each worker's clock offset, for recordings
         self.set_up_fast_path(member, names)
         if settings.process_group:
             t_pg = time.monotonic()
@@ -276,6 +277,7 @@ def _since(t0: float) -> float:
 
 
 def _join_kernel(settings: Settings, device_maps: dict, devices: list[str] | None) -> Any:
+    stacks.install()  # the kernel's RPC threads say what they serve, for nbrpc.stacks()
     return _group.kernel_membership(
         settings.self_name,
         init_method=settings.init_method,

@@ -1,4 +1,5 @@
-"""``%rpc_init``, ``%rpc_shutdown``, ``%rpc_status``, ``%rpc_debug``, ``%%rpc``: parse
+"""``%rpc_init``, ``%rpc_shutdown``, ``%rpc_status``, ``%rpc_debug``, ``%%rpc``,
+``%%rpc_timeline``, ``%rpc_stacks``: parse
 arguments, call the public API.
 
 Registered only by ``%load_ext nbrpc`` (``load_ipython_extension``), never on import.
@@ -16,7 +17,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from traitlets import Bool
 
-from . import _cells, _cluster, _engines, _options, _process
+from . import _cells, _cluster, _engines, _options, _process, _stacks, _timeline, _timeline_views
 from ._debugger import postmortem
 
 #: ``NBRPC_PREWARM=0`` in the environment: ``%load_ext nbrpc`` starts nothing.
@@ -118,6 +119,55 @@ class RpcMagics(Magics):
             display(ClusterView())
             return
         print(_cluster.current().summary())
+
+    @magic_arguments()
+    @argument("--save", default=None, help="also write the recording as a Chrome trace here")
+    @argument(
+        "--name",
+        default="rpc_timeline",
+        help="the notebook variable that keeps the recording (default: rpc_timeline)",
+    )
+    @cell_magic
+    def rpc_timeline(self, line: str, cell: str) -> None:
+        """Run the cell (in the kernel, as usual) recording every call the cluster makes;
+        show the timeline, live while the cell runs (nbrpc.record())."""
+        args = _parse(self.rpc_timeline, line)
+        shell = self.shell
+        assert shell is not None, "a magic runs in a shell"
+        rec = _timeline.record()
+        shell.user_ns[args.name] = rec
+        with rec:
+            view = shown = None
+            if _process.in_notebook():
+                from IPython.display import display
+
+                from .widgets import TimelineView
+
+                view = TimelineView(rec)
+                shown = display(view, display_id=True)
+            shell.run_cell(cell)
+        if view is not None and shown is not None:
+            view.refresh()
+            shown.update(view)  # the final text too, for front ends without widgets
+        else:
+            print(repr(rec))
+        if args.save:
+            print(f"nbrpc: trace written to {rec.save(args.save)} (open it in ui.perfetto.dev)")
+
+    @magic_arguments()
+    @argument(
+        "names",
+        nargs="*",
+        default=[],
+        help="the processes (the kernel's name, worker names; default: all), separated by "
+        "spaces or commas",
+    )
+    @line_magic
+    def rpc_stacks(self, line: str) -> None:
+        """Print every thread's Python stack in each process, with the call it serves and
+        its caller; read from outside each worker, so busy workers answer too."""
+        args = _parse(self.rpc_stacks, line)
+        print(_timeline_views.stacks_text(_stacks.stacks(*args.names)))
 
     @line_magic
     def rpc_debug(self, line: str) -> None:

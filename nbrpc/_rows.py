@@ -89,6 +89,54 @@ class Trace(TypedDict):
     edges: list[TraceEdge]
 
 
+class CallRow(TypedDict):
+    """One call recorded by ``nbrpc.record()`` (``rec.calls``). Times are seconds since the
+    recording started, on the kernel's clock (each process's offset taken out)."""
+
+    id: int  # unique in the cluster: the caller's rank << 40 | its count
+    parent: int | None  # the call this one was made inside (on the caller's thread)
+    caller: str
+    callee: str
+    function: str  # a notebook function by its name; RRef proxy calls as "Type.method"
+    sent_s: float  # when the caller pickled it
+    start_s: float  # when the callee began running it
+    end_s: float  # when it returned (or raised) there
+    bytes_in: int | None  # the request: pickle and tensors (None: the caller's part lost)
+    bytes_out: int  # the reply (0: none sent, as for remote())
+    path_in: str | None  # its tensors' path: "tensorpipe", "arena", "segment", "cuda"
+    path_out: str  # ("" without tensors; "arena+tensorpipe" when they took two)
+    ok: bool
+    error: str | None  # the exception's type name
+    thread: int  # the callee's thread that ran it
+
+
+class StackFrame(TypedDict):
+    file: str
+    line: int
+    function: str
+
+
+class ThreadStack(TypedDict):
+    """One thread of a process (``nbrpc.stacks()``)."""
+
+    thread: int  # Python's thread id (threading.get_ident())
+    name: str | None  # its Python name, when it could be read
+    current: bool  # the thread that wrote the dump (a signal handler's, not the program's)
+    frames: list[StackFrame]  # innermost last, as a traceback prints
+    serving: str | None  # the call this thread runs: "train_step from kernel (call 3)"
+
+
+class StackRow(TypedDict):
+    """The Python stacks of one process (``nbrpc.stacks()``)."""
+
+    name: str
+    pid: int
+    host: str
+    how: str  # "signal" (read without the GIL) or "rpc"
+    threads: list[ThreadStack]
+    error: str | None  # why no stacks came (then ``threads`` is empty)
+
+
 @dataclass
 class WorkerRecord:
     """One process of the group, as the notebook shows it."""

@@ -237,6 +237,10 @@ TORCH_OWN_CALL_MODULES = (
     "torch.distributed.rpc.backend_registry",
 )
 
+#: where torch's RRef proxies (``rref.rpc_sync().method(...)``) put the function they
+#: send: ``_local_invoke(rref, method_name, args, kwargs)`` runs on the owner
+RREF_PROXY_MODULE = "torch.distributed.rpc.rref_proxy"
+
 #: torch's deprecation notices about its own internals that public torch API triggers:
 #: ``DistributedOptimizer`` scripts functional optimizers with TorchScript on each worker.
 INTERNAL_DEPRECATIONS = (

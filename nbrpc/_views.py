@@ -28,7 +28,7 @@ _KIND_FILL = {
     "accumulate": "#eeeeee",
     "function": "#ffffff",
 }
-_FONT = "font-family:system-ui,-apple-system,'Segoe UI',sans-serif"
+FONT = "font-family:system-ui,-apple-system,'Segoe UI',sans-serif"
 MAX_RREFS_PER_OWNER = 16  # more are summarised as "+N more" so a 10,000-RRef loop stays drawable
 
 
@@ -49,7 +49,7 @@ def cluster_html(rows: list[dict[str, Any]], state: str) -> str:
             else f"no cluster ({escape(state)}). Start one with <code>%rpc_init -n 2</code>"
         )
         return (
-            f'<div class="nbrpc-cluster" data-state="{escape(state)}" style="{_FONT}">'
+            f'<div class="nbrpc-cluster" data-state="{escape(state)}" style="{FONT}">'
             f"<b>nbrpc</b>: {what}.</div>"
         )
     cards = []
@@ -76,16 +76,18 @@ def cluster_html(rows: list[dict[str, Any]], state: str) -> str:
             f"{_cuda_html(r.get('cuda'))}{_maps_html(r.get('device_maps'))}</div>"
         )
     return (
-        f'<div class="nbrpc-cluster" data-state="{escape(state)}" style="{_FONT}">'
+        f'<div class="nbrpc-cluster" data-state="{escape(state)}" style="{FONT}">'
         f'<div style="margin-bottom:4px"><b>nbrpc</b> cluster: {len(rows)} processes, '
         f"{escape(state)}</div>"
         f'<div style="display:flex;flex-wrap:wrap;gap:8px">{"".join(cards)}</div></div>'
     )
 
 
-def _bytes(n: int | None) -> str:
+def bytes_text(n: int | None) -> str:
     if n is None:
         return "–"
+    if n < 2**10:
+        return f"{n} B"
     for unit, size in (("GB", 2**30), ("MB", 2**20)):
         if n >= size:
             return f"{n / size:.1f} {unit}"
@@ -95,15 +97,14 @@ def _bytes(n: int | None) -> str:
 def resources_text(r: dict[str, Any]) -> str:
     """ "CPU 12 % · 310.2 MB": a process's CPU (of one core) and resident memory."""
     cpu = r.get("cpu_percent")
-    return f"CPU {'–' if cpu is None else f'{cpu:.0f}'} % · {_bytes(r.get('memory_rss'))}"
+    return f"CPU {'–' if cpu is None else f'{cpu:.0f}'} % · {bytes_text(r.get('memory_rss'))}"
 
 
 def cuda_text(device: dict[str, Any]) -> str:
     """ "cuda:0 1.2 GB / 2.0 GB, 40 %": allocated / reserved memory, utilisation."""
     used = device.get("utilization")
-    return f"{device['device']} {_bytes(device['allocated'])} / {_bytes(device['reserved'])}" + (
-        "" if used is None else f", {used} %"
-    )
+    memory = f"{bytes_text(device['allocated'])} / {bytes_text(device['reserved'])}"
+    return f"{device['device']} {memory}" + ("" if used is None else f", {used} %")
 
 
 def _cuda_html(devices: list | None) -> str:
@@ -131,7 +132,7 @@ def _state_line(rows: list[dict[str, Any]], state: str) -> str:
     return state + (f"; {', '.join(off)}" if off else "")
 
 
-def _table(rows: list[list[str]], right: frozenset[int] = frozenset()) -> list[str]:
+def columns(rows: list[list[str]], right: frozenset[int] = frozenset()) -> list[str]:
     """Columns as wide as their widest cell, two spaces apart (``right``: aligned right)."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = []
@@ -161,7 +162,7 @@ def cluster_text(rows: list[dict[str, Any]], state: str) -> str:
         ]
         for r in rows
     ]
-    return "\n".join(lines + _table(table))
+    return "\n".join(lines + columns(table))
 
 
 def records_text(
@@ -174,7 +175,7 @@ def records_text(
     table += [
         [r["name"], str(r["rank"]), str(r["pid"]), r["host"], r["role"], r["state"]] for r in rows
     ]
-    lines += _table(table, right=frozenset({1, 2}))
+    lines += columns(table, right=frozenset({1, 2}))
     lines.extend(f"  {note}" for note in notes)
     return "\n".join(lines)
 
@@ -213,7 +214,7 @@ def ownership_svg(workers: list[str], rrefs: list[dict[str, Any]]) -> str:
     width = 20 + len(names) * (_LANE_W + _LANE_GAP)
     parts = [
         f'<svg class="nbrpc-ownership" xmlns="http://www.w3.org/2000/svg" width="{width}" '
-        f'height="{height}" viewBox="0 0 {width} {height}" style="{_FONT};font-size:12px">',
+        f'height="{height}" viewBox="0 0 {width} {height}" style="{FONT};font-size:12px">',
         '<defs><marker id="nbrpc-arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7"'
         ' markerHeight="7" orient="auto"><path d="M0,0L10,5L0,10z" fill="#6a1b9a"/></marker>'
         "</defs>",
@@ -358,7 +359,7 @@ def backward_svg(trace: dict[str, Any]) -> str:
     timing = {w["name"]: w.get("timing") for w in trace["workers"]}
     parts = [
         f'<svg class="nbrpc-backward" xmlns="http://www.w3.org/2000/svg" width="{width}" '
-        f'height="{height}" viewBox="0 0 {width} {height}" style="{_FONT};font-size:11px">',
+        f'height="{height}" viewBox="0 0 {width} {height}" style="{FONT};font-size:11px">',
         '<defs><marker id="nbrpc-arrow-local" viewBox="0 0 10 10" refX="9" refY="5" '
         'markerWidth="6" markerHeight="6" orient="auto"><path d="M0,0L10,5L0,10z" '
         'fill="#888"/></marker><marker id="nbrpc-arrow-rpc" viewBox="0 0 10 10" refX="9" '

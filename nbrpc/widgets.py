@@ -22,11 +22,11 @@ from typing import Any
 import anywidget
 import traitlets
 
-from . import _agent, _cluster, _views
+from . import _agent, _cluster, _timeline, _timeline_views, _views
 from ._errors import NbrpcError
 from ._rows import Trace
 
-__all__ = ["BackwardView", "ClusterView", "OwnershipView"]
+__all__ = ["BackwardView", "ClusterView", "OwnershipView", "TimelineView"]
 
 log = logging.getLogger("nbrpc")
 
@@ -190,3 +190,42 @@ class BackwardView(_View):
 
     def _text(self, data: dict[str, Any] | None) -> str:
         return _views.backward_text(data) if data else "BackwardView()"
+
+
+class TimelineView(_View):
+    """The calls of a recording (``nbrpc.record()``): one lane per process, a bar per call
+    on the process that ran it (calls made inside a call a step lower), an arrow from the
+    caller at the moment it sent, the row as the bar's tooltip.
+
+    While ``rec`` records, the view collects and redraws every ``interval`` seconds, and
+    once more when the recording stops.
+    """
+
+    def __init__(self, rec: _timeline.Recording, *, interval: float = 0.5) -> None:
+        super().__init__()
+        self.rec = rec
+        self.refresh()
+        if rec.recording:
+            self._start(interval)
+
+    def refresh(self) -> bool:
+        if self.rec.recording:
+            self.rec.refresh()
+        elif self._thread is not None:
+            self._stop.set()  # the recording ended: this is the last redraw
+        return super().refresh()
+
+    def _compute(self) -> dict[str, Any]:
+        return {
+            "calls": self.rec.calls,
+            "processes": self.rec.processes,
+            "recording": self.rec.recording,
+        }
+
+    def _render(self, data: dict[str, Any]) -> str:
+        return _timeline_views.timeline_html(data["calls"], data["processes"], data["recording"])
+
+    def _text(self, data: dict[str, Any] | None) -> str:
+        if not data:
+            return "TimelineView()"
+        return _timeline_views.timeline_text(data["calls"], data["processes"], data["recording"])

@@ -284,6 +284,49 @@ def test_workers_on_two_hosts_over_ssh(hosts, kernel):
 
 
 @needs_hosts
+def test_a_recording_and_the_stacks_reach_workers_on_other_hosts(hosts, kernel):
+    kernel.run(
+        "def spin(s):\n"
+        "    t = time.time()\n"
+        "    while time.time() - t < s:\n"
+        "        pass\n"
+        "    return s\n"
+        "def across(x):\n"
+        "    return nbrpc.rpc_sync('worker3', spin, args=(x,))\n"
+        "with nbrpc.record() as rec:\n"
+        "    nbrpc.rpc_sync('worker1', across, args=(0.05,))\n"
+        "rows = rec.calls\n"
+    )
+    rows = kernel.value("[(r['caller'], r['callee'], r['function'], r['parent']) for r in rows]")
+    outer, inner = rows
+    assert outer[:3] == ["worker0", "worker1", "across"]
+    assert inner[:3] == ["worker1", "worker3", "spin"]
+    assert kernel.value("rows[1]['parent'] == rows[0]['id']")
+    # one clock across hosts: the call made on fakeh1 to fakeh2 lies within its parent
+    assert kernel.value(
+        "rows[0]['start_s'] <= rows[1]['sent_s'] <= rows[1]['start_s'] "
+        "<= rows[1]['end_s'] <= rows[0]['end_s']"
+    )
+
+    kernel.run("busy = nbrpc.rpc_async('worker3', spin, args=(3.0,)); time.sleep(0.5)")
+    t0 = time.monotonic()
+    stacks = kernel.value(
+        "[(r['name'], r['host'], r['how'], r['error'], "
+        "[(t['serving'], t['frames'][-1]['function']) for t in r['threads'] if t['serving']]) "
+        "for r in nbrpc.stacks('worker3')]"
+    )
+    took = time.monotonic() - t0
+    print(f"stacks of a busy worker on another host: {took:.2f} s")
+    ((name, host, how, error, serving),) = stacks
+    assert [name, host, how, error] == ["worker3", "fakeh2", "signal", None]
+    assert [[label.split(" (")[0], where] for label, where in serving] == [
+        ["spin from worker0", "spin"]
+    ]
+    assert took < 3.0  # 2 s, plus this test's own round trips to the kernel
+    assert kernel.value("busy.wait()") == 3.0
+
+
+@needs_hosts
 def test_a_worker_killed_on_its_host_is_reported_dead(hosts, kernel):
     kernel.run("fut = nbrpc.rpc_async('worker3', time.sleep, args=(60,))\ntime.sleep(0.5)")
     hosts.kill("fakeh2", "nbrpc._engine")

@@ -136,6 +136,15 @@ class EngineSource(Protocol):
         (``nbrpc.restart``)."""
         ...
 
+    def dump_stacks(
+        self, engine_ids: list[int], pids: list[int], timeout: float
+    ) -> dict[int, dict[str, Any]]:
+        """Every thread's Python stack of the engines (processes ``pids`` on their own
+        hosts), read on their hosts without their GIL (:mod:`nbrpc._wire.stacks`): by pid,
+        ``{"dump", "labels"}`` or ``{"error"}``; {} where the source cannot reach its
+        engines' hosts (``nbrpc.stacks`` then asks by RPC)."""
+        ...
+
 
 #: The registered sources, asked in order which one the settings want (the last one
 #: wants everything).
@@ -285,6 +294,12 @@ class Engines:
         new = self.source.replace(engine_ids, pids, timeout)
         self.taken = [i for i in self.taken if i not in engine_ids] + new
         return new
+
+    def dump_stacks(
+        self, engine_ids: list[int], pids: list[int], timeout: float
+    ) -> dict[int, dict[str, Any]]:
+        """The engines' stacks, read on their hosts (see the protocol)."""
+        return self.source.dump_stacks(engine_ids, pids, timeout)
 
     def stop(self, pids: list[int], keep_spares: bool) -> None:
         """Stop the engines this cluster used (never reusable: torch joins once per

@@ -112,3 +112,8 @@ class AttachedSource:
 
     def replace(self, engine_ids: list[int], pids: list[int], timeout: float) -> list[int]:
         raise ConfigError(self.cannot_replace)
+
+    def dump_stacks(
+        self, engine_ids: list[int], pids: list[int], timeout: float
+    ) -> dict[int, dict[str, Any]]:
+        return {}  # hosts nbrpc has no way into: nbrpc.stacks asks by RPC

@@ -47,6 +47,7 @@ from traitlets import Any as AnyTrait
 
 from nbrpc import _options
 from nbrpc._errors import BootError
+from nbrpc._wire import stacks
 
 from . import controller, watchdog
 from .controller import ENGINE_ARGS, Controller, tail
@@ -553,6 +554,11 @@ class LocalSource:
         ours.retire(pids, engine_ids)
         if keep_warm and engine_ids:
             ours.warm(len(engine_ids))
+
+    def dump_stacks(
+        self, engine_ids: list[int], pids: list[int], timeout: float
+    ) -> dict[int, dict[str, Any]]:
+        return stacks.collect(pids, timeout)
 
     def replace(self, engine_ids: list[int], pids: list[int], timeout: float) -> list[int]:
         """Kill them (a restart is for a worker that is broken or stuck: no waiting for a

@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import json
 import logging
 import os
+import pathlib
 import shlex
 import shutil
 import signal
@@ -45,6 +47,7 @@ from ipyparallel.cluster.launcher import SSHEngineLauncher, SSHEngineSetLauncher
 
 from nbrpc import _options
 from nbrpc._errors import BootError
+from nbrpc._wire import stacks
 
 from . import controller, hosts, watchdog, worker
 from .controller import ENGINE_ARGS, Controller, tail
@@ -286,6 +289,37 @@ class HostController(Controller):
             self.entry_of[eid] = entry
         return new
 
+    def dump_stacks(
+        self, engine_ids: list[int], pids: list[int], timeout: float
+    ) -> dict[int, dict[str, Any]]:
+        """Run :mod:`nbrpc._wire.stacks` as a script on each host (all hosts at once, one
+        ssh each over the open connection); its JSON, by pid."""
+        by_host = {la.location: la for la in self._launchers}
+        wanted: dict[str, list[int]] = {}
+        for eid, pid in zip(engine_ids, pids, strict=True):
+            wanted.setdefault(self.entry_of.get(eid, ""), []).append(pid)
+        found: dict[int, dict] = {}
+        source = pathlib.Path(stacks.__file__).read_text()
+
+        def read(entry: str, host_pids: list[int]) -> None:
+            launcher = by_host.get(entry)
+            if launcher is None:
+                found.update({p: {"error": f"no ssh connection to {entry!r}"} for p in host_pids})
+                return
+            script = shlex.join([self.python, "-c", source, *map(str, host_pids)])
+            try:
+                out = _ssh(launcher, script, timeout=timeout + SSH_TIMEOUT_S)
+                found.update({int(p): part for p, part in json.loads(out).items()})
+            except (BootError, ValueError) as exc:
+                found.update({p: {"error": f"{entry}: {exc}"} for p in host_pids})
+
+        threads = [threading.Thread(target=read, args=item) for item in wanted.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return found
+
     def retire(self, engine_ids: list[int], kernel_pid: int) -> None:
         """Stop the engines (ask, then kill what is left) and remove the run's files."""
         if self._client is not None and engine_ids:
@@ -420,3 +454,8 @@ class SshSource:
 
     def replace(self, engine_ids: list[int], pids: list[int], timeout: float) -> list[int]:
         return self._ours().replace(engine_ids, pids, timeout)
+
+    def dump_stacks(
+        self, engine_ids: list[int], pids: list[int], timeout: float
+    ) -> dict[int, dict[str, Any]]:
+        return self._ours().dump_stacks(engine_ids, pids, timeout)

@@ -21,7 +21,7 @@ import torch
 from nbrpc import _process, _torch
 from nbrpc._errors import DebuggerQuitError, SerializationError
 
-from . import failures, native_output, output, shm
+from . import failures, native_output, output, recording, shm, stacks
 
 # nbrpc's own RPCs (output, ledger, trace) and torch's (group membership, RRef type
 # queries, shutdown) are not user calls: not counted.
@@ -52,6 +52,16 @@ def call_builtin(op: Any, args: tuple, kwargs: dict | None) -> Any:
     """Run a torch builtin operator sent as a Python call (so large tensors can take the
     shared-memory fast path, which torch's TorchScript path for builtins bypasses)."""
     return op(*args, **(kwargs or {}))
+
+
+def is_user_call(func: Any) -> bool:
+    """Whether a call of ``func`` runs the user's code (counted, recorded): not nbrpc's
+    own calls nor torch's, except nbrpc's that run user code (``%%rpc`` cells)."""
+    return (
+        func is call_builtin
+        or getattr(func, "user_call", False)
+        or not (getattr(func, "__module__", "") or "").startswith(_NOT_USER_CALLS)
+    )
 
 
 def call_counts() -> dict[str, int]:
@@ -123,31 +133,50 @@ def run_function(python_udf: Any) -> Any:
     printed, interrupted = output.begin_call()
     _torch.quiet_optimizer_notice_if_loaded()  # DistributedOptimizer's, see there
     func = _torch.udf_function(python_udf)
-    counted = (
-        func is call_builtin
-        or getattr(func, "user_call", False)  # nbrpc's own that run user code (%%rpc cells)
-        or not (getattr(func, "__module__", "") or "").startswith(_NOT_USER_CALLS)
-    )
+    counted = is_user_call(func)
     if counted:
         with _served.lock:
             _served.in_flight += 1
+    row = None
+    if counted:  # what this thread serves, for a stack dump; a row, while recording
+        name = recording.function_name(func, python_udf.args, func is call_builtin)
+        header = getattr(python_udf, "record", None)
+        stacks.label(
+            f"{name} from {header[1]} (call {header[0]})"
+            if header and header[0]
+            else f"{name} from {header[1] if header else 'a peer'}"
+        )
+        if recording.active() is not None:
+            row = recording.begin(python_udf, name)
+    result: Any = None
+    raised: str | None = None
     try:
         if isinstance(python_udf, AttributeError):
             raise python_udf
         result = _torch.run_udf(python_udf)
         unsendable = _unsendable(result, func)
         if unsendable is not None:
-            return failures.failure(unsendable)  # no traceback: nothing of the user's raised
+            raised = type(unsendable).__name__
+            result = failures.failure(unsendable)  # no traceback: nothing of the user's raised
+            return result
         if getattr(python_udf, "reply", False) and not isinstance(result, torch.futures.Future):
             shm.expect_reply(result, python_udf.caller)  # pickled next, on this thread
         return result
     except bdb.BdbQuit:  # q in the debugger (nbrpc._debugger)
         quit_ = DebuggerQuitError(_process.name(), getattr(func, "__qualname__", "?"))
-        return failures.failure(quit_)
+        raised = type(quit_).__name__
+        result = failures.failure(quit_)
+        return result
     except BaseException as exc:  # sys.exit() or KeyboardInterrupt must not reach torch's C++
-        return failures.failure(exc, keep=counted)
+        raised = type(exc).__name__
+        result = failures.failure(exc, keep=counted)
+        return result
     finally:
         _thread.depth -= 1
+        if counted:
+            stacks.label(None)
+        if row is not None:
+            recording.end(row, result, raised, _process.name())
         for hook in _served.after_call:
             hook()
         native_output.before_call_ends(printed)

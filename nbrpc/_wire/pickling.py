@@ -50,7 +50,7 @@ from torch.distributed.rpc import RRef
 from nbrpc import _ledger, _process, _torch
 from nbrpc._errors import SerializationError
 
-from . import callee, failures, shm
+from . import callee, failures, recording, shm
 
 #: the C field behind ``dispatch_table`` (a member descriptor; typeshed calls it a Mapping)
 _C_DISPATCH_TABLE: Any = pickle.Pickler.dispatch_table
@@ -159,6 +159,7 @@ class RpcPickler(cloudpickle.Pickler):
 
     def __init__(self, file: Any, protocol: int | None = None) -> None:
         super().__init__(file, protocol=protocol)
+        self.out = file  # the pickle's size, for a recorded call (nbrpc._wire.recording)
         self.dispatch_table = {}
 
     def reducer_override(self, obj: Any) -> Any:
@@ -175,15 +176,25 @@ class RpcPickler(cloudpickle.Pickler):
         if len(_BY_VALUE_MODULES) != _pickling.by_value_seen:  # register_pickle_by_value
             _pickling.by_reference.clear()
             _pickling.by_value_seen = len(_BY_VALUE_MODULES)
-        if shm.restricted() and _torch.udf_function(obj) is not None and shm.sending():
-            obj = callee.WithCaller(obj, reply=shm.sending() == "call")
+        func = _torch.udf_function(obj)
+        sent = obj
+        if shm.restricted() and func is not None and shm.sending():
+            sent = callee.WithCaller(obj, reply=shm.sending() == "call")
+        message = None
+        if func is not None:
+            if callee.is_user_call(func):  # it names its caller; recorded, while recording
+                sent, message = recording.outgoing(sent, recording.me())
+        elif recording.active() is not None:  # a reply, of a call recorded here?
+            message = recording.message_for(obj)
         try:
             with shm.pickling(obj):
-                super().dump(obj)
+                super().dump(sent)
         except SerializationError:
             raise
         except Exception as exc:
             raise SerializationError(_cannot_send(obj, exc)) from exc
+        if message is not None:
+            recording.pickled(message, self.out.tell())
 
     @property
     def dispatch_table(self) -> dict:
@@ -200,6 +211,8 @@ class RpcPickler(cloudpickle.Pickler):
         merged = {**_BASE_TABLE, **table, **_RREF_TABLE}
         if shm.enabled() and torch.Tensor in merged:  # large CPU tensors: shared memory
             merged[torch.Tensor] = shm.make_reducer(merged[torch.Tensor])
+        if recording.active() is not None and torch.Tensor in merged:  # bytes, path
+            merged[torch.Tensor] = recording.counted(merged[torch.Tensor])
         _C_DISPATCH_TABLE.__set__(self, _DispatchTable(merged))
 
 

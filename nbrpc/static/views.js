@@ -23,6 +23,13 @@ function wire(root) {
     node.addEventListener("mouseenter", () => highlight(root, sel, true));
     node.addEventListener("mouseleave", () => highlight(root, sel, false));
   }
+  // Timeline: hovering a call emphasises it and the calls made inside it.
+  for (const call of root.querySelectorAll("g.nbrpc-call")) {
+    const id = CSS.escape(call.dataset.call);
+    const sel = `g.nbrpc-call[data-call="${id}"] rect, g.nbrpc-call[data-parent="${id}"] rect`;
+    call.addEventListener("mouseenter", () => highlight(root, sel, true));
+    call.addEventListener("mouseleave", () => highlight(root, sel, false));
+  }
 }
 
 function render({ model, el }) {

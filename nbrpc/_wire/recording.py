@@ -1,0 +1,295 @@
+"""A call timeline, recorded in every process: each call's row, written where it ran.
+
+While a recording is on (``nbrpc.record()``: the kernel turns it on in every process of
+the group), nbrpc's pickler sends every user call with a small header: a call id unique to
+the cluster (the caller's rank in the high bits), the caller's name, the call it was made
+inside (its *parent*: the call this thread was serving when it made it) and when it was
+sent, on the caller's clock. The callee makes the row: when the function ran, what it
+raised, and, once the reply was pickled on the same thread right after, the reply's bytes
+and the path its tensors took. The caller keeps the request's own bytes and path under the
+call id. The kernel joins both halves and puts every time on its own clock with the
+offset it measured per process (``nbrpc._timeline``).
+
+Off, a call pays one module-global read in the pickler and one in the callee. On, a few
+``time.time()`` calls, a dict and a counter per call (``make bench`` reports the ratio).
+
+Calls that are not recorded: nbrpc's own and torch's own (as :mod:`nbrpc._wire.callee`
+does not count them), and torch builtins a worker sends with torch's own
+``rpc_sync``/``remote`` (TorchScript calls: they never reach a Python pickler).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+
+from nbrpc import _torch
+
+#: call ids: the caller's rank above these bits, its own counter below
+_RANK_SHIFT = 40
+_KEEP_ROWS = 200_000  # rows one process keeps while recording (the oldest go first)
+
+
+@dataclass
+class _Recording:
+    """This process's part of one recording."""
+
+    token: str
+    rank: int
+    counter: Any = field(default_factory=lambda: itertools.count(1))
+    rows: list[dict] = field(default_factory=list)  # rows of calls served here
+    sent: dict[int, dict] = field(default_factory=dict)  # call id -> the request's size, path
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    drained: int = 0  # rows already handed out by drain()
+
+
+_on: _Recording | None = None  # read once per call: off is nearly free
+_thread = threading.local()  # .calls: stack of rows served on this thread; .message
+#: thread id -> (result, row): the reply a call's thread pickles next. Not a threading.local:
+#: torch pickles the reply under a new acquisition of the GIL, with a new thread state.
+_replies: dict[int, tuple[Any, dict]] = {}
+
+
+def clock() -> float:
+    """This process's clock, the one rows are written on (seconds, wall time)."""
+    return time.time()
+
+
+def start(token: str) -> float:
+    """Start recording in this process (asked by the kernel); returns the clock."""
+    global _on
+    _on = _Recording(token, rpc.get_worker_info().id)
+    return clock()
+
+
+def stop(token: str) -> dict[str, Any]:
+    """Stop recording; everything recorded here that :func:`drain` did not hand out."""
+    global _on
+    rec = _on
+    if rec is None or rec.token != token:
+        return {"rows": [], "sent": {}}
+    _on = None
+    _replies.clear()  # results kept for their replies' sizes: not after the recording
+    with rec.lock:
+        rows = rec.rows[rec.drained :]
+        rec.drained = len(rec.rows)
+        return {"rows": [_public(r) for r in rows], "sent": dict(rec.sent)}
+
+
+def drain(token: str) -> dict[str, Any]:
+    """Rows finished since the last drain (for a live view), and the requests' sizes sent
+    since; a row waits here until its reply was pickled (or could not have been)."""
+    rec = _on
+    if rec is None or rec.token != token:
+        return {"rows": [], "sent": {}}
+    with rec.lock:
+        ready = rec.drained
+        now = clock()
+        while ready < len(rec.rows) and (
+            "_reply" not in rec.rows[ready] or now - rec.rows[ready]["end"] > 1.0
+        ):
+            ready += 1
+        rows = rec.rows[rec.drained : ready]
+        rec.drained = ready
+        sent, rec.sent = rec.sent, {}
+    return {"rows": [_public(r) for r in rows], "sent": sent}
+
+
+def _public(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith("_")}
+
+
+def active() -> _Recording | None:
+    return _on
+
+
+# -- the caller's side: a header on every user call --------------------------------------
+
+
+class Header:
+    """The caller, and while recording the call id, parent and send time, pickled in
+    front of a user call's record (``call`` 0: not recorded)."""
+
+    __slots__ = ("call", "caller", "parent", "sent")
+
+    def __init__(self, call: int, caller: str, parent: int | None, sent: float) -> None:
+        self.call, self.caller, self.parent, self.sent = call, caller, parent, sent
+
+
+class Recorded:
+    """A user call being sent: torch's call record and its :class:`Header`."""
+
+    def __init__(self, udf: Any, header: Header) -> None:
+        self.udf, self.header = udf, header
+
+    def __reduce__(self) -> tuple:
+        h = self.header
+        return (arrived, ((h.call, h.caller, h.parent, h.sent), self.udf))
+
+
+class _RecordedUDF(_torch.PythonUDF):
+    """torch's call record with the header it arrived with (``.record``)."""
+
+
+def arrived(header: tuple, udf: Any) -> Any:
+    """Unpickling side of :class:`Recorded`: the call record, with its header attached."""
+    if type(udf) is _torch.PythonUDF:
+        udf = _RecordedUDF(udf.func, udf.args, udf.kwargs)
+    if not isinstance(udf, BaseException):  # an AttributeError torch made while unpickling
+        udf.record = header
+    return udf
+
+
+_me: list[str] = []  # this process's name, once it has one (it never changes after)
+
+
+def me() -> str:
+    """This process's name in the group (asked of torch once)."""
+    if _me:
+        return _me[0]
+    try:
+        name = rpc.get_worker_info().name
+    except Exception:
+        return "?"
+    _me.append(name)
+    return name
+
+
+def outgoing(obj: Any, caller: str) -> tuple[Any, dict | None]:
+    """``obj`` (a user call's record being pickled) with its header (the caller's name
+    always: a stack dump says who a thread serves), and, while recording, where to count
+    the request's bytes."""
+    rec = _on
+    if rec is None:
+        return Recorded(obj, Header(0, caller, None, 0.0)), None
+    stack = getattr(_thread, "calls", None)
+    parent = stack[-1]["id"] if stack else None
+    call = rec.rank << _RANK_SHIFT | next(rec.counter)
+    message: dict[str, Any] = {"call": call, "bytes": 0, "paths": set()}
+    _thread.message = message
+    return Recorded(obj, Header(call, caller, parent, clock())), message
+
+
+def counted(reducer: Any) -> Any:
+    """The tensor reducer of a message pickled while recording: it also adds each
+    tensor's bytes and path to the message being pickled on this thread."""
+    from . import shm
+
+    def reduce(t: torch.Tensor) -> Any:
+        reduced = reducer(t)
+        message = getattr(_thread, "message", None)
+        if message is not None:
+            message["bytes"] += t.untyped_storage().nbytes()
+            if reduced[0] is shm.import_tensor:
+                message["paths"].add("arena" if isinstance(reduced[1][0], tuple) else "segment")
+            else:
+                message["paths"].add("cuda" if t.is_cuda else "tensorpipe")
+        return reduced
+
+    return reduce
+
+
+def message_for(obj: Any) -> dict | None:
+    """The row a reply being pickled on this thread belongs to (its counts go there)."""
+    ident = threading.get_ident()
+    reply = _replies.get(ident)
+    if reply is None or reply[0] is not obj:
+        return None
+    del _replies[ident]
+    row = reply[1]
+    message = {"bytes": 0, "paths": set(), "row": row}
+    _thread.message = message
+    return message
+
+
+def pickled(message: dict, size: int) -> None:
+    """A recorded message was pickled: ``size`` bytes of pickle, its tensors counted."""
+    _thread.message = None
+    rec = _on
+    if rec is None:
+        return
+    total = size + message["bytes"]
+    path = "+".join(sorted(message["paths"]))
+    row = message.get("row")
+    with rec.lock:
+        if row is not None:  # a reply
+            row["bytes_out"], row["path_out"], row["_reply"] = total, path, True
+        else:
+            rec.sent[message["call"]] = {"bytes": total, "path": path}
+
+
+# -- the callee's side: a row per call served ---------------------------------------------
+
+
+def begin(python_udf: Any, name: str) -> dict | None:
+    """A call arrived: its row, started (None when it was sent without a header)."""
+    header = getattr(python_udf, "record", None)
+    rec = _on
+    if header is None or rec is None or not header[0]:
+        return None
+    call, caller, parent, sent = header
+    row = {
+        "id": call,
+        "parent": parent,
+        "caller": caller,
+        "callee": "",
+        "function": name,
+        "sent": sent,
+        "start": clock(),
+        "end": 0.0,
+        "thread": threading.get_ident(),
+        "bytes_out": 0,
+        "path_out": "",
+        "ok": True,
+        "error": None,
+    }
+    stack = getattr(_thread, "calls", None)
+    if stack is None:
+        stack = _thread.calls = []
+    stack.append(row)
+    _replies.pop(threading.get_ident(), None)
+    return row
+
+
+def end(row: dict, result: Any, error: str | None, callee: str) -> None:
+    """The call returned ``result`` (pickled next on this thread, as its reply) or
+    failed with an exception of type ``error``."""
+    row["end"] = clock()
+    row["callee"] = callee
+    if error is not None:
+        row["ok"], row["error"] = False, error
+    stack = _thread.calls
+    stack.pop()
+    if isinstance(result, torch.futures.Future):
+        row["_reply"] = False  # sent later, from another thread: not counted
+    else:
+        _replies[threading.get_ident()] = (result, row)
+    rec = _on
+    if rec is not None:
+        with rec.lock:
+            rec.rows.append(row)
+            if len(rec.rows) > _KEEP_ROWS:
+                del rec.rows[: _KEEP_ROWS // 10]
+                rec.drained = max(0, rec.drained - _KEEP_ROWS // 10)
+
+
+def function_name(func: Any, args: tuple, builtin: bool) -> str:
+    """The name a row shows: a notebook function by its name, a builtin sent as a Python
+    call (``builtin``) by the builtin's, a method of an RRef's proxy as ``Type.method``."""
+    if builtin and args:
+        op = args[0]
+        name = getattr(op, "__name__", None) or str(op)
+        return f"torch.{name}" if getattr(op, "__module__", None) in (None, "torch") else name
+    if getattr(func, "__module__", "") == _torch.RREF_PROXY_MODULE and len(args) >= 2:
+        try:
+            owned = args[0].local_value()
+            return f"{type(owned).__name__}.{args[1]}"
+        except Exception:
+            return str(args[1])
+    return getattr(func, "__qualname__", None) or type(func).__name__
