@@ -131,6 +131,69 @@ assert len(hops) == 3  # h: worker1 → kernel → worker2; out: worker2 → ker
 BackwardView(trace)
 
 # %% [markdown]
+# ## Where the time went: a timeline of every call
+#
+# `nbrpc.record()` records every call any process of the cluster makes: who called whom,
+# the function, when it was sent and ran (on one clock), the bytes each way and the path
+# its tensors took, whether it raised, and the call it was made inside. Here: two more
+# training steps. The **timeline view** has one lane per process, a bar per call on the
+# process that ran it and an arrow from its caller; hover a bar for its row.
+# (`%%rpc_timeline` at the top of a cell does the same for that cell.)
+
+# %%
+import tempfile
+
+from nbrpc.widgets import TimelineView
+
+with nbrpc.record() as rec:
+    for _ in range(2):
+        with autograd.context() as ctx:
+            loss = torch.nn.functional.mse_loss(
+                head.rpc_sync().forward(ps.rpc_sync().forward(x)), y
+            )
+            autograd.backward(ctx, [loss])
+            opt.step(ctx)
+
+calls = rec.calls
+for c in calls[:4]:
+    took = (c["end_s"] - c["start_s"]) * 1e3
+    print(f"{c['caller']} -> {c['callee']}: {c['function']} ({took:.1f} ms, {c['bytes_in']} B in)")
+print(f"timeline calls: {len(calls)}")
+assert {(c["callee"], c["function"]) for c in calls} >= {
+    ("worker1", "ParameterServer.forward"),
+    ("worker2", "Head.forward"),
+}
+trace_path = rec.save(f"{tempfile.mkdtemp()}/steps.json")  # open in ui.perfetto.dev
+TimelineView(rec)
+
+# %% [markdown]
+# And what every thread is doing *now*: `nbrpc.stacks()` (or `%rpc_stacks`) reads each
+# worker's Python stacks from outside the process, so a worker whose every thread is busy,
+# or stuck in C++ holding the GIL, answers too. Each thread says which call it serves.
+
+
+# %%
+def train_for(seconds):
+    t = time.time()
+    while time.time() - t < seconds:
+        pass
+    return seconds
+
+
+busy = nbrpc.rpc_async("worker1", train_for, args=(2.0,))
+time.sleep(0.3)
+(worker1,) = nbrpc.stacks("worker1")
+serving = [t for t in worker1["threads"] if t["serving"]]
+print(
+    "a thread of worker1: serving",
+    serving[0]["serving"],
+    "in",
+    serving[0]["frames"][-1]["function"],
+)
+assert serving[0]["frames"][-1]["function"] == "train_for"
+busy.wait()
+
+# %% [markdown]
 # ## Releasing an RRef
 #
 # Dropping the kernel's last reference to `scratch` frees it on its owner; the ownership

@@ -68,6 +68,11 @@ def lab(tmp_path_factory):
     (config / "labconfig" / "page_config.json").write_text(
         json.dumps({"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}})
     )
+    # Every cell rendered: with JupyterLab's default windowing, cells scrolled out of view
+    # are skipped by the renderer and their outputs' innerText reads as empty.
+    tracker = work / "settings" / "@jupyterlab" / "notebook-extension"
+    tracker.mkdir(parents=True)
+    (tracker / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
     port, token = _free_port(), secrets.token_hex(16)
     log = open(work / "lab.log", "w")  # noqa: SIM115 - closed in the finalizer below
     env = {**os.environ, "JUPYTER_CONFIG_DIR": str(config)}
@@ -82,6 +87,7 @@ def lab(tmp_path_factory):
             f"--IdentityProvider.token={token}",
             f"--ServerApp.root_dir={work}",
             "--LabApp.expose_app_in_browser=True",
+            f"--LabApp.user_settings_dir={work / 'settings'}",
             # CI runs as root; the server is on loopback behind a random token either way
             *(["--allow-root"] if os.geteuid() == 0 else []),
         ],
@@ -271,6 +277,32 @@ def test_views_render_and_update_in_jupyterlab(lab):
             assert len(hops) == 3
             assert all(src != dst for src, dst in hops)  # every hop crosses processes
             _view(page, ".nbrpc-backward").screenshot(path=str(ARTIFACTS / "backward.png"))
+
+            # The timeline of two training steps: a bar per recorded call, the row as its
+            # tooltip, one lane per process; then the stacks of a busy worker.
+            _wait(
+                page,
+                "() => document.body.innerText.includes('serving train_for from')",
+                "the timeline and the stacks cells",
+                timeout_s=60,
+            )
+            count = int(page.evaluate(PRINTED, "timeline calls: "))
+            drawn = page.eval_on_selector_all(
+                ".nbrpc-timeline g.nbrpc-call",
+                "els => els.map(e => [e.dataset.callee, e.querySelector('title').textContent])",
+            )
+            assert len(drawn) == count > 0
+            assert any(
+                callee == "worker1"
+                and tip.startswith("ParameterServer.forward: worker0 -> worker1")
+                for callee, tip in drawn
+            ), drawn
+            lanes = page.eval_on_selector_all(
+                ".nbrpc-timeline g.nbrpc-lane", "els => els.map(e => e.dataset.process)"
+            )
+            assert lanes[:3] == ["worker0", "worker1", "worker2"]
+            page.locator(".nbrpc-timeline g.nbrpc-call rect").first.hover()
+            _view(page, ".nbrpc-timeline").screenshot(path=str(ARTIFACTS / "timeline.png"))
 
             # Release one RRef: the open ownership view must redraw without it.
             version = page.eval_on_selector(
