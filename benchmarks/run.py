@@ -45,7 +45,7 @@ import torch.distributed.rpc as rpc  # noqa: E402
 import nbrpc  # noqa: E402
 from benchmarks.peers import Shard, echo  # noqa: E402
 from benchmarks.stats import stats  # noqa: E402
-from nbrpc._wire import shm  # noqa: E402
+from nbrpc._wire import recording, shm  # noqa: E402
 
 SIZES_MB = (4, 64, 256)
 
@@ -57,15 +57,22 @@ def notebook_echo():
     return namespace["echo"]
 
 
-def interleaved(calls: dict, repeats: int) -> dict:
+def interleaved(calls: dict, repeats: int, modes: dict | None = None, switch=None) -> dict:
     """Every peer once per round, in a fresh random order each round: no peer always runs
-    right after a noisy one (an ipyparallel apply leaves its engine busy for a moment)."""
+    right after a noisy one (an ipyparallel apply leaves its engine busy for a moment).
+    ``modes``: the mode a peer runs in (others: None), set by ``switch(mode)`` outside the
+    timed call when it changes."""
     times: dict[str, list[float]] = {name: [] for name in calls}
     order = list(calls.items())
     shuffle = random.Random(0).shuffle
+    modes = modes or {}
+    mode = None
     for _ in range(repeats):
         shuffle(order)
         for name, call in order:
+            if modes.get(name) != mode:
+                mode = modes.get(name)
+                switch(mode)
             t0 = time.perf_counter()
             call()
             times[name].append(time.perf_counter() - t0)
@@ -154,15 +161,25 @@ def bench_calls(small_n: int, big_n: dict[int, int]) -> dict:
         nbrpc.rpc_sync("worker1", nb_echo, args=(tiny,))
         rpc.rpc_sync("worker1", echo, args=(tiny,))
         engine.apply_sync(echo, tiny)
+
+    def recording_on(mode: str | None) -> None:  # what nbrpc.record() turns on, in both
+        switch = recording.start if mode == "recording" else recording.stop
+        switch("bench")
+        rpc.rpc_sync("worker1", switch, args=("bench",))
+
+    small_nbrpc = lambda: nbrpc.rpc_sync("worker1", nb_echo, args=(tiny,))  # noqa: E731
     results = {
         "small": interleaved(
             {
-                "nbrpc": lambda: nbrpc.rpc_sync("worker1", nb_echo, args=(tiny,)),
+                "nbrpc": small_nbrpc,
+                "nbrpc, recording a timeline": small_nbrpc,
                 "torch rpc": lambda: rpc.rpc_sync("worker1", echo, args=(tiny,)),
                 "torch rpc builtin": lambda: rpc.rpc_sync("worker1", torch.add, args=(tiny, 0)),
                 "ipyparallel apply": lambda: engine.apply_sync(echo, tiny),
             },
             small_n,
+            modes={"nbrpc, recording a timeline": "recording"},
+            switch=recording_on,
         )
     }
     prefix, threshold = shm.prefix(), cluster.shm_threshold
@@ -230,6 +247,12 @@ def report(results: dict) -> None:
                 f"  {name:<28}{fmt(row['median'])} {fmt(row['p90'])}   "
                 f"{row['median'] / base:8.2f}x   {row['median'] / floor:8.1f}x"
             )
+    small = results["calls"]["small"]
+    print(
+        "  recording a timeline (nbrpc.record()) costs a small call "
+        f"{small['nbrpc, recording a timeline']['median'] / small['nbrpc']['median']:.2f}x "
+        "(goal: at most 1.10x)"
+    )
     boot = results["boot"]
     base = base_boot = boot["plain torch script"]["median"]
     print("boot, 2 workers, to a call answered by each   median   min..max   vs plain torch script")
