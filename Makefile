@@ -42,7 +42,8 @@ $(CHROMIUM):
 # needs root, so only root installs openssh-server here (elsewhere those tests skip and say
 # so). No service is started: a policy-rc.d stops the package's sshd on every interface.
 SSHD    := /usr/sbin/sshd
-FAKEHOSTS := $(shell [ "$$(id -u)" = 0 ] && echo $(SSHD))
+SLURMD  := /usr/sbin/slurmd
+FAKEHOSTS := $(shell [ "$$(id -u)" = 0 ] && echo $(SSHD) $(SLURMD))
 
 $(SSHD):
 	apt-get update -q
@@ -51,6 +52,20 @@ $(SSHD):
 	else \
 	  printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d; \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends openssh-server; \
+	  status=$$?; rm -f /usr/sbin/policy-rc.d; exit $$status; \
+	fi
+
+# The Slurm tests run a real Slurm on the fake hosts (tools/fakeslurm.py): Debian's daemons,
+# client and munge, installed as root without starting any service (as for openssh-server).
+$(SLURMD):
+	apt-get update -q
+	if [ -e /usr/sbin/policy-rc.d ]; then \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	    slurmctld slurmd slurm-client munge; \
+	else \
+	  printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d; \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	    slurmctld slurmd slurm-client munge; \
 	  status=$$?; rm -f /usr/sbin/policy-rc.d; exit $$status; \
 	fi
 

@@ -48,6 +48,7 @@ from ._errors import (
     UnknownWorkerError,
     WorkerDiedError,
 )
+from ._options import Slurm
 from ._rows import CallRow, OwnershipRow, StackRow, StatusRow, Trace, WorkerRecord
 from ._stacks import stacks
 from ._timeline import Recording, record
@@ -78,6 +79,7 @@ __all__ = [
     "RpcTimeoutError",
     "SerializationError",
     "SharedHostWarning",
+    "Slurm",
     "StackRow",
     "StatusRow",
     "ThreadsExhaustedError",

@@ -30,7 +30,8 @@ from . import _collective, _devices, _fence, _group, _timeline
 from ._engines import JOIN_TIMEOUT_S, Engines, remote_message, worker
 from ._engines.watchdog import segment_prefix
 from ._errors import BootError
-from ._options import Settings, validate_names
+from ._options import Settings
+from ._placement import validate_names
 from ._progress import BootProgress
 from ._rows import WorkerRecord
 from ._wire import shm, stacks
@@ -122,9 +123,13 @@ class _Boot:
         self.record(member.name, names, infos)
         phases["total"] = _since(self.t0)
 
-    def registered(self, count: int) -> None:
+    def registered(self, count: int, note: str = "") -> None:
+        """``count`` engines registered; ``note``: what the others wait for (a queued job)."""
         for name in self.placeholder[:count]:
             self.progress.update(name, 1)
+        if note:
+            for name in self.placeholder[count:]:
+                self.progress.update(name, 0, note)
 
     def start_engines(self) -> Any:
         """The engine source starts; without device maps the kernel joins meanwhile.

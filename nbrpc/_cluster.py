@@ -253,10 +253,11 @@ class Cluster:
 
     def last_output(self, name: str) -> str:
         """What worker ``name``'s process printed last outside calls (its engine log): the
-        reason a crash leaves, such as a C++ abort's message. "" for a worker on another
-        host, or one that printed nothing (``kill -9`` and the OOM killer leave no trace)."""
+        reason a crash leaves, such as a C++ abort's message, or Slurm's state of a job that
+        ended. "" for a worker on another host over ssh, or one that printed nothing
+        (``kill -9`` and the OOM killer leave no trace)."""
         record = next((r for r in self.records[1:] if r.name == name), None)
-        if record is None or not record.local:
+        if record is None:
             return ""
         return self.engines.last_output(record.pid)
 
@@ -442,6 +443,7 @@ class Cluster:
             tensors,
             _collective.describe(self.process_group),
             _devices.describe(self.device_maps),
+            self.engines.summary_note(),
         )
 
     def __repr__(self) -> str:

@@ -23,7 +23,6 @@ field in :class:`Settings`, and its use.
 from __future__ import annotations
 
 import re
-import shlex
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -31,9 +30,9 @@ from typing import Annotated, Any, TypedDict, get_type_hints
 
 from . import _devices, _group, _process
 from ._errors import ConfigError
+from ._placement import Slurm, slurm_fields, slurm_job, where
 from ._wire import shm
 
-DEFAULT_WORKERS = 2  # a local cluster's size when neither n nor names say otherwise
 DEFAULT_RPC_TIMEOUT_S = 60.0
 DEFAULT_THREADS = 16
 PROCESS_GROUP_BACKENDS = ("gloo", "nccl")
@@ -266,6 +265,56 @@ class Options(TypedDict, total=False):
             switch=(None, "dead"),
         ),
     ]
+    slurm: Annotated[
+        bool | Slurm | None,
+        Opt(
+            "--slurm",
+            "workers from Slurm: one job of -n engine tasks (a step of the kernel's own job "
+            "when it runs in one); docs/slurm.md",
+            doc="``True`` or a :class:`nbrpc.Slurm`: the workers are the tasks of one Slurm "
+            "job (``sbatch``), or a step of the kernel's own job when ``SLURM_JOB_ID`` is "
+            "set (``srun``), named ``worker1..N`` in task order. The flags below (or the "
+            "``Slurm`` fields) shape the job. See docs/slurm.md.",
+            switch=(None, True),
+        ),
+    ]
+    nodes: Annotated[
+        int | None,
+        Opt("--nodes", "with --slurm: how many nodes", parse=int),
+    ]
+    partition: Annotated[
+        str | None,
+        Opt("--partition", "with --slurm: the partition"),
+    ]
+    time: Annotated[
+        str | None,
+        Opt("--time", "with --slurm: the job's time limit, as sbatch --time takes it"),
+    ]
+    gpus_per_node: Annotated[
+        int | None,
+        Opt(
+            "--gpus-per-node",
+            "with --slurm: GPUs per node, one per worker by its rank on the node",
+            parse=int,
+        ),
+    ]
+    sbatch_args: Annotated[
+        str | list[str] | None,
+        Opt(
+            "--sbatch-args",
+            "with --slurm: more sbatch options, quoted, e.g. --sbatch-args '--account=ml'",
+            metavar="ARGS",
+            parse=_unquote,
+        ),
+    ]
+    queue_timeout: Annotated[
+        float | None,
+        Opt(
+            "--queue-timeout",
+            "with --slurm: seconds to wait for the job to start, then cancel it",
+            parse=float,
+        ),
+    ]
 
 
 def declared() -> dict[str, Opt]:
@@ -333,39 +382,6 @@ def magic_arguments(func: Callable[..., Any]) -> Callable[..., Any]:
 # -- checked ------------------------------------------------------------------------------
 
 
-def validate_names(names: list[str] | tuple[str, ...], self_name: str) -> None:
-    for name in [self_name, *names]:
-        if not name or len(name) >= 128 or not all(c.isalnum() or c in "_-" for c in name):
-            raise ConfigError(
-                f"bad worker name {name!r}: use letters, digits, '_' or '-' "
-                "(at most 127 characters), e.g. --names ps,trainer1"
-            )
-    if len(set(names)) != len(names) or self_name in names:
-        raise ConfigError(
-            f"worker names must be unique and differ from the kernel's ({self_name!r}); "
-            f"got {[self_name, *names]}"
-        )
-
-
-_HOST_ENTRY = re.compile(r"^(?:[A-Za-z0-9._-]+@)?[A-Za-z0-9._:-]+$")
-
-
-def parse_hosts(hosts: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
-    """``"root@h1,h1,h2"`` (or a list) -> ``("root@h1", "h1", "h2")``, each entry checked."""
-    items = hosts.split(",") if isinstance(hosts, str) else list(hosts)
-    entries = tuple(str(h).strip() for h in items if str(h).strip())
-    if not entries:
-        raise ConfigError("--hosts is empty: give [user@]address entries, e.g. --hosts h1,h1,h2")
-    for entry in entries:
-        if not _HOST_ENTRY.match(entry):
-            raise ConfigError(
-                f"--hosts entry {entry!r} is not [user@]address (letters, digits, '.', '-', "
-                "'_', ':'); ssh options such as a port or key go in --ssh-args, e.g. "
-                "--ssh-args='-p 2222 -i ~/.ssh/cluster'"
-            )
-    return entries
-
-
 def _unknown(name: str, opts: dict[str, Opt]) -> str:
     """The error for an option nobody declared, with the nearest one (by its name, or by
     its ``%rpc_init`` flag: ``threads`` is ``num_worker_threads``)."""
@@ -380,55 +396,6 @@ def _unknown(name: str, opts: dict[str, Opt]) -> str:
         flag = opts[option].flag
         hint = f": did you mean {option!r}" + (f" (%rpc_init {flag})?" if flag else "?")
     return f"unknown option {name!r}{hint} The options are in docs/options.md."
-
-
-def _where(v: dict[str, Any]) -> tuple:
-    """How many workers, named what, on which hosts, with the kernel listening where:
-    ``(n, names, hosts, ssh_args, listen)``, checked against each other."""
-    n = v["n"]
-    attached = v["profile"] is not None or v["cluster_id"] is not None
-    names = tuple(s.strip() for s in v["names"]) if v["names"] else None
-    entries = parse_hosts(v["hosts"]) if v["hosts"] is not None else None
-    ssh_args = v["ssh_args"]
-    extra = tuple(shlex.split(ssh_args) if isinstance(ssh_args, str) else ssh_args or ())
-    if entries is None and (extra or v["remote_python"]):
-        raise ConfigError("--ssh-args and --remote-python go with --hosts")
-    listen = v["listen"]
-    if entries is not None:
-        if attached:
-            raise ConfigError(
-                "--hosts starts engines over ssh; --profile/--cluster-id attach to engines "
-                "someone else started. Use one or the other."
-            )
-        if n is not None and n != len(entries):
-            raise ConfigError(
-                f"-n {n} does not match the {len(entries)} --hosts entries: a host listed "
-                "N times gets N workers, so leave -n out"
-            )
-        if names is not None and len(names) != len(entries):
-            raise ConfigError(
-                f"{len(names)} names for {len(entries)} --hosts entries: give one name per "
-                "entry (a host listed twice gets two workers)"
-            )
-        n = len(entries)
-        if listen and _group.is_loopback(listen):
-            raise ConfigError(
-                f"--listen {listen} with --hosts: workers on other hosts cannot reach this "
-                "host's loopback. Give an address they reach (or leave --listen out: it "
-                "is worked out from the route towards the first host)."
-            )
-    if v["init_method"] and not listen:
-        listen = _group.listen_of_init_method(v["init_method"])
-    if names is not None:
-        if n is not None and n != len(names):
-            raise ConfigError(f"-n {n} does not match {len(names)} names: {list(names)}")
-        n = len(names)
-    if n is None and not attached:
-        n = DEFAULT_WORKERS
-    if n is not None and (not isinstance(n, int) or n < 1):
-        raise ConfigError(f"-n must be at least 1, got {n}")
-    validate_names(names or (), v["self_name"])
-    return n, names, entries, extra, listen
 
 
 def _process_group(v: dict[str, Any]) -> tuple[str | None, tuple[str, ...] | None]:
@@ -494,6 +461,15 @@ class Settings:
     remote_python: str | None = None
     #: "dead": replace workers that died before the next cell (nbrpc._restart)
     restart: str | None = None
+    #: workers from Slurm (see nbrpc._engines.slurm): the job asked for, all in one;
+    #: the fields after it are its parts, as given by flags or keywords
+    slurm: Slurm | None = None
+    nodes: int | None = None
+    partition: str | None = None
+    time: str | None = None
+    gpus_per_node: int | None = None
+    sbatch_args: tuple[str, ...] = ()
+    queue_timeout: float | None = None
 
     @classmethod
     def make(cls, n: int | None = None, /, **options: Any) -> Settings:
@@ -516,7 +492,7 @@ class Settings:
 
     @classmethod
     def _checked(cls, v: dict[str, Any]) -> Settings:
-        n, names, entries, ssh_args, listen = _where(v)
+        n, names, entries, ssh_args, listen = where(v)
         init_method, gpus, shm_threshold = v["init_method"], v["gpus"], v["shm_threshold"]
         if init_method:
             _group.spec_from_init_method(init_method)  # refuse a bad URL before any start
@@ -530,6 +506,9 @@ class Settings:
             )
         process_group, members = _process_group(v)
         threads, timeout = v["num_worker_threads"], v["rpc_timeout"]
+        slurm = slurm_job(v)
+        if slurm is not None and slurm.gpus_per_node and gpus is None:
+            gpus = "auto"  # a GPU per worker, by its rank on the node, maps for all pairs
         return cls(
             n=n,
             names=names,
@@ -551,6 +530,7 @@ class Settings:
             ssh_args=ssh_args,
             remote_python=v["remote_python"],
             restart=_restart_mode(v["restart"]),
+            **slurm_fields(slurm),
         )
 
     @property

@@ -187,10 +187,12 @@ def summary_text(
     tensors: str | None,
     group: str | None,
     device_maps: list[str],
+    engines: str = "",
 ) -> str:
-    """``Cluster.summary()``: the processes, then how CPU tensors travel, the process
-    group and the device maps (each line made by the module that knows it)."""
-    notes = [line for line in (tensors, group) if line]
+    """``Cluster.summary()``: the processes, then where the engines came from (a Slurm
+    job), how CPU tensors travel, the process group and the device maps (each line made
+    by the module that knows it)."""
+    notes = [line for line in (engines, tensors, group) if line]
     if device_maps:
         notes.append("device maps (and where replies go):")
         notes.extend(f"  {line}" for line in device_maps)

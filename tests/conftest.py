@@ -223,7 +223,7 @@ def running_kernel(*cells: str, closing: str = "import nbrpc; nbrpc.shutdown()")
 
 def kernel_children() -> list[psutil.Process]:
     """Every process this test process started, except the hang watchdog and the fake hosts
-    of tutorial 09 (not nbrpc's; removed at the end of the session)."""
+    of tutorials 09 and 10 and their Slurm (not nbrpc's; removed at the end of the session)."""
     skip = {_watchdog_pid[0]}
     for hosts in _notebook_hosts:
         for root in hosts.root_pids():
@@ -286,24 +286,39 @@ def _hang_watchdog(config) -> subprocess.Popen:
 # -- tutorial 09 runs against fake hosts -------------------------------------------------------
 
 MULTI_HOST_NOTEBOOK = "09_multi_host.ipynb"
-_notebook_hosts: list = []
+SLURM_NOTEBOOK = "10_slurm.ipynb"
+_notebook_hosts: list = []  # the fake hosts tutorials 09 and 10 run on, then their Slurm
 
 
 def load_fakehosts():
     """tools/fakehosts.py as a module (tools/ is not a package), loaded once."""
+    return _load_tool("fakehosts")
+
+
+def load_fakeslurm():
+    """tools/fakeslurm.py as a module, loaded once."""
+    load_fakehosts()  # it imports fakehosts by name
+    return _load_tool("fakeslurm")
+
+
+def _load_tool(name: str):
     import importlib.util
 
-    if "fakehosts" not in sys.modules:
-        path = os.path.join(os.path.dirname(__file__), "..", "tools", "fakehosts.py")
-        spec = importlib.util.spec_from_file_location("fakehosts", path)
+    if name not in sys.modules:
+        path = os.path.join(os.path.dirname(__file__), "..", "tools", f"{name}.py")
+        spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
         spec.loader.exec_module(module)
-        sys.modules["fakehosts"] = module
-    return sys.modules["fakehosts"]
+    return sys.modules[name]
 
 
 def _is_multi_host(item) -> bool:
-    return os.path.basename(str(item.fspath)) == MULTI_HOST_NOTEBOOK
+    return os.path.basename(str(item.fspath)) in (MULTI_HOST_NOTEBOOK, SLURM_NOTEBOOK)
+
+
+def _is_slurm(item) -> bool:
+    return os.path.basename(str(item.fspath)) == SLURM_NOTEBOOK
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -323,22 +338,32 @@ def _is_notebook(item) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Without root there are no fake hosts: tutorial 09 is skipped, and says why."""
-    why = load_fakehosts().missing()
-    if why:
-        for item in items:
-            if _is_multi_host(item):
-                item.add_marker(pytest.mark.skip(reason=f"{MULTI_HOST_NOTEBOOK}: {why}"))
+    """Without root there are no fake hosts: tutorials 09 and 10 are skipped, and say why
+    (10 also without the Slurm packages)."""
+    why_hosts = load_fakehosts().missing()
+    why_slurm = load_fakeslurm().missing()
+    for item in items:
+        why = why_slurm if _is_slurm(item) else why_hosts if _is_multi_host(item) else None
+        if why:
+            name = os.path.basename(str(item.fspath))
+            item.add_marker(pytest.mark.skip(reason=f"{name}: {why}"))
 
 
 def _hosts_for(item) -> None:
-    """Before tutorial 09's first cell starts its kernel: fake hosts, named in the
-    environment the kernel inherits (``NBRPC_HOSTS``, ``NBRPC_SSH_ARGS``)."""
-    if _is_multi_host(item) and not _notebook_hosts and not item.get_closest_marker("skip"):
+    """Before tutorial 09's (or 10's) first cell starts its kernel: fake hosts, named in
+    the environment the kernel inherits (``NBRPC_HOSTS``, ``NBRPC_SSH_ARGS``); for 10, a
+    Slurm on them too (``SLURM_CONF``)."""
+    if not _is_multi_host(item) or item.get_closest_marker("skip"):
+        return
+    if not _notebook_hosts:
         hosts = load_fakehosts().FakeHosts(2).up()
         _notebook_hosts.append(hosts)
         os.environ["NBRPC_HOSTS"] = "fakeh1,fakeh1,fakeh2"
         os.environ["NBRPC_SSH_ARGS"] = f"-F {hosts.ssh_config}"
+    if _is_slurm(item) and len(_notebook_hosts) == 1:
+        slurm = load_fakeslurm().FakeSlurm(_notebook_hosts[0]).up()
+        _notebook_hosts.append(slurm)
+        os.environ["SLURM_CONF"] = slurm.conf
 
 
 def pytest_sessionfinish(session):

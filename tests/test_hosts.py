@@ -17,7 +17,7 @@ import pytest
 from conftest import load_fakehosts, running_kernel
 
 import nbrpc
-from nbrpc import _group, _options
+from nbrpc import _group, _placement
 from nbrpc._engines import hosts as _hosts
 from nbrpc._options import Settings
 
@@ -28,11 +28,11 @@ fakehosts = load_fakehosts()
 
 
 def test_hosts_are_parsed_counted_and_checked():
-    assert _options.parse_hosts("root@h1, h1,h2") == ("root@h1", "h1", "h2")
+    assert _placement.parse_hosts("root@h1, h1,h2") == ("root@h1", "h1", "h2")
     assert _hosts.counts(("h1", "h2", "h1")) == {"h1": 2, "h2": 1}
     for bad in ("", " , ", "h1 -p 22", "h1;rm"):
         with pytest.raises(nbrpc.ConfigError, match="--hosts"):
-            _options.parse_hosts(bad)
+            _placement.parse_hosts(bad)
 
 
 def test_ssh_always_runs_in_batch_mode_with_a_connect_timeout():

@@ -7,6 +7,7 @@ way is an *engine source*, one module of this folder:
 * :mod:`.local` -- forked on this host from a zygote that imported torch once, with a
   controller and warm spares kept between clusters (the default);
 * :mod:`.ssh` -- started on other hosts over ssh (``--hosts``), one per entry;
+* :mod:`.slurm` -- the tasks of one Slurm job, or a step of the kernel's (``--slurm``);
 * :mod:`.attached` -- an ipyparallel cluster someone else started (``--profile``).
 
 Beside them: :mod:`.controller` (the ipyparallel controller and watchdog the local and
@@ -46,6 +47,7 @@ from nbrpc import _fence, _options
 from .attached import AttachedSource
 from .local import LocalSource
 from .local import prewarm as _prewarm_here
+from .slurm import SlurmSource
 from .ssh import SshSource
 from .watchdog import process_alive
 from .worker import leave
@@ -104,9 +106,10 @@ class EngineSource(Protocol):
         """The ipyparallel client, connected to the controller."""
         ...
 
-    def take(self, n: int | None, timeout: float, registered: Callable[[int], None]) -> list[int]:
+    def take(self, n: int | None, timeout: float, registered: Callable[..., None]) -> list[int]:
         """Ids of ``n`` registered engines, in worker order (``None``: all there are),
-        never handed out again; ``registered(count)`` as engines arrive."""
+        never handed out again; ``registered(count)`` as engines arrive, or
+        ``registered(count, note)`` with what they wait for (a job in Slurm's queue)."""
         ...
 
     def controller_seconds(self) -> float | None:
@@ -122,7 +125,12 @@ class EngineSource(Protocol):
         ...
 
     def last_output(self, pid: int) -> str:
-        """What engine ``pid`` printed as it crashed ("" if nothing, or not known here)."""
+        """What engine ``pid`` printed as it crashed, or why the source lost it (a Slurm
+        job that ended); "" if nothing, or not known here."""
+        ...
+
+    def summary_note(self) -> str:
+        """A line for the cluster's summary about where the engines came from ("": none)."""
         ...
 
     def stop(self, engine_ids: list[int], pids: list[int], keep_warm: bool) -> None:
@@ -148,7 +156,7 @@ class EngineSource(Protocol):
 
 #: The registered sources, asked in order which one the settings want (the last one
 #: wants everything).
-SOURCES: tuple[type[EngineSource], ...] = (AttachedSource, SshSource, LocalSource)
+SOURCES: tuple[type[EngineSource], ...] = (AttachedSource, SshSource, SlurmSource, LocalSource)
 
 
 def source_for(settings: _options.Settings) -> type[EngineSource]:
@@ -226,7 +234,7 @@ class Engines:
         self.client = self.source.client()
         return self.client
 
-    def wait(self, n: int | None, registered: Callable[[int], None]) -> list[int]:
+    def wait(self, n: int | None, registered: Callable[..., None]) -> list[int]:
         """Ids of ``n`` registered engines, in worker order."""
         self.taken = self.source.take(n, ENGINE_START_TIMEOUT_S, registered)
         return self.taken
@@ -238,8 +246,12 @@ class Engines:
         return self.source.import_seconds()
 
     def last_output(self, pid: int) -> str:
-        """What a local engine printed as it crashed (see ``local.last_words``)."""
+        """What a local engine printed as it crashed (see ``local.last_words``), or why
+        the source lost it."""
         return self.source.last_output(pid)
+
+    def summary_note(self) -> str:
+        return self.source.summary_note() if self.client is not None else ""
 
     # -- run bootstrap code ------------------------------------------------------------
 

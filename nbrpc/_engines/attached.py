@@ -71,7 +71,7 @@ class AttachedSource:
                 ) from exc
         return self._client
 
-    def take(self, n: int | None, timeout: float, registered: Callable[[int], None]) -> list[int]:
+    def take(self, n: int | None, timeout: float, registered: Callable[..., None]) -> list[int]:
         """Ids of ``n`` registered engines (``None``: all of them)."""
         deadline = time.monotonic() + timeout
         while True:
@@ -99,6 +99,9 @@ class AttachedSource:
         return None
 
     def last_output(self, pid: int) -> str:
+        return ""
+
+    def summary_note(self) -> str:
         return ""
 
     def stop(self, engine_ids: list[int], pids: list[int], keep_warm: bool) -> None:

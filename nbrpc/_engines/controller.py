@@ -27,9 +27,11 @@ import shutil
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import psutil
+
+from nbrpc import _options
 
 from . import watchdog
 
@@ -179,6 +181,42 @@ class Controller:
             self._watcher.terminate()
             self._watcher.wait()
             self._watcher = None
+
+
+C = TypeVar("C", bound=Controller)
+
+
+class ControllerSource(Generic[C]):
+    """What the sources of engines on other hosts (``--hosts``, ``--slurm``) do alike: a
+    :class:`Controller` of this host (``engines``, made by ``start``) and engines that
+    import torch where they run; nothing kept between clusters."""
+
+    remote = True
+    reused = ""
+
+    def __init__(self, settings: _options.Settings) -> None:
+        self.settings = settings
+        self.engines: C | None = None
+
+    @classmethod
+    def release_kept(cls) -> None:
+        pass  # nothing outlives its cluster
+
+    def _ours(self) -> C:
+        assert self.engines is not None, "start() comes first"
+        return self.engines
+
+    def client(self) -> Any:
+        return self._ours().client()
+
+    def controller_seconds(self) -> float | None:
+        return self._ours().controller_seconds
+
+    def import_seconds(self) -> float | None:
+        return None  # each engine imports torch on its own host
+
+    def controller_pid(self) -> int | None:
+        return self._ours().controller_pid
 
 
 def tail(text: str, lines: int = 25) -> str:

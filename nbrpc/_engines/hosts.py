@@ -1,7 +1,7 @@
 """Workers on other hosts: ``--hosts``, ssh, the address other hosts reach, and preflight.
 
 A host is ``[user@]address`` as ``ssh`` takes it (an alias of the user's ssh config works
-too; the entries' syntax is checked with the other options, :func:`nbrpc._options.parse_hosts`),
+too; the entries' syntax is checked with the other options, :func:`nbrpc._placement.parse_hosts`),
 and a host listed N times gets N workers, named in list order. Engines start through
 ipyparallel's SSH launcher (:mod:`.ssh`); this module holds what comes before:
 

@@ -531,7 +531,7 @@ class LocalSource:
     def client(self) -> Any:
         return self._ours().client()
 
-    def take(self, n: int | None, timeout: float, registered: Callable[[int], None]) -> list[int]:
+    def take(self, n: int | None, timeout: float, registered: Callable[..., None]) -> list[int]:
         assert n is not None, "a local cluster's size is known"
         return self._ours().take(n, timeout, registered)
 
@@ -546,6 +546,9 @@ class LocalSource:
 
     def last_output(self, pid: int) -> str:
         return self._ours().last_output(pid)
+
+    def summary_note(self) -> str:
+        return ""
 
     def stop(self, engine_ids: list[int], pids: list[int], keep_warm: bool) -> None:
         ours = self.engines

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import json
 import logging
 import os
 import pathlib
@@ -50,7 +49,7 @@ from nbrpc._errors import BootError
 from nbrpc._wire import stacks
 
 from . import controller, hosts, watchdog, worker
-from .controller import ENGINE_ARGS, Controller, tail
+from .controller import ENGINE_ARGS, Controller, ControllerSource, tail
 
 log = logging.getLogger("nbrpc")
 
@@ -298,27 +297,16 @@ class HostController(Controller):
         wanted: dict[str, list[int]] = {}
         for eid, pid in zip(engine_ids, pids, strict=True):
             wanted.setdefault(self.entry_of.get(eid, ""), []).append(pid)
-        found: dict[int, dict] = {}
         source = pathlib.Path(stacks.__file__).read_text()
 
-        def read(entry: str, host_pids: list[int]) -> None:
+        def read(entry: str, host_pids: list[int]) -> str:
             launcher = by_host.get(entry)
             if launcher is None:
-                found.update({p: {"error": f"no ssh connection to {entry!r}"} for p in host_pids})
-                return
+                raise BootError(f"no ssh connection to {entry!r}")
             script = shlex.join([self.python, "-c", source, *map(str, host_pids)])
-            try:
-                out = _ssh(launcher, script, timeout=timeout + SSH_TIMEOUT_S)
-                found.update({int(p): part for p, part in json.loads(out).items()})
-            except (BootError, ValueError) as exc:
-                found.update({p: {"error": f"{entry}: {exc}"} for p in host_pids})
+            return _ssh(launcher, script, timeout=timeout + SSH_TIMEOUT_S)
 
-        threads = [threading.Thread(target=read, args=item) for item in wanted.items()]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return found
+        return stacks.gather(wanted, read)
 
     def retire(self, engine_ids: list[int], kernel_pid: int) -> None:
         """Stop the engines (ask, then kill what is left) and remove the run's files."""
@@ -380,16 +368,10 @@ class HostController(Controller):
             )
 
 
-class SshSource:
+class SshSource(ControllerSource[HostController]):
     """Engines on other hosts over ssh (``--hosts``), one per entry, in list order."""
 
-    remote = True
-    reused = ""
     cannot_replace = ""
-
-    def __init__(self, settings: _options.Settings) -> None:
-        self.settings = settings
-        self.engines: HostController | None = None
 
     @classmethod
     def wants(cls, settings: _options.Settings) -> bool:
@@ -402,20 +384,12 @@ class SshSource:
             return settings
         return replace(settings, listen=hosts.infer_listen(settings.hosts[0], settings.ssh_args))
 
-    @classmethod
-    def release_kept(cls) -> None:
-        pass  # nothing outlives its cluster
-
     def start(self) -> None:
         s = self.settings
         assert s.listen, "resolve() works out --listen"
         assert s.hosts, "wants() took it for these settings"
         plan = hosts.HostPlan(s.hosts, s.ssh_args, s.remote_python or "")
         self.engines = HostController(s.listen, plan, s.python)
-
-    def _ours(self) -> HostController:
-        assert self.engines is not None, "start() comes first"
-        return self.engines
 
     def hosts(self) -> list[str]:
         s = self.settings
@@ -424,23 +398,14 @@ class SshSource:
     def launch(self, n: int) -> None:
         self._ours().spawn()
 
-    def client(self) -> Any:
-        return self._ours().client()
-
-    def take(self, n: int | None, timeout: float, registered: Callable[[int], None]) -> list[int]:
+    def take(self, n: int | None, timeout: float, registered: Callable[..., None]) -> list[int]:
         return self._ours().take(timeout, registered)
-
-    def controller_seconds(self) -> float | None:
-        return self._ours().controller_seconds
-
-    def import_seconds(self) -> float | None:
-        return None  # each engine imports torch on its own host
-
-    def controller_pid(self) -> int | None:
-        return self._ours().controller_pid
 
     def last_output(self, pid: int) -> str:
         return ""  # pids of other hosts: their logs stay there
+
+    def summary_note(self) -> str:
+        return ""
 
     def stop(self, engine_ids: list[int], pids: list[int], keep_warm: bool) -> None:
         ours = self.engines

@@ -14,8 +14,9 @@ Once a second it checks the kernel. When the kernel is gone it terminates the li
 processes and those whose environment holds MARKER (the controller's ``IPP_CLUSTER_ID``)
 (then kills what is left after a grace period) and removes the kernel's leftover
 shared-memory segments (:mod:`nbrpc._wire.shm`), its group store's directory and its own.
-It exits by itself when PIDFILE is removed: the launcher does that when it releases
-everything.
+It also runs the command a source left in ``PIDFILE.on-death`` (``scancel`` of the
+cluster's Slurm job). It exits by itself when PIDFILE is removed: the launcher does that
+when it releases everything.
 """
 
 from __future__ import annotations
@@ -140,6 +141,31 @@ def started_with(marker: str) -> list[int]:
     return found
 
 
+def run_on_death(pidfile: str) -> None:
+    """Run the command left in ``PIDFILE.on-death`` (a Slurm job's ``scancel``), if any."""
+    import json
+    import subprocess
+
+    path = pidfile + ".on-death"
+    try:
+        with open(path) as f:
+            order = json.load(f)
+        subprocess.run(
+            order["argv"],
+            env={**os.environ, **order.get("env", {})},
+            timeout=30,
+            check=False,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    except (OSError, ValueError, KeyError, subprocess.SubprocessError):
+        return
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
 def main(argv: list[str]) -> int:
     kernel, pidfile = int(argv[1]), argv[2]
     marker = argv[3] if len(argv) > 3 else None
@@ -160,6 +186,7 @@ def main(argv: list[str]) -> int:
         reap(started_with(marker))
     sweep_segments(segment_prefix(kernel))
     sweep_directories(segment_prefix(kernel))
+    run_on_death(pidfile)
     with contextlib.suppress(OSError):
         os.unlink(pidfile)
     workdir = os.path.dirname(os.path.abspath(pidfile))

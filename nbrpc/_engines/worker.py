@@ -94,6 +94,14 @@ def host_entry() -> str | None:
     return os.environ.get("NBRPC_HOST_ENTRY")
 
 
+def slurm_task() -> tuple[int, str]:
+    """This engine's Slurm task (``SLURM_PROCID``) and node: workers are named in task
+    order."""
+    return int(os.environ.get("SLURM_PROCID", "0")), os.environ.get(
+        "SLURMD_NODENAME", socket.gethostname()
+    )
+
+
 def leave(timeout: float = 0) -> None:
     """Leave the group gracefully; the engine itself keeps running."""
     from nbrpc import _group

@@ -36,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 SIGNAL = signal.SIGRTMIN + 7 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
@@ -193,6 +194,28 @@ def collect(pids: list[int], timeout: float = DUMP_WAIT_S) -> dict[int, dict[str
         time.sleep(0.01)
     for pid in waiting:
         found[pid] = {"error": f"no dump within {timeout:g} s"}
+    return found
+
+
+def gather(
+    places: dict[str, list[int]], read: Callable[[str, list[int]], str]
+) -> dict[int, dict[str, Any]]:
+    """:func:`collect` on several hosts at once: ``read(place, pids)`` runs this file as a
+    script there (over ssh, as a Slurm step) and returns its JSON; the parts by pid, or
+    an error naming the place."""
+    found: dict[int, dict[str, Any]] = {}
+
+    def one(place: str, pids: list[int]) -> None:
+        try:
+            found.update({int(p): part for p, part in json.loads(read(place, pids)).items()})
+        except Exception as exc:  # no answer from that host: said in its rows
+            found.update({p: {"error": f"{place}: {exc}"} for p in pids})
+
+    threads = [threading.Thread(target=one, args=item) for item in places.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     return found
 
 

@@ -1,0 +1,503 @@
+"""Engines from Slurm (``--slurm``): one job of N engine tasks, or a step of the kernel's job.
+
+ipyparallel launches, watches and stops them: outside an allocation with its
+``SlurmEngineSetLauncher`` (an ``sbatch`` script whose ``srun`` starts one engine per
+task), inside one (``SLURM_JOB_ID`` set: a notebook server started by sbatch, Open
+OnDemand) with its ``MPIEngineSetLauncher`` running ``srun`` as a step of that job. The
+controller is the kernel's, on ``--listen`` (default: this host's address on the route to
+Slurm's controller); engines read its connection file from the ipyparallel profile
+directory, which the nodes must share with this host, as ipyparallel's Slurm launchers
+assume (docs/slurm.md).
+
+What nbrpc adds around them:
+
+* before anything starts, ``sbatch --test-only`` with the job's options: an unknown
+  partition, a bad time, more nodes than the partition has are a ``ConfigError`` naming
+  Slurm's answer;
+* while the job waits, its state and Slurm's reason (``squeue``) in the boot's progress,
+  kept current; ``--queue-timeout`` (or the stop button) cancels it and fails the boot
+  naming the reason;
+* workers named in task order (``SLURM_PROCID``), each row naming its node;
+* the job (or step) cancelled at shutdown, and by the watchdog if the kernel dies;
+* a worker lost because the job ended (``scancel``, its time limit) says so: Slurm's
+  state and reason are its last words.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import pathlib
+import shlex
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from ipyparallel.cluster.launcher import MPIEngineSetLauncher, SlurmEngineSetLauncher
+
+from nbrpc import _fence, _options
+from nbrpc._errors import BootError, ConfigError
+from nbrpc._wire import stacks
+
+from . import worker
+from .controller import ENGINE_ARGS, Controller, ControllerSource, tail
+
+log = logging.getLogger("nbrpc")
+
+SLURM_TIMEOUT_S = 30.0
+QUEUE_POLL_S = 0.5
+#: once the job runs, its engines have this long to register
+START_AFTER_RUNNING_S = 90.0
+#: Slurm's reasons for a pending job that no wait will change (with its default
+#: EnforcePartLimits=NO, a job over a partition's limits is queued, not refused)
+HOPELESS = (
+    "PartitionTimeLimit",
+    "PartitionNodeLimit",
+    "PartitionConfig",
+    "PartitionDown",
+    "PartitionInactive",
+    "BadConstraints",
+    "InvalidAccount",
+    "InvalidQOS",
+    "AccountNotAllowed",
+    "QOSMaxWallDurationPerJobLimit",
+    "QOSMaxNodePerJobLimit",
+    "QOSMaxCpuPerJobLimit",
+    "ReqNodeNotAvail",
+    "JobHeldAdmin",
+)
+#: squeue states of a job that will not run (any more)
+ENDED = (
+    "CANCELLED",
+    "COMPLETED",
+    "FAILED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "OUT_OF_MEMORY",
+)
+
+
+def _slurm(argv: list[str], timeout: float = SLURM_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """Run a Slurm client command; a missing command is a ConfigError."""
+    if shutil.which(argv[0]) is None:
+        raise ConfigError(
+            f"--slurm needs Slurm's {argv[0]} on PATH (the slurm-client package, or your "
+            "site's Slurm module: `module load slurm`), and it is not there"
+        )
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        raise BootError(f"{shlex.join(argv)} did not answer within {timeout:.0f} s") from None
+
+
+def in_allocation() -> str | None:
+    """The job the kernel runs in (``SLURM_JOB_ID``), if any."""
+    return os.environ.get("SLURM_JOB_ID") or None
+
+
+def check(plan: _options.Slurm, n: int) -> None:
+    """Ask Slurm whether it would run the job (``sbatch --test-only``); a refusal is a
+    ConfigError with Slurm's answer. Inside an allocation the step's options are checked
+    when it starts."""
+    if in_allocation():
+        _slurm(["srun", "--version"])
+        return
+    options = plan.sbatch_options(n)
+    done = _slurm(["sbatch", "--test-only", *options, "--wrap", "true"])
+    if done.returncode != 0:
+        said = (done.stderr or done.stdout).strip().replace("sbatch: error: ", "")
+        raise ConfigError(
+            f"Slurm refuses the job ({shlex.join(options)}): {said}. `sinfo` lists the "
+            "partitions, their nodes and time limits."
+        )
+
+
+def controller_address() -> str:
+    """The address of Slurm's controller (``scontrol show config``'s SlurmctldHost)."""
+    out = _slurm(["scontrol", "show", "config"]).stdout
+    for line in out.splitlines():
+        key, _, value = line.partition("=")
+        if key.strip().startswith("SlurmctldHost"):
+            value = value.strip()
+            return value.split("(", 1)[1].rstrip(")") if "(" in value else value
+    raise BootError("scontrol show config names no SlurmctldHost: give --listen ADDR")
+
+
+def job_state(job: str) -> tuple[str, str]:
+    """A job's (state, reason) as squeue says; ("", "") once Slurm no longer lists it."""
+    out = _slurm(["squeue", "-h", "-j", job, "-o", "%T|%r"]).stdout.strip()
+    if "|" not in out:
+        return "", ""
+    state, reason = out.splitlines()[0].split("|", 1)
+    return state, reason
+
+
+def node_addresses(job: str) -> list[str]:
+    """The addresses of the nodes Slurm gave the job (their NodeAddr, resolved)."""
+    fields = _fields(_slurm(["scontrol", "-o", "show", "job", job]).stdout)
+    listed = fields.get("NodeList", "")
+    if not listed or listed == "(null)":
+        return []
+    names = _slurm(["scontrol", "show", "hostnames", listed]).stdout.split()
+    found = []
+    for name in names:
+        addr = _fields(_slurm(["scontrol", "-o", "show", "node", name]).stdout).get("NodeAddr")
+        with contextlib.suppress(OSError):
+            found += sorted({str(i[4][0]) for i in socket.getaddrinfo(addr or name, None)})
+    return found
+
+
+def _fields(line: str) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in line.split() if "=" in item)
+
+
+def ended_state(job: str) -> str:
+    """How a job that squeue no longer lists ended (``scontrol show job``), if known."""
+    fields = _fields(_slurm(["scontrol", "-o", "show", "job", job]).stdout)
+    state = fields.get("JobState", "")
+    reason = fields.get("Reason", "")
+    return f"{state} ({reason})" if reason and reason != "None" else state
+
+
+class _Step(MPIEngineSetLauncher):
+    """ipyparallel's launcher of ``mpiexec -n N engine``, with ``srun`` as the mpiexec: a
+    step of the job the kernel runs in. Its engines are not an MPI world (no ``--mpi``:
+    ipyparallel would ask mpi4py for their ids); they are ordered by ``SLURM_PROCID``."""
+
+    @property
+    def program(self) -> list[str]:
+        return list(self.engine_cmd)
+
+
+class _Job(SlurmEngineSetLauncher):
+    """ipyparallel's Slurm engine launcher, writing its script to nbrpc's directory."""
+
+
+class SlurmController(Controller):
+    """A controller on ``listen`` and one Slurm job (or step) of engines."""
+
+    def __init__(self, listen: str, plan: _options.Slurm, python: str) -> None:
+        self.listen = listen
+        self.plan = plan
+        self.python = python
+        self.workdir = tempfile.mkdtemp(prefix="nbrpc-slurm-")
+        self.job = in_allocation()
+        self.step = self.job is not None  # a step of the kernel's own job
+        super().__init__(listen, self.workdir, _Step if self.step else _Job)
+        self._launcher: Any = None
+        self._task_of: dict[int, tuple[int, str]] = {}  # engine id -> (task, node)
+        self._start_controller()
+
+    # -- engines ---------------------------------------------------------------------
+
+    def spawn(self, n: int) -> None:
+        if self.step:  # the allocation's nodes are known: let them in first
+            self.admit(node_addresses(self.job or ""))
+        engine = [self.python, "-m", "nbrpc._engines.zygote", "--engine"]
+        options = self.plan.sbatch_options(n)
+        try:
+            if self.step:  # the job's partition and time are the job's own
+                shape = [o for o in options[1:] if o.startswith(("--nodes=", "--gpus-per-node="))]
+                set_id = self._ipp.start_engines_sync(
+                    n,
+                    mpi_cmd=["srun"],
+                    mpi_args=[
+                        f"--jobid={self.job}",
+                        "--overlap",
+                        "--kill-on-bad-exit=0",
+                        *shape,
+                        *self.plan.args,
+                    ],
+                    engine_cmd=engine,
+                    engine_args=list(ENGINE_ARGS),
+                )
+            else:
+                script = "\n".join(
+                    [
+                        "#!/bin/sh",
+                        "#SBATCH --job-name=nbrpc-{cluster_id}",
+                        "#SBATCH --output={output_file}",
+                        "#SBATCH --export=ALL",
+                        *(f"#SBATCH {_braces(o)}" for o in options),
+                        "srun --kill-on-bad-exit=0 {program_and_args}",
+                        "",
+                    ]
+                )
+                set_id = self._ipp.start_engines_sync(
+                    n,
+                    batch_template=script,
+                    batch_file_name=os.path.join(self.workdir, "engines.sbatch"),
+                    engine_cmd=engine,
+                    engine_args=list(ENGINE_ARGS),
+                )
+        except BootError:
+            raise
+        except Exception as exc:
+            raise BootError(f"could not start engines with Slurm: {exc}") from exc
+        self._launcher = self._ipp.engines[set_id]
+        if self.step:
+            self._watch()  # srun is a process of this host: the watchdog stops it too
+        else:
+            self.job = str(self._launcher.job_id)
+            watchdog_cancel(self.pidfile, ["scancel", self.job])
+
+    def pids(self) -> list[int]:
+        """The controller's processes, and ``srun`` when the engines are a step."""
+        srun = getattr(self._launcher, "pid", None) if self.step else None
+        return super().pids() + ([srun] if srun else [])
+
+    def take(
+        self, n: int, queue_timeout: float | None, registered: Callable[..., None]
+    ) -> list[int]:
+        """Engine ids in task order, once every engine registered; the job's wait in the
+        queue is reported with ``registered(0, note)``."""
+        client = self.client()
+        t0 = time.monotonic()
+        running_since: float | None = None
+        polled = 0.0
+        while True:
+            ids = sorted(client.ids)
+            if len(ids) >= n:
+                break
+            if time.monotonic() - polled >= QUEUE_POLL_S and not self.step:
+                polled = time.monotonic()
+                state, reason = job_state(self.job or "")
+                waited = time.monotonic() - t0
+                if state == "PENDING":
+                    why = f" ({reason})" if reason and reason != "None" else ""
+                    registered(len(ids), f"Slurm job {self.job}: PENDING{why}")
+                    if reason.split(",")[0] in HOPELESS:
+                        self.cancel()
+                        asked = shlex.join(self.plan.sbatch_options(n))
+                        raise BootError(
+                            f"Slurm will not start job {self.job} ({asked}): it is pending "
+                            f"for {reason}, which waiting does not change. The job was "
+                            "cancelled; `sinfo` lists the partitions and their limits."
+                        )
+                    if queue_timeout is not None and waited > queue_timeout:
+                        self.cancel()
+                        raise BootError(
+                            f"Slurm job {self.job} waited {waited:.0f} s in the queue "
+                            f"(Slurm's reason: {reason}) and was cancelled (--queue-timeout "
+                            f"{queue_timeout:g}). `squeue` and `sinfo` show what the "
+                            "partition is busy with."
+                        )
+                elif state in ("", *ENDED):
+                    how = ended_state(self.job or "") if not state else f"{state} ({reason})"
+                    if not how:  # squeue did not answer this time: ask again
+                        continue
+                    raise BootError(
+                        f"Slurm job {self.job} ended before its engines registered: {how}. "
+                        f"Its output ({self._output_file()}):\n{tail(self.job_output())}"
+                    )
+                else:
+                    if running_since is None:  # its nodes are known now: let them in
+                        running_since = time.monotonic()
+                        self.admit(node_addresses(self.job or ""))
+                    registered(len(ids), f"Slurm job {self.job}: {state}")
+            elif self.step:
+                running_since = running_since or t0
+                if self._launcher is not None and self._launcher.state == "after":
+                    raise BootError(
+                        f"srun (a step of job {self.job}) ended before the engines "
+                        f"registered. Its output:\n{tail(self._launcher.get_output())}"
+                    )
+                registered(len(ids))
+            if (
+                running_since is not None
+                and time.monotonic() - running_since > START_AFTER_RUNNING_S
+            ):
+                raise BootError(
+                    f"only {len(ids)} of {n} engines of Slurm job {self.job} registered with "
+                    f"the controller at {self.listen} within {START_AFTER_RUNNING_S:.0f} s of "
+                    "the job's start. The nodes connect back to this host: check that they "
+                    f"reach {self.listen}, and the job's output: {self._output_file()}"
+                )
+            time.sleep(0.05)
+        tasks = client[ids].apply_async(worker.slurm_task).get(timeout=30)
+        order = sorted(zip(tasks, ids, strict=True))
+        taken = [eid for _, eid in order[:n]]
+        self._task_of.update({eid: task for task, eid in order})
+        return taken
+
+    def admit(self, addresses: list[str]) -> None:
+        """Let the job's nodes through the member filter of the kernel and its controller
+        (when the cluster listens beyond loopback), before their engines register: they
+        are known only once Slurm allocated them."""
+        members = _fence.members()
+        if members is None or not addresses:
+            return
+        _fence.admit(members | set(addresses))
+        for pid in self.controller_pids():
+            with contextlib.suppress(OSError):
+                _fence.fence_process(pid)
+
+    def node_of(self, engine_id: int) -> str:
+        return self._task_of.get(engine_id, (0, ""))[1]
+
+    def _output_file(self) -> str:
+        out = getattr(self._launcher, "output_file", "")
+        return out.replace("%j", self.job or "") if out else "(none)"
+
+    def job_output(self) -> str:
+        with contextlib.suppress(OSError):
+            return pathlib.Path(self._output_file()).read_text(errors="replace")
+        return ""
+
+    def lost(self) -> str:
+        """Why the engines are gone, when the job (or step) ended: Slurm's state."""
+        if self.step or not self.job:
+            return ""
+        state, reason = job_state(self.job)
+        if state in ("RUNNING", "PENDING", "CONFIGURING"):
+            return ""
+        how = f"{state} ({reason})" if state else ended_state(self.job)
+        return f"Slurm job {self.job} ended: {how}"
+
+    def dump_stacks(self, engine_ids: list[int], pids: list[int], timeout: float) -> dict:
+        """Run :mod:`nbrpc._wire.stacks` on each node, as a step of the job (``srun
+        --overlap``): no ssh into the nodes needed."""
+        wanted: dict[str, list[int]] = {}
+        for eid, pid in zip(engine_ids, pids, strict=True):
+            wanted.setdefault(self.node_of(eid), []).append(pid)
+        source = pathlib.Path(stacks.__file__).read_text()
+
+        def read(node: str, node_pids: list[int]) -> str:
+            argv = [
+                *("srun", f"--jobid={self.job}", "--overlap", "-n1", "-N1", f"-w{node}"),
+                *("--quiet", self.python, "-c", source, *map(str, node_pids)),
+            ]
+            return _slurm(argv, timeout=timeout + SLURM_TIMEOUT_S).stdout
+
+        return stacks.gather(wanted, read)
+
+    # -- stop ------------------------------------------------------------------------
+
+    def cancel(self) -> None:
+        """Cancel the job (or the step), and wait until Slurm no longer runs it."""
+        if self.step:
+            launcher = self._launcher
+            if launcher is not None and launcher.state == "running":
+                with contextlib.suppress(Exception):
+                    launcher.signal(15)  # srun passes it to the tasks and ends the step
+                    deadline = time.monotonic() + 10
+                    while launcher.state == "running" and time.monotonic() < deadline:
+                        time.sleep(0.1)
+                    if launcher.state == "running":
+                        launcher.signal(9)
+            return
+        if not self.job:
+            return
+        with contextlib.suppress(BootError, ConfigError):
+            _slurm(["scancel", self.job])
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and job_state(self.job)[0] not in ("", *ENDED):
+                time.sleep(0.2)
+
+    def retire(self, engine_ids: list[int]) -> None:
+        """Stop the engines (ask ipyparallel), then cancel the job: nothing of ours stays
+        in ``squeue``, no engine on any node."""
+        if self._client is not None and engine_ids:
+            live = [i for i in engine_ids if i in self._client.ids]
+            if live:
+                with contextlib.suppress(Exception):
+                    self._client.shutdown(targets=live, hub=False, block=False)
+        self.cancel()
+
+    def release(self) -> None:
+        super().release()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _braces(text: str) -> str:
+    """``text`` as a literal in ipyparallel's template (which formats ``{...}``)."""
+    return text.replace("{", "{{").replace("}", "}}")
+
+
+def watchdog_cancel(pidfile: str, argv: list[str]) -> None:
+    """Have the watchdog run ``argv`` (``scancel JOB``) should the kernel die."""
+    env = {k: v for k, v in os.environ.items() if k.startswith("SLURM_") or k == "PATH"}
+    with open(pidfile + ".on-death", "w") as f:
+        json.dump({"argv": argv, "env": env}, f)
+
+
+class SlurmSource(ControllerSource[SlurmController]):
+    """Engines from Slurm (``--slurm``): one job, or a step of the kernel's job."""
+
+    cannot_replace = (
+        "a worker from Slurm cannot be replaced alone: its engine is a task of the job's "
+        "step. %rpc_shutdown then %rpc_init --slurm starts a new job."
+    )
+
+    @classmethod
+    def wants(cls, settings: _options.Settings) -> bool:
+        return settings.slurm is not None
+
+    @classmethod
+    def resolve(cls, settings: _options.Settings) -> _options.Settings:
+        """Slurm checks the job first; ``--listen`` defaults to this host's address on the
+        route towards Slurm's controller."""
+        assert settings.slurm is not None
+        check(settings.slurm, settings.n or 1)
+        if settings.listen:
+            return settings
+        return replace(settings, listen=worker.address_toward(controller_address()))
+
+    def start(self) -> None:
+        s = self.settings
+        assert s.listen, "resolve() works out --listen"
+        assert s.slurm is not None, "wants() took it for these settings"
+        self.engines = SlurmController(s.listen, s.slurm, s.remote_python or s.python)
+
+    def hosts(self) -> list[str]:
+        return []  # the nodes are Slurm's choice: they report their addresses
+
+    def launch(self, n: int) -> None:
+        self._ours().spawn(n)
+
+    def take(self, n: int | None, timeout: float, registered: Callable[..., None]) -> list[int]:
+        assert self.settings.slurm is not None
+        return self._ours().take(n or 1, self.settings.slurm.queue_timeout, registered)
+
+    def last_output(self, pid: int) -> str:
+        return self.engines.lost() if self.engines is not None else ""
+
+    def summary_note(self) -> str:
+        ours = self.engines
+        if ours is None or not ours.job:
+            return ""
+        nodes = sorted({node for _, node in ours._task_of.values() if node})
+        what = (
+            f"a step of Slurm job {ours.job} (the kernel's)"
+            if ours.step
+            else f"Slurm job {ours.job}"
+        )
+        return f"workers from {what}, on {', '.join(nodes) or 'its nodes'}"
+
+    def stop(self, engine_ids: list[int], pids: list[int], keep_warm: bool) -> None:
+        ours = self.engines
+        if ours is None:
+            return
+        try:
+            ours.retire(engine_ids)
+        finally:
+            ours.release()
+            self.engines = None
+
+    def replace(self, engine_ids: list[int], pids: list[int], timeout: float) -> list[int]:
+        raise ConfigError(self.cannot_replace)
+
+    def dump_stacks(
+        self, engine_ids: list[int], pids: list[int], timeout: float
+    ) -> dict[int, dict[str, Any]]:
+        return self._ours().dump_stacks(engine_ids, pids, timeout)

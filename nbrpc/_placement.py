@@ -1,0 +1,205 @@
+"""Where the workers run and what they are called: their names, the ``--hosts`` entries,
+the Slurm job (``--slurm``); each checked before anything starts.
+
+:func:`where` works out how many workers, named what, on which hosts, with the kernel
+listening where, and refuses combinations that cannot work. :class:`Slurm` is what
+``nbrpc.init(slurm=nbrpc.Slurm(...))`` takes; the same job can be given as flat options
+(``%rpc_init --slurm --nodes 2 --time 10``, ``nbrpc.init(slurm=True, nodes=2)``),
+declared with the others in :mod:`nbrpc._options`. :func:`slurm_job` makes one ``Slurm``
+of either form; what only Slurm can judge (a partition, a time over its limit) it judges
+with ``sbatch --test-only`` (:mod:`nbrpc._engines.slurm`).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass
+from typing import Any
+
+from . import _group
+from ._errors import ConfigError
+
+DEFAULT_WORKERS = 2  # a local cluster's size when neither n nor names say otherwise
+
+
+@dataclass(frozen=True)
+class Slurm:
+    """Workers from Slurm (``nbrpc.init(n=4, slurm=nbrpc.Slurm(nodes=2, time="30"))``).
+
+    One job of ``n`` engine tasks (``%rpc_init --slurm -n N``), or a step of the job the
+    kernel runs in (``SLURM_JOB_ID`` set). ``nodes``: how many nodes (Slurm's choice when
+    None); ``partition``; ``time``: the job's time limit in any of ``sbatch --time``'s
+    formats ("30", "1:00:00", "2-0"); ``gpus_per_node``: GPUs asked on each node, one per
+    worker by its rank on the node; ``args``: more ``sbatch`` options, as written on its
+    command line; ``queue_timeout``: seconds to wait for the job to start (None: as long as
+    it takes) before it is cancelled and the boot fails naming Slurm's reason.
+    """
+
+    nodes: int | None = None
+    partition: str | None = None
+    time: str | None = None
+    gpus_per_node: int | None = None
+    args: tuple[str, ...] = ()
+    queue_timeout: float | None = None
+
+    def sbatch_options(self, n: int) -> list[str]:
+        """The ``sbatch`` (and ``srun``) options for ``n`` tasks."""
+        opts = [f"--ntasks={n}"]
+        if self.nodes is not None:
+            opts.append(f"--nodes={self.nodes}")
+        if self.partition:
+            opts.append(f"--partition={self.partition}")
+        if self.time:
+            opts.append(f"--time={self.time}")
+        if self.gpus_per_node:
+            opts.append(f"--gpus-per-node={self.gpus_per_node}")
+        return [*opts, *self.args]
+
+
+_SLURM_FLAT = ("nodes", "partition", "time", "gpus_per_node", "sbatch_args", "queue_timeout")
+
+
+def slurm_job(v: dict[str, Any]) -> Slurm | None:
+    """The Slurm job asked for (``slurm=`` and the flat options), checked."""
+    given = {k: v[k] for k in _SLURM_FLAT if v[k] not in (None, "", [], ())}
+    asked = v["slurm"]
+    if not asked:
+        if given:
+            flags = ", ".join("--" + k.replace("_", "-") for k in given)
+            raise ConfigError(f"{flags} shape a Slurm job: add --slurm (slurm=True)")
+        return None
+    if v["hosts"] is not None or v["profile"] is not None or v["cluster_id"] is not None:
+        raise ConfigError(
+            "--slurm takes its workers from Slurm; --hosts starts them over ssh and "
+            "--profile/--cluster-id attach to engines someone else started. Use one."
+        )
+    if isinstance(asked, Slurm):
+        if given:
+            raise ConfigError(
+                f"give the Slurm job's {', '.join(given)} in nbrpc.Slurm(...) or as "
+                "keywords, not both"
+            )
+        plan = asked
+    elif asked is True:
+        extra = v["sbatch_args"]
+        args = tuple(shlex.split(extra) if isinstance(extra, str) else extra or ())
+        plan = Slurm(
+            v["nodes"], v["partition"], v["time"], v["gpus_per_node"], args, v["queue_timeout"]
+        )
+    else:
+        raise ConfigError(f"slurm={asked!r}: use True or nbrpc.Slurm(...)")
+    if plan.nodes is not None and plan.nodes < 1:
+        raise ConfigError(f"--nodes must be at least 1, got {plan.nodes}")
+    if plan.gpus_per_node is not None and plan.gpus_per_node < 0:
+        raise ConfigError(f"--gpus-per-node must be 0 or more, got {plan.gpus_per_node}")
+    if plan.queue_timeout is not None and plan.queue_timeout <= 0:
+        raise ConfigError("--queue-timeout must be a positive number of seconds")
+    if plan.time is not None and not re.fullmatch(r"[0-9:-]+|UNLIMITED|INFINITE", plan.time):
+        raise ConfigError(
+            f"--time {plan.time!r}: Slurm takes minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or "
+            "D-HH:MM:SS"
+        )
+    if (v["listen"] or "") and _group.is_loopback(v["listen"]):
+        raise ConfigError(
+            f"--listen {v['listen']} with --slurm: workers on the cluster's nodes cannot "
+            "reach this host's loopback. Give an address they reach (or leave --listen "
+            "out: it is worked out from the route towards Slurm's controller)."
+        )
+    return plan
+
+
+def slurm_fields(plan: Slurm | None) -> dict[str, Any]:
+    if plan is None:
+        return {"slurm": None}
+    return {
+        "slurm": plan,
+        "nodes": plan.nodes,
+        "partition": plan.partition,
+        "time": plan.time,
+        "gpus_per_node": plan.gpus_per_node,
+        "sbatch_args": plan.args,
+        "queue_timeout": plan.queue_timeout,
+    }
+
+
+def validate_names(names: list[str] | tuple[str, ...], self_name: str) -> None:
+    for name in [self_name, *names]:
+        if not name or len(name) >= 128 or not all(c.isalnum() or c in "_-" for c in name):
+            raise ConfigError(
+                f"bad worker name {name!r}: use letters, digits, '_' or '-' "
+                "(at most 127 characters), e.g. --names ps,trainer1"
+            )
+    if len(set(names)) != len(names) or self_name in names:
+        raise ConfigError(
+            f"worker names must be unique and differ from the kernel's ({self_name!r}); "
+            f"got {[self_name, *names]}"
+        )
+
+
+_HOST_ENTRY = re.compile(r"^(?:[A-Za-z0-9._-]+@)?[A-Za-z0-9._:-]+$")
+
+
+def parse_hosts(hosts: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """``"root@h1,h1,h2"`` (or a list) -> ``("root@h1", "h1", "h2")``, each entry checked."""
+    items = hosts.split(",") if isinstance(hosts, str) else list(hosts)
+    entries = tuple(str(h).strip() for h in items if str(h).strip())
+    if not entries:
+        raise ConfigError("--hosts is empty: give [user@]address entries, e.g. --hosts h1,h1,h2")
+    for entry in entries:
+        if not _HOST_ENTRY.match(entry):
+            raise ConfigError(
+                f"--hosts entry {entry!r} is not [user@]address (letters, digits, '.', '-', "
+                "'_', ':'); ssh options such as a port or key go in --ssh-args, e.g. "
+                "--ssh-args='-p 2222 -i ~/.ssh/cluster'"
+            )
+    return entries
+
+
+def where(v: dict[str, Any]) -> tuple:
+    """How many workers, named what, on which hosts, with the kernel listening where:
+    ``(n, names, hosts, ssh_args, listen)``, checked against each other."""
+    n = v["n"]
+    attached = v["profile"] is not None or v["cluster_id"] is not None
+    names = tuple(s.strip() for s in v["names"]) if v["names"] else None
+    entries = parse_hosts(v["hosts"]) if v["hosts"] is not None else None
+    ssh_args = v["ssh_args"]
+    extra = tuple(shlex.split(ssh_args) if isinstance(ssh_args, str) else ssh_args or ())
+    if entries is None and (extra or v["remote_python"]):
+        raise ConfigError("--ssh-args and --remote-python go with --hosts")
+    listen = v["listen"]
+    if entries is not None:
+        if attached:
+            raise ConfigError(
+                "--hosts starts engines over ssh; --profile/--cluster-id attach to engines "
+                "someone else started. Use one or the other."
+            )
+        if n is not None and n != len(entries):
+            raise ConfigError(
+                f"-n {n} does not match the {len(entries)} --hosts entries: a host listed "
+                "N times gets N workers, so leave -n out"
+            )
+        if names is not None and len(names) != len(entries):
+            raise ConfigError(
+                f"{len(names)} names for {len(entries)} --hosts entries: give one name per "
+                "entry (a host listed twice gets two workers)"
+            )
+        n = len(entries)
+        if listen and _group.is_loopback(listen):
+            raise ConfigError(
+                f"--listen {listen} with --hosts: workers on other hosts cannot reach this "
+                "host's loopback. Give an address they reach (or leave --listen out: it "
+                "is worked out from the route towards the first host)."
+            )
+    if v["init_method"] and not listen:
+        listen = _group.listen_of_init_method(v["init_method"])
+    if names is not None:
+        if n is not None and n != len(names):
+            raise ConfigError(f"-n {n} does not match {len(names)} names: {list(names)}")
+        n = len(names)
+    if n is None and not attached:
+        n = DEFAULT_WORKERS
+    if n is not None and (not isinstance(n, int) or n < 1):
+        raise ConfigError(f"-n must be at least 1, got {n}")
+    validate_names(names or (), v["self_name"])
+    return n, names, entries, extra, listen
