@@ -235,7 +235,9 @@ def test_a_job_cancelled_from_outside_is_reported_with_slurm_s_reason(slurm, ker
 @needs_slurm
 def test_a_queued_job_shows_why_and_is_cancelled_at_its_queue_timeout(slurm, kernel):
     # both nodes taken: the next job waits with Slurm's reason "Resources"
-    blocker = slurm.run("sbatch", "-N2", "--exclusive", "--parsable", "--wrap", "sleep 120")
+    blocker = slurm.run(
+        "sbatch", "--output=/dev/null", "-N2", "--exclusive", "--parsable", "--wrap", "sleep 120"
+    )
     blocker_id = blocker.stdout.strip().split(";")[0]
     try:
         t0 = time.monotonic()
@@ -268,7 +270,9 @@ def test_a_queued_job_shows_why_and_is_cancelled_at_its_queue_timeout(slurm, ker
 
 @needs_slurm
 def test_inside_an_allocation_the_workers_are_a_step_of_its_job(slurm, kernel):
-    alloc = slurm.run("sbatch", "-N2", "-n2", "--parsable", "--wrap", "sleep 300")
+    alloc = slurm.run(
+        "sbatch", "--output=/dev/null", "-N2", "-n2", "--parsable", "--wrap", "sleep 300"
+    )
     job = alloc.stdout.strip().split(";")[0]
     try:
         deadline = time.monotonic() + 20
