@@ -250,7 +250,7 @@ class Options(TypedDict, total=False):
         str | None,
         Opt(
             "--remote-python",
-            "the interpreter on the hosts (default: the kernel's path)",
+            "the interpreter on the hosts or Slurm's nodes (default: the kernel's path)",
             metavar="PATH",
         ),
     ]

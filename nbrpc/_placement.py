@@ -165,8 +165,10 @@ def where(v: dict[str, Any]) -> tuple:
     entries = parse_hosts(v["hosts"]) if v["hosts"] is not None else None
     ssh_args = v["ssh_args"]
     extra = tuple(shlex.split(ssh_args) if isinstance(ssh_args, str) else ssh_args or ())
-    if entries is None and (extra or v["remote_python"]):
-        raise ConfigError("--ssh-args and --remote-python go with --hosts")
+    if entries is None and extra:
+        raise ConfigError("--ssh-args goes with --hosts")
+    if entries is None and v["remote_python"] and not v["slurm"]:
+        raise ConfigError("--remote-python goes with --hosts or --slurm")
     listen = v["listen"]
     if entries is not None:
         if attached:

@@ -51,8 +51,11 @@ def test_host_settings_refuse_what_cannot_work():
         Settings.make(hosts="h1", listen="127.0.0.1")
     with pytest.raises(nbrpc.ConfigError, match="one or the other"):
         Settings.make(hosts="h1", profile="default")
-    with pytest.raises(nbrpc.ConfigError, match="go with --hosts"):
+    with pytest.raises(nbrpc.ConfigError, match="goes with --hosts"):
         Settings.make(2, ssh_args="-F cfg")
+    with pytest.raises(nbrpc.ConfigError, match="goes with --hosts or --slurm"):
+        Settings.make(2, remote_python="/opt/venv/bin/python")
+    assert Settings.make(2, slurm=True, remote_python="/opt/py").remote_python == "/opt/py"
 
 
 def test_init_method_host_becomes_the_listen_address():
