@@ -170,6 +170,13 @@ def test_workers_from_a_slurm_job(slurm, kernel):
     )
     assert kernel.value("g.tolist()") == [2.0, 4.0]
 
+    # a worker's breakpoint() on a node opens pdb in the calling cell
+    kernel.run("def halve(x):\n    y = x / 2\n    breakpoint()\n    return y\n")
+    out = kernel.run("print(nbrpc.rpc_sync('worker3', halve, args=(9,)))", answers=["p y", "c"])
+    assert kernel.prompts == ["(Pdb worker3) "] * 2
+    assert "\n4.5\n" in out
+    assert out.rstrip().endswith("4.5")
+
     # the stacks of a busy worker, read on its node by a step of the job
     kernel.run(
         "def spin(s):\n    t = time.time()\n    while time.time() - t < s:\n        pass\n"
