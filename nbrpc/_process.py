@@ -18,13 +18,20 @@ import torch.distributed.rpc as rpc
 
 from ._errors import SharedHostWarning
 
+_named: list[str] = []  # this process's name once it joined: it keeps it for life
+
 
 def name() -> str:
-    """This process's name in the group, or ``"?"`` outside one."""
+    """This process's name in the group, or ``"?"`` outside one (asked of torch until it
+    has one; every call it sends names its caller)."""
+    if _named:
+        return _named[0]
     try:
-        return rpc.get_worker_info().name
+        found = rpc.get_worker_info().name
     except Exception:
         return "?"
+    _named.append(found)
+    return found
 
 
 @dataclass
@@ -38,6 +45,7 @@ class _Identity:
 _identity = _Identity()
 _identity.renew()
 os.register_at_fork(after_in_child=_identity.renew)  # workers are forked from the zygote
+os.register_at_fork(after_in_child=_named.clear)
 
 
 def token() -> str:

@@ -27,9 +27,10 @@ import threading
 import uuid
 from typing import Any
 
-from . import _agent, _group, _torch
+from . import _agent, _group, _process, _torch
 from ._errors import NbrpcError
 from ._rows import CallRow
+from ._timeline_views import timeline_text
 from ._wire import recording
 
 _ROUNDS = 5
@@ -98,15 +99,13 @@ class Recording:
 
     def start(self) -> Recording:
         _group.require_active("nbrpc.record()")
-        me = _torch.agent().get_worker_info().name
-        names = _group.member_names()
-        measure_clocks([n for n in names if n != me])
-        self.processes = [me, *[n for n in names if n != me]]
-        self._offsets = {name: offset_of(name) for name in self.processes}
-        self._offsets[me] = 0.0
+        me = _process.name()
+        others = [n for n in _group.member_names() if n != me]
+        measure_clocks(others)
+        self.processes = [me, *others]
+        self._offsets = {name: offset_of(name) for name in self.processes}  # the kernel: 0
         self.t0 = recording.clock()
-        recording.start(self.token)
-        self._ask(recording.start)
+        self._everywhere(recording.start)
         self.recording = True
         return self
 
@@ -115,22 +114,15 @@ class Recording:
             return self
         self.recording = False
         self.seconds = recording.clock() - self.t0
-        here = recording.stop(self.token)
-        found = self._ask(recording.stop)
-        self._take(_torch.agent().get_worker_info().name, here)
-        for name, part in found.items():
-            self._take(name, part)
+        self._take(self._everywhere(recording.stop))
         return self
 
     def refresh(self) -> bool:
         """Collect the rows finished so far (a live view calls this); whether any came."""
         if not self.recording:
             return False
-        me = _torch.agent().get_worker_info().name
         before = len(self._rows)
-        self._take(me, recording.drain(self.token))
-        for name, part in self._ask(recording.drain).items():
-            self._take(name, part)
+        self._take(self._everywhere(recording.drain))
         return len(self._rows) != before
 
     def __enter__(self) -> Recording:
@@ -139,15 +131,19 @@ class Recording:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _ask(self, func: Any) -> dict[str, Any]:
-        """``func(token)`` on every worker of the recording at once; answers by name."""
-        return _agent.ask_all(self.processes[1:], func, (self.token,), _ASK_TIMEOUT_S)
+    def _everywhere(self, func: Any) -> dict[str, Any]:
+        """``func(token)`` here, then on every worker of the recording at once; answers by
+        name (a worker that does not answer is left out)."""
+        here = {self.processes[0]: func(self.token)}
+        return {**here, **_agent.ask_all(self.processes[1:], func, (self.token,), _ASK_TIMEOUT_S)}
 
-    def _take(self, callee: str, part: dict[str, Any]) -> None:
+    def _take(self, parts: dict[str, dict[str, Any]]) -> None:
+        """Keep the rows and request sizes each process (by name) handed out."""
         with self._lock:
-            for row in part["rows"]:
-                self._rows[row["id"]] = {**row, "_clock": callee}
-            self._sent.update(part["sent"])
+            for callee, part in parts.items():
+                for row in part["rows"]:
+                    self._rows[row["id"]] = {**row, "callee": callee}  # it ran there
+                self._sent.update(part["sent"])
 
     # -- the rows ---------------------------------------------------------------------
 
@@ -164,7 +160,7 @@ class Recording:
         return t - self._offsets.get(name, 0.0) - self.t0
 
     def _row(self, r: dict, sent: dict | None) -> CallRow:
-        callee = r["callee"] or r["_clock"]
+        callee = r["callee"]
         return {
             "id": r["id"],
             "parent": r["parent"],
@@ -198,8 +194,6 @@ class Recording:
         return path
 
     def __repr__(self) -> str:
-        from ._timeline_views import timeline_text
-
         return timeline_text(self.calls, self.processes, self.recording)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from nbrpc import _process
-from nbrpc._wire import callee, shm
+from nbrpc._wire import recording, shm
 
 
 def _route(obj):
@@ -57,8 +57,11 @@ def test_a_call_names_its_caller_and_whether_a_reply_goes_back():
     from nbrpc import _torch
 
     udf = _torch.PythonUDF(len, ([1, 2],), {})
-    got = pickle.loads(pickle.dumps(callee.WithCaller(udf, reply=True)))
+    sent, _ = recording.outgoing(udf, _process.name(), reply=True, user=False)
+    got = pickle.loads(pickle.dumps(sent))
     assert (got.func, got.args, got.kwargs) == (len, ([1, 2],), {})
-    assert got.reply is True
-    assert got.caller == _process.name()
+    call, caller, _parent, _sent, reply = recording.header_of(got)
+    assert reply is True
+    assert caller == _process.name()
+    assert call == 0  # not recorded
     assert _torch.run_udf(got) == 2

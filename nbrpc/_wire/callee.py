@@ -76,34 +76,6 @@ def after_call(hook: Any) -> None:
         _served.after_call.append(hook)
 
 
-class _CallerUDF(_torch.PythonUDF):
-    """torch's call record, plus who sent it and whether a reply goes back (see below)."""
-
-    caller: str | None = None
-    reply: bool = False
-
-
-def udf_from(caller: str, reply: bool, func: Any, args: tuple, kwargs: dict) -> Any:
-    """Unpickling side of :class:`WithCaller`: the call record with its caller."""
-    udf = _CallerUDF(func, args, kwargs)
-    udf.caller, udf.reply = caller, reply
-    return udf
-
-
-class WithCaller:
-    """A call being sent when only some peers share this host's memory: it names its
-    caller, so the callee knows whether its reply may carry large tensors through shared
-    memory (:mod:`nbrpc._wire.shm`). ``reply``: a result is sent back (not for
-    ``remote()``, whose value stays with the callee)."""
-
-    def __init__(self, udf: Any, reply: bool) -> None:
-        self.udf, self.reply = udf, reply
-
-    def __reduce__(self) -> tuple:
-        udf = self.udf
-        return (udf_from, (_process.name(), self.reply, udf.func, udf.args, udf.kwargs))
-
-
 def _unsendable(result: Any, func: Any) -> SerializationError | None:
     """The error for a result no pickler can send back, found before torch tries (it would
     fail in C++, and the caller get a RuntimeError with C++ frames): what to do instead."""
@@ -138,9 +110,9 @@ def run_function(python_udf: Any) -> Any:
         with _served.lock:
             _served.in_flight += 1
     row = None
+    header = recording.header_of(python_udf)  # its caller, and more (nbrpc._wire.recording)
     if counted:  # what this thread serves, for a stack dump; a row, while recording
         name = recording.function_name(func, python_udf.args, func is call_builtin)
-        header = getattr(python_udf, "record", None)
         stacks.label(
             f"{name} from {header[1]} (call {header[0]})"
             if header and header[0]
@@ -159,8 +131,8 @@ def run_function(python_udf: Any) -> Any:
             raised = type(unsendable).__name__
             result = failures.failure(unsendable)  # no traceback: nothing of the user's raised
             return result
-        if getattr(python_udf, "reply", False) and not isinstance(result, torch.futures.Future):
-            shm.expect_reply(result, python_udf.caller)  # pickled next, on this thread
+        if header and header[4] and not isinstance(result, torch.futures.Future):
+            shm.expect_reply(result, header[1])  # pickled next, on this thread
         return result
     except bdb.BdbQuit:  # q in the debugger (nbrpc._debugger)
         quit_ = DebuggerQuitError(_process.name(), getattr(func, "__qualname__", "?"))
@@ -176,7 +148,7 @@ def run_function(python_udf: Any) -> Any:
         if counted:
             stacks.label(None)
         if row is not None:
-            recording.end(row, result, raised, _process.name())
+            recording.end(row, result, raised)
         for hook in _served.after_call:
             hook()
         native_output.before_call_ends(printed)

@@ -177,13 +177,14 @@ class RpcPickler(cloudpickle.Pickler):
             _pickling.by_reference.clear()
             _pickling.by_value_seen = len(_BY_VALUE_MODULES)
         func = _torch.udf_function(obj)
-        sent = obj
-        if shm.restricted() and func is not None and shm.sending():
-            sent = callee.WithCaller(obj, reply=shm.sending() == "call")
-        message = None
+        sent, message = obj, None
         if func is not None:
-            if callee.is_user_call(func):  # it names its caller; recorded, while recording
-                sent, message = recording.outgoing(sent, recording.me())
+            # A call names its caller (nbrpc._wire.recording): every user call, and any call
+            # whose reply may come through shared memory (only some peers share it here)
+            user = callee.is_user_call(func)
+            reply = shm.restricted() and shm.sending() == "call"
+            if user or reply:
+                sent, message = recording.outgoing(obj, _process.name(), reply, user)
         elif recording.active() is not None:  # a reply, of a call recorded here?
             message = recording.message_for(obj)
         try:

@@ -10,8 +10,12 @@ and the path its tensors took. The caller keeps the request's own bytes and path
 call id. The kernel joins both halves and puts every time on its own clock with the
 offset it measured per process (``nbrpc._timeline``).
 
-Off, a call pays one module-global read in the pickler and one in the callee. On, a few
-``time.time()`` calls, a dict and a counter per call (``make bench`` reports the ratio).
+The header travels with every user call, recording or not: its caller's name says whom a
+thread serves in a stack dump (:mod:`nbrpc._wire.stacks`), and, where only some peers
+share this host's memory, whether a reply goes back to it (:mod:`nbrpc._wire.shm`). Off,
+recording costs a call one module-global read in the pickler and one in the callee. On, a
+few ``time.time()`` calls, a dict and a counter per call (``make bench`` reports the
+ratio).
 
 Calls that are not recorded: nbrpc's own and torch's own (as :mod:`nbrpc._wire.callee`
 does not count them), and torch builtins a worker sends with torch's own
@@ -30,6 +34,8 @@ import torch
 import torch.distributed.rpc as rpc
 
 from nbrpc import _torch
+
+from . import shm
 
 #: call ids: the caller's rank above these bits, its own counter below
 _RANK_SHIFT = 40
@@ -112,32 +118,27 @@ def active() -> _Recording | None:
 # -- the caller's side: a header on every user call --------------------------------------
 
 
-class Header:
-    """The caller, and while recording the call id, parent and send time, pickled in
-    front of a user call's record (``call`` 0: not recorded)."""
-
-    __slots__ = ("call", "caller", "parent", "sent")
-
-    def __init__(self, call: int, caller: str, parent: int | None, sent: float) -> None:
-        self.call, self.caller, self.parent, self.sent = call, caller, parent, sent
+#: A call's header: ``(call id, caller, parent id, sent, reply)``. ``call`` is 0 when the
+#: call is not recorded (then ``parent`` is None and ``sent`` 0.0); ``reply``: the caller
+#: expects its reply through shared memory if the two share a host (nbrpc._wire.shm).
+Header = tuple[int, str, "int | None", float, bool]
 
 
 class Recorded:
-    """A user call being sent: torch's call record and its :class:`Header`."""
+    """A call being sent: torch's call record and its header."""
 
     def __init__(self, udf: Any, header: Header) -> None:
         self.udf, self.header = udf, header
 
     def __reduce__(self) -> tuple:
-        h = self.header
-        return (arrived, ((h.call, h.caller, h.parent, h.sent), self.udf))
+        return (arrived, (self.header, self.udf))
 
 
 class _RecordedUDF(_torch.PythonUDF):
     """torch's call record with the header it arrived with (``.record``)."""
 
 
-def arrived(header: tuple, udf: Any) -> Any:
+def arrived(header: Header, udf: Any) -> Any:
     """Unpickling side of :class:`Recorded`: the call record, with its header attached."""
     if type(udf) is _torch.PythonUDF:
         udf = _RecordedUDF(udf.func, udf.args, udf.kwargs)
@@ -146,40 +147,28 @@ def arrived(header: tuple, udf: Any) -> Any:
     return udf
 
 
-_me: list[str] = []  # this process's name, once it has one (it never changes after)
+def header_of(python_udf: Any) -> Header | None:
+    """The header a call arrived with (None: sent without one)."""
+    return getattr(python_udf, "record", None)
 
 
-def me() -> str:
-    """This process's name in the group (asked of torch once)."""
-    if _me:
-        return _me[0]
-    try:
-        name = rpc.get_worker_info().name
-    except Exception:
-        return "?"
-    _me.append(name)
-    return name
-
-
-def outgoing(obj: Any, caller: str) -> tuple[Any, dict | None]:
-    """``obj`` (a user call's record being pickled) with its header (the caller's name
-    always: a stack dump says who a thread serves), and, while recording, where to count
-    the request's bytes."""
-    rec = _on
+def outgoing(obj: Any, caller: str, reply: bool, user: bool) -> tuple[Any, dict | None]:
+    """``obj`` (a call's record being pickled) with its header, and, for a ``user`` call
+    while recording, where to count the request's bytes."""
+    rec = _on if user else None
     if rec is None:
-        return Recorded(obj, Header(0, caller, None, 0.0)), None
+        return Recorded(obj, (0, caller, None, 0.0, reply)), None
     stack = getattr(_thread, "calls", None)
     parent = stack[-1]["id"] if stack else None
     call = rec.rank << _RANK_SHIFT | next(rec.counter)
     message: dict[str, Any] = {"call": call, "bytes": 0, "paths": set()}
     _thread.message = message
-    return Recorded(obj, Header(call, caller, parent, clock())), message
+    return Recorded(obj, (call, caller, parent, clock(), reply)), message
 
 
 def counted(reducer: Any) -> Any:
     """The tensor reducer of a message pickled while recording: it also adds each
     tensor's bytes and path to the message being pickled on this thread."""
-    from . import shm
 
     def reduce(t: torch.Tensor) -> Any:
         reduced = reducer(t)
@@ -229,16 +218,15 @@ def pickled(message: dict, size: int) -> None:
 
 def begin(python_udf: Any, name: str) -> dict | None:
     """A call arrived: its row, started (None when it was sent without a header)."""
-    header = getattr(python_udf, "record", None)
+    header = header_of(python_udf)
     rec = _on
     if header is None or rec is None or not header[0]:
         return None
-    call, caller, parent, sent = header
+    call, caller, parent, sent, _ = header
     row = {
         "id": call,
         "parent": parent,
         "caller": caller,
-        "callee": "",
         "function": name,
         "sent": sent,
         "start": clock(),
@@ -257,11 +245,10 @@ def begin(python_udf: Any, name: str) -> dict | None:
     return row
 
 
-def end(row: dict, result: Any, error: str | None, callee: str) -> None:
+def end(row: dict, result: Any, error: str | None) -> None:
     """The call returned ``result`` (pickled next on this thread, as its reply) or
     failed with an exception of type ``error``."""
     row["end"] = clock()
-    row["callee"] = callee
     if error is not None:
         row["ok"], row["error"] = False, error
     stack = _thread.calls
