@@ -167,6 +167,8 @@ def test_the_timeline_view_draws_every_call_and_updates_while_recording(cluster,
         while len(view.data["calls"]) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(view.data["calls"]) == 2, "the view did not update while recording"
+        # a row is handed out live once its reply was pickled: it has the reply's size
+        assert all(c["bytes_out"] > 0 for c in view.data["calls"]), view.data["calls"]
     view.refresh()
     assert not view.live
     assert not view.data["recording"]

@@ -98,7 +98,7 @@ def drain(token: str) -> dict[str, Any]:
         ready = rec.drained
         now = clock()
         while ready < len(rec.rows) and (
-            "_reply" not in rec.rows[ready] or now - rec.rows[ready]["end"] > 1.0
+            "_reply" in rec.rows[ready] or now - rec.rows[ready]["end"] > 1.0
         ):
             ready += 1
         rows = rec.rows[rec.drained : ready]
