@@ -181,6 +181,23 @@ def test_the_timeline_view_draws_every_call_and_updates_while_recording(cluster,
     view.close()
 
 
+def test_a_live_drain_hands_out_rows_whose_reply_was_pickled_and_holds_the_others(cluster):
+    from nbrpc._wire import recording
+
+    recording.start("drain-test")
+    try:
+        rows = recording.active().rows
+        now = recording.clock()
+        replied = {"id": 1, "end": now, "bytes_out": 10, "_reply": True}
+        waiting = {"id": 2, "end": now, "bytes_out": 0}  # its reply not pickled yet
+        rows += [replied, waiting]
+        assert [r["id"] for r in recording.drain("drain-test")["rows"]] == [1]
+        waiting["_reply"] = True
+        assert [r["id"] for r in recording.drain("drain-test")["rows"]] == [2]
+    finally:
+        recording.stop("drain-test")
+
+
 def test_recording_needs_a_cluster_and_a_stopped_recording_records_nothing(cluster, code):
     rec = nbrpc.record().start()
     rec.stop()
