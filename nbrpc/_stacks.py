@@ -45,17 +45,14 @@ def stacks(*names: str, timeout: float = TIMEOUT_S) -> list[StackRow]:
     chosen = [r for r in records if r.name in wanted]
     workers = [r for r in chosen if r.engine_id is not None]
     started = time.monotonic()
-    dumps = cluster.engines.dump_stacks(
-        [r.engine_id for r in workers if r.engine_id is not None],
-        [r.pid for r in workers],
-        timeout,
-    )
+    engine_ids = [r.engine_id for r in workers if r.engine_id is not None]
+    dumps = cluster.engines.dump_stacks(engine_ids, [r.pid for r in workers], timeout)
     rows: list[StackRow] = []
     for r in chosen:
         if r.engine_id is None:
             rows.append(_kernel_row(r.name, r.host))
             continue
-        part = dumps.get(r.pid)
+        part = dumps.get(r.engine_id)
         if part is None:  # a source that cannot reach the host: by RPC
             left = max(0.2, timeout - (time.monotonic() - started))
             rows.append(_by_rpc(r.name, r.pid, r.host, left))

@@ -148,8 +148,8 @@ class EngineSource(Protocol):
         self, engine_ids: list[int], pids: list[int], timeout: float
     ) -> dict[int, dict[str, Any]]:
         """Every thread's Python stack of the engines (processes ``pids`` on their own
-        hosts), read on their hosts without their GIL (:mod:`nbrpc._wire.stacks`): by pid,
-        ``{"dump", "labels"}`` or ``{"error"}``; {} where the source cannot reach its
+        hosts), read on their hosts without their GIL (:mod:`nbrpc._wire.stacks`): by engine
+        id, ``{"dump", "labels"}`` or ``{"error"}``; {} where the source cannot reach its
         engines' hosts (``nbrpc.stacks`` then asks by RPC)."""
         ...
 

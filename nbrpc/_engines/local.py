@@ -561,7 +561,8 @@ class LocalSource:
     def dump_stacks(
         self, engine_ids: list[int], pids: list[int], timeout: float
     ) -> dict[int, dict[str, Any]]:
-        return stacks.collect(pids, timeout)
+        found = stacks.collect(pids, timeout)  # pids of this host: one engine each
+        return {eid: found[pid] for eid, pid in zip(engine_ids, pids, strict=True)}
 
     def replace(self, engine_ids: list[int], pids: list[int], timeout: float) -> list[int]:
         """Kill them (a restart is for a worker that is broken or stuck: no waiting for a

@@ -366,20 +366,15 @@ class SlurmController(Controller):
 
     def dump_stacks(self, engine_ids: list[int], pids: list[int], timeout: float) -> dict:
         """Run :mod:`nbrpc._wire.stacks` on each node, as a step of the job (``srun
-        --overlap``): no ssh into the nodes needed."""
-        wanted: dict[str, list[int]] = {}
-        for eid, pid in zip(engine_ids, pids, strict=True):
-            wanted.setdefault(self.node_of(eid), []).append(pid)
-        source = pathlib.Path(stacks.__file__).read_text()
+        --overlap``): no ssh into the nodes needed. Its parts by engine id."""
 
-        def read(node: str, node_pids: list[int]) -> str:
-            argv = [
-                *("srun", f"--jobid={self.job}", "--overlap", "-n1", "-N1", f"-w{node}"),
-                *("--quiet", self.python, "-c", source, *map(str, node_pids)),
-            ]
-            return _slurm(argv, timeout=timeout + SLURM_TIMEOUT_S).stdout
+        def run(node: str, argv: list[str]) -> str:
+            step = ["srun", f"--jobid={self.job}", "--overlap", "-n1", "-N1", f"-w{node}"]
+            done = _slurm([*step, "--quiet", self.python, *argv], timeout + SLURM_TIMEOUT_S)
+            return done.stdout
 
-        return stacks.gather(wanted, read)
+        where = zip(engine_ids, pids, strict=True)
+        return stacks.gather({eid: (self.node_of(eid), pid) for eid, pid in where}, run)
 
     # -- stop ------------------------------------------------------------------------
 

@@ -30,7 +30,6 @@ import base64
 import contextlib
 import logging
 import os
-import pathlib
 import shlex
 import shutil
 import signal
@@ -292,21 +291,18 @@ class HostController(Controller):
         self, engine_ids: list[int], pids: list[int], timeout: float
     ) -> dict[int, dict[str, Any]]:
         """Run :mod:`nbrpc._wire.stacks` as a script on each host (all hosts at once, one
-        ssh each over the open connection); its JSON, by pid."""
+        ssh each over the open connection); its parts by engine id."""
         by_host = {la.location: la for la in self._launchers}
-        wanted: dict[str, list[int]] = {}
-        for eid, pid in zip(engine_ids, pids, strict=True):
-            wanted.setdefault(self.entry_of.get(eid, ""), []).append(pid)
-        source = pathlib.Path(stacks.__file__).read_text()
 
-        def read(entry: str, host_pids: list[int]) -> str:
+        def run(entry: str, argv: list[str]) -> str:
             launcher = by_host.get(entry)
             if launcher is None:
                 raise BootError(f"no ssh connection to {entry!r}")
-            script = shlex.join([self.python, "-c", source, *map(str, host_pids)])
+            script = shlex.join([self.python, *argv])
             return _ssh(launcher, script, timeout=timeout + SSH_TIMEOUT_S)
 
-        return stacks.gather(wanted, read)
+        where = zip(engine_ids, pids, strict=True)
+        return stacks.gather({eid: (self.entry_of.get(eid, ""), pid) for eid, pid in where}, run)
 
     def retire(self, engine_ids: list[int], kernel_pid: int) -> None:
         """Stop the engines (ask, then kill what is left) and remove the run's files."""

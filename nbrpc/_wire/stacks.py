@@ -37,6 +37,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 SIGNAL = signal.SIGRTMIN + 7 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
@@ -198,18 +199,25 @@ def collect(pids: list[int], timeout: float = DUMP_WAIT_S) -> dict[int, dict[str
 
 
 def gather(
-    places: dict[str, list[int]], read: Callable[[str, list[int]], str]
+    engines: dict[int, tuple[str, int]], run: Callable[[str, list[str]], str]
 ) -> dict[int, dict[str, Any]]:
-    """:func:`collect` on several hosts at once: ``read(place, pids)`` runs this file as a
-    script there (over ssh, as a Slurm step) and returns its JSON; the parts by pid, or
-    an error naming the place."""
+    """:func:`collect` on several hosts at once. ``engines``: engine id -> (its host, its
+    pid there); ``run(host, argv)`` runs ``argv`` (``-c``, this file's source, the pids:
+    what the host's Python is given) there, over ssh or as a Slurm step, and returns its
+    stdout. The parts by engine id (pids of two hosts may be equal), or an error naming
+    the host."""
+    source = Path(__file__).read_text()
+    places: dict[str, dict[int, int]] = {}  # host -> pid -> engine id
+    for eid, (place, pid) in engines.items():
+        places.setdefault(place, {})[pid] = eid
     found: dict[int, dict[str, Any]] = {}
 
-    def one(place: str, pids: list[int]) -> None:
+    def one(place: str, ids: dict[int, int]) -> None:
         try:
-            found.update({int(p): part for p, part in json.loads(read(place, pids)).items()})
+            out = json.loads(run(place, ["-c", source, *map(str, ids)]))
+            found.update({ids[int(p)]: part for p, part in out.items()})
         except Exception as exc:  # no answer from that host: said in its rows
-            found.update({p: {"error": f"{place}: {exc}"} for p in pids})
+            found.update({eid: {"error": f"{place}: {exc}"} for eid in ids.values()})
 
     threads = [threading.Thread(target=one, args=item) for item in places.items()]
     for t in threads:
