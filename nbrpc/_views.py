@@ -77,8 +77,8 @@ def cluster_html(rows: list[dict[str, Any]], state: str) -> str:
         )
     return (
         f'<div class="nbrpc-cluster" data-state="{escape(state)}" style="{FONT}">'
-        f'<div style="margin-bottom:4px"><b>nbrpc</b> cluster: {len(rows)} processes, '
-        f"{escape(state)}</div>"
+        f'<div class="nbrpc-headline" style="margin-bottom:4px"><b>nbrpc</b> cluster: '
+        f"{escape(headline(rows, state))}</div>"
         f'<div style="display:flex;flex-wrap:wrap;gap:8px">{"".join(cards)}</div></div>'
     )
 
@@ -126,10 +126,18 @@ def _maps_html(maps: dict | None) -> str:
     return f'<div class="device-maps" style="font-size:11px;color:#6a1b9a">{lines}</div>'
 
 
-def _state_line(rows: list[dict[str, Any]], state: str) -> str:
-    """The cluster's state, and which processes are not ready: "ready; worker2 dead"."""
-    off = [f"{r['name']} {r['state']}" for r in rows if r["state"] not in ("ready", state)]
-    return state + (f"; {', '.join(off)}" if off else "")
+def headline(rows: list[dict[str, Any]], state: str) -> str:
+    """How many processes and in what state, in one line: "3 processes, ready" only when
+    the cluster and every process are ready; otherwise the ready ones are counted and the
+    others named: "3 processes: 2 ready, worker2 dead" (the cluster's own state first when
+    it is not ready: "3 processes, shutting down: ...")."""
+    count = f"{len(rows)} process{'es' if len(rows) != 1 else ''}"
+    off = [f"{r['name']} {r['state']}" for r in rows if r["state"] != "ready"]
+    if not off or all(r["state"] == state for r in rows):
+        return f"{count}, {state}"
+    ready = len(rows) - len(off)
+    parts = ", ".join(([f"{ready} ready"] if ready else []) + off)
+    return f"{count}: {parts}" if state == "ready" else f"{count}, {state}: {parts}"
 
 
 def columns(rows: list[list[str]], right: frozenset[int] = frozenset()) -> list[str]:
@@ -148,7 +156,7 @@ def columns(rows: list[list[str]], right: frozenset[int] = frozenset()) -> list[
 def cluster_text(rows: list[dict[str, Any]], state: str) -> str:
     if not rows:
         return "nbrpc: booting" if state == "booting" else f"nbrpc: no cluster ({state})"
-    lines = [f"nbrpc cluster: {len(rows)} processes, {_state_line(rows, state)}"]
+    lines = [f"nbrpc cluster: {headline(rows, state)}"]
     table = [
         [
             r["name"],
@@ -170,7 +178,7 @@ def records_text(
 ) -> str:
     """A cluster's processes as a table (``Cluster.summary()``, ``%rpc_init``'s printout)."""
     booted = f" (booted in {boot_s:.1f} s)" if boot_s is not None else ""
-    lines = [f"nbrpc: {len(rows)} processes in the RPC group, {_state_line(rows, state)}{booted}"]
+    lines = [f"nbrpc RPC group: {headline(rows, state)}{booted}"]
     table = [["name", "rank", "pid", "host", "role", "state"]]
     table += [
         [r["name"], str(r["rank"]), str(r["pid"]), r["host"], r["role"], r["state"]] for r in rows

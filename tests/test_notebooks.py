@@ -43,7 +43,7 @@ def test_rpc_init_cell_shows_progress_and_summary(quickstart):
     out = quickstart["%load_ext nbrpc"]
     # the progress widget; where widgets do not render (here: its text/plain), what happens
     assert "nbrpc: starting 2 workers (worker1, worker2)" in out
-    assert "3 processes in the RPC group, ready" in out
+    assert "nbrpc RPC group: 3 processes, ready" in out
     for name in ("worker0", "worker1", "worker2"):
         assert name in out
 

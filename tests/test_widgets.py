@@ -92,6 +92,34 @@ def test_cluster_html_shows_each_process_and_its_state():
     assert _views.cluster_text([], "booting") == "nbrpc: booting"
 
 
+@pytest.mark.parametrize(
+    ("states", "cluster", "line"),
+    [
+        (["ready", "ready", "ready"], "ready", "3 processes, ready"),
+        (["ready", "ready", "dead"], "ready", "3 processes: 2 ready, worker2 dead"),
+        (
+            ["ready", "restarting", "dead"],
+            "ready",
+            "3 processes: 1 ready, worker1 restarting, worker2 dead",
+        ),
+        (["shutting down"] * 2, "shutting down", "2 processes, shutting down"),
+        (
+            ["ready", "stopped"],
+            "shutting down",
+            "2 processes, shutting down: 1 ready, worker1 stopped",
+        ),
+        (["ready"], "ready", "1 process, ready"),
+    ],
+)
+def test_the_headline_says_ready_only_when_every_process_is(states, cluster, line):
+    rows = [{"name": f"worker{i}", "state": state} for i, state in enumerate(states)]
+    assert _views.headline(rows, cluster) == line
+    assert f"cluster: {line}</div>" in _views.cluster_html(rows, cluster)
+    assert _views.cluster_text(rows, cluster).splitlines()[0] == f"nbrpc cluster: {line}"
+    table = [{**r, "rank": i, "pid": i, "host": "h", "role": "r"} for i, r in enumerate(rows)]
+    assert _views.records_text(table, cluster, None, []).startswith(f"nbrpc RPC group: {line}")
+
+
 # -- widgets on the real cluster ------------------------------------------------------------
 
 
