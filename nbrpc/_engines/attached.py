@@ -4,19 +4,48 @@ nbrpc uses them and leaves them running: they may be on any host, started by any
 ipyparallel's launchers (``ipcluster start -n 4 --profile NAME``, MPI, a batch system).
 An engine that served one group must be restarted before it joins another: torch joins
 once per process.
+
+How many to wait for: ``-n N`` if given, else the engines the cluster was started with,
+read from ipyparallel's cluster file (``ipcluster start`` and ``ipp.Cluster`` write it).
+ipyparallel registers engines at its heart monitor's ticks, so engines still starting
+arrive in batches: taking "whatever has registered" would split them at a tick. Without
+a cluster file (engines started by hand with ``ipengine``), nbrpc takes the engines that
+registered once no new one came for a few ticks, and warns that it had to guess.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from nbrpc import _options
 from nbrpc._errors import BootError, ConfigError
 
 log = logging.getLogger("nbrpc")
+
+#: without a cluster file: no new engine for this long means all have registered (longer
+#: than two ticks of ipyparallel's heart monitor, 3 s by default)
+SETTLE_S = 7.0
+
+
+def started_with(profile: str | None, cluster_id: str | None) -> int | None:
+    """How many engines the attached cluster was started with, from its cluster file
+    (``None``: no file, e.g. engines started by hand with ``ipengine``)."""
+    import ipyparallel as ipp
+
+    try:
+        path = ipp.Cluster(profile=profile or "", cluster_id=cluster_id or "").cluster_file
+        with open(path) as f:
+            sets = json.load(f).get("engines", {}).get("sets", {})
+        return sum(int(each.get("n", 0)) for each in sets.values()) or None
+    except (OSError, ValueError, AttributeError, TypeError) as exc:
+        log.debug("no cluster file for profile=%r cluster_id=%r: %s", profile, cluster_id, exc)
+        return None
 
 
 class AttachedSource:
@@ -41,7 +70,12 @@ class AttachedSource:
 
     @classmethod
     def resolve(cls, settings: _options.Settings) -> _options.Settings:
-        return settings
+        """Without ``-n``: as many workers as the cluster was started with, when its
+        cluster file says (so the boot waits for all of them, with its progress)."""
+        if settings.n is not None:
+            return settings
+        expected = started_with(settings.profile, settings.cluster_id)
+        return settings if expected is None else replace(settings, n=expected)
 
     @classmethod
     def release_kept(cls) -> None:
@@ -72,20 +106,31 @@ class AttachedSource:
         return self._client
 
     def take(self, n: int | None, timeout: float, registered: Callable[..., None]) -> list[int]:
-        """Ids of ``n`` registered engines (``None``: all of them)."""
+        """Ids of ``n`` registered engines (``None``: the cluster's size is unknown, so
+        those registered once no new one came for :data:`SETTLE_S`)."""
         deadline = time.monotonic() + timeout
+        seen, since = 0, time.monotonic()
         while True:
             ids = sorted(self.client().ids)
             registered(len(ids))
-            if n is None and ids:
-                return ids
             if n is not None and len(ids) >= n:
                 return ids[:n]
+            if len(ids) != seen:
+                seen, since = len(ids), time.monotonic()
+            elif n is None and ids and time.monotonic() - since >= SETTLE_S:
+                warnings.warn(
+                    f"took the {len(ids)} engines registered in the attached ipyparallel "
+                    "cluster: it has no cluster file saying how many it was started with. "
+                    "Pass -n N (n=N) to wait for N engines.",
+                    stacklevel=2,
+                )
+                return ids
             if time.monotonic() > deadline:
+                expected = "at least 1" if n is None else str(n)
                 raise BootError(
-                    f"only {len(ids)} of {n} ipyparallel engines registered within "
-                    f"{timeout:.0f} s. Start more engines in the attached "
-                    "cluster, or ask for fewer with -n."
+                    f"only {len(ids)} of {expected} ipyparallel engines registered within "
+                    f"{timeout:.0f} s in the attached cluster. Start more engines there "
+                    "(ipcluster engines -n N --profile NAME), or ask for fewer with -n."
                 )
             time.sleep(0.05)
 
