@@ -85,6 +85,7 @@ def _destination_name(to: Any) -> str:
 
 def _patched_remote(to: Any, func: Any, *args: Any, **kwargs: Any) -> PyRRef:
     rref = _ledger.remote(to, func, *args, **kwargs)
+    _torch.remember_creation(rref)
     return label(rref, to, func)
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import re
 import sys
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -97,13 +98,23 @@ def rref_type_future(rref: PyRRef) -> Any:
     return rref._get_type(blocking=False)  # type: ignore[call-arg]  # torch's stub lacks it
 
 
+#: The creation futures of the user RRefs this process's ``remote()`` made, by handle.
+#: torch's ``RRef._get_future()`` has one only for those: on any other RRef (one a call
+#: returned, a fork received in arguments) it dereferences a null future and the process
+#: dies (SIGSEGV). So it is asked once, right after ``remote()``, and never again.
+_creations: weakref.WeakKeyDictionary[PyRRef, Any] = weakref.WeakKeyDictionary()
+
+
+def remember_creation(rref: PyRRef) -> None:
+    """Keep the creation future of ``rref``, which this process's ``remote()`` returned."""
+    if not rref.is_owner():
+        _creations[rref] = rref._get_future()
+
+
 def rref_creation_future(rref: PyRRef) -> Any:
-    """The future of a user RRef's creation by ``remote()``, done once the owner holds the
-    value (or failed to make it); None for an RRef this process received from another."""
-    try:
-        return rref._get_future()
-    except RuntimeError:
-        return None
+    """The future of a user RRef's creation by ``remote()`` in this process, done once the
+    owner holds the value (or failed to make it); None for any other RRef."""
+    return _creations.get(rref)
 
 
 def rref_id(rref: PyRRef) -> str:
