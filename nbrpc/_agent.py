@@ -155,23 +155,28 @@ def workers() -> list[str]:
 
 
 def _destination(to: str | WorkerInfo | int, what: str) -> WorkerInfo:
+    """The worker ``to`` names, as torch takes it: a name, a rank or a ``WorkerInfo``."""
     _group.require_active(what)
     if isinstance(to, WorkerInfo):
         replaced = _replaced_error(to.id)
         if replaced is not None:
             raise replaced
         return to
-    if isinstance(to, str):
-        if to in _calls.dead:
-            raise WorkerDiedError(to, _calls.dead[to], _last_output(to))
+    if isinstance(to, str) and to in _calls.dead:
+        raise WorkerDiedError(to, _calls.dead[to], _last_output(to))
+    if isinstance(to, str | int) and not isinstance(to, bool):
         try:  # one lookup in the agent's table; the full list only for the error
-            return _torch.agent().get_worker_info(to)
+            info = _torch.agent().get_worker_info(to)
         except RuntimeError:
             pass
+        else:
+            if info.name in _calls.dead:
+                raise WorkerDiedError(info.name, _calls.dead[info.name], _last_output(info.name))
+            return info
     raise UnknownWorkerError(to, _group.member_names())
 
 
-def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
+def get_worker_info(worker_name: str | int | None = None) -> WorkerInfo:
     """torch's ``WorkerInfo`` (name and id) of a worker, or of this process."""
     if worker_name is None:
         _group.require_active("nbrpc.get_worker_info()")
@@ -191,16 +196,18 @@ def _name_of(func: Any) -> str:
 def _timeout_error(
     exc: BaseException | None, what: str, dest: str, timeout: float | None
 ) -> RpcTimeoutError:
-    limit = f"{timeout:g} s" if timeout is not None else f"{rpc.get_rpc_timeout():g} s (default)"
-    return RpcTimeoutError(
-        f"{what} on {dest} timed out after {limit}; it may still be running there. Pass "
+    seconds = rpc.get_rpc_timeout() if timeout is None else timeout
+    limit = f"{seconds:g} s" + (" (default)" if timeout is None else "")
+    return RpcTimeoutError(  # torch's own words too, which code written for torch matches
+        f"{what} on {dest} timed out after {limit} (RPC ran for more than the set timeout, "
+        f"{seconds * 1000:.0f} ms); it may still be running there. Pass "
         "timeout=SECONDS (0 waits forever) or start the cluster with a larger --timeout."
         + (f" torch said: {exc}" if exc is not None else "")
     )
 
 
 def rpc_sync(
-    to: str | WorkerInfo,
+    to: str | WorkerInfo | int,
     func: Callable[..., T],
     args: tuple = (),
     kwargs: dict | None = None,
@@ -224,7 +231,7 @@ def rpc_sync(
 
 
 def rpc_async(
-    to: str | WorkerInfo,
+    to: str | WorkerInfo | int,
     func: Callable[..., T],
     args: tuple = (),
     kwargs: dict | None = None,
@@ -328,7 +335,7 @@ def _as_python_call(func: Any, args: tuple, kwargs: dict | None) -> tuple:
 
 
 def remote(
-    to: str | WorkerInfo,
+    to: str | WorkerInfo | int,
     func: Callable[..., T],
     args: tuple = (),
     kwargs: dict | None = None,

@@ -2,7 +2,11 @@
 
 One base class, so ``except nbrpc.NbrpcError`` catches them all; each also derives from
 the builtin a caller would naturally catch (``ValueError`` for bad names, ``TimeoutError``
-for deadlines, ``RuntimeError`` for lifecycle mistakes)::
+for deadlines, ``RuntimeError`` for lifecycle mistakes). Where torch raises its own error
+for the same mistake (always a ``RuntimeError``: a timeout, an unknown destination, a
+lost peer, something that cannot be pickled), nbrpc's class derives from ``RuntimeError``
+too, so code written for torch (``except RuntimeError``, ``assertRaisesRegex``) still
+catches it; a timeout's message keeps torch's words ("RPC ran for more than")::
 
     NbrpcError
     ├── NotInitializedError      (RuntimeError)   a call before %rpc_init / nbrpc.init
@@ -11,11 +15,11 @@ for deadlines, ``RuntimeError`` for lifecycle mistakes)::
     ├── BootError                (RuntimeError)   workers did not start or join in time
     ├── AutogradContextError     (RuntimeError)   distributed autograd outside its context
     ├── ConfigError              (ValueError)     a bad setting: n, names, --listen, ...
-    ├── UnknownWorkerError       (ValueError)     a worker name that is not in the group
+    ├── UnknownWorkerError       (ValueError, RuntimeError)  a worker not in the group
     ├── DeviceMapError           (ValueError)     a device map names a device a process lacks
-    ├── RpcTimeoutError          (TimeoutError)   a call outlived its timeout
-    ├── SerializationError       (TypeError)      an argument or result cannot be pickled
-    ├── WorkerDiedError          (ConnectionError) the worker's process is gone
+    ├── RpcTimeoutError          (TimeoutError, RuntimeError)  a call outlived its timeout
+    ├── SerializationError       (TypeError, RuntimeError)  cannot be pickled or imported
+    ├── WorkerDiedError          (ConnectionError, RuntimeError)  the worker's process is gone
     ├── ThreadsExhaustedError    (RuntimeError)   calls made inside calls used up the RPC threads
     ├── DebuggerQuitError        (RuntimeError)   q (or the stop button) in a worker's pdb
     └── RemoteError                               a worker raised, and the original type
@@ -118,23 +122,24 @@ class ConfigError(NbrpcError, ValueError):
     """A setting nbrpc cannot use (checked before any process starts)."""
 
 
-class UnknownWorkerError(NbrpcError, ValueError):
+class UnknownWorkerError(NbrpcError, ValueError, RuntimeError):
     def __init__(self, name: object, known: list[str]) -> None:
         self.name = name
         self.known = list(known)
         self._init_args = (name, self.known)
+        what = f"with rank {name}" if isinstance(name, int) else f"named {name!r}"
         super().__init__(
-            f"No worker named {name!r} in this RPC group. "
+            f"No worker {what} in this RPC group. "
             f"Known workers: {', '.join(known) or '(none)'}. "
             "Check the spelling, or list them with nbrpc.workers()."
         )
 
 
-class RpcTimeoutError(NbrpcError, TimeoutError):
+class RpcTimeoutError(NbrpcError, TimeoutError, RuntimeError):
     pass
 
 
-class SerializationError(NbrpcError, TypeError):
+class SerializationError(NbrpcError, TypeError, RuntimeError):
     pass
 
 
@@ -142,7 +147,7 @@ class DeviceMapError(NbrpcError, ValueError):
     """A device map or ``--gpus`` plan that the processes' devices cannot satisfy."""
 
 
-class WorkerDiedError(NbrpcError, ConnectionError):
+class WorkerDiedError(NbrpcError, ConnectionError, RuntimeError):
     """A worker's process is gone (killed, crashed, out of memory) or unreachable."""
 
     def __init__(
