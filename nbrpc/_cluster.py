@@ -44,6 +44,7 @@ from . import (
     autograd,
 )
 from ._debugger import prompts
+from ._engines import worker
 from ._engines.watchdog import process_alive, segment_prefix, sweep_segments
 from ._errors import (
     AlreadyInitializedError,
@@ -321,10 +322,7 @@ class Cluster:
             except Exception as exc:
                 log.warning("removing %s from the group: %s", ", ".join(dead), exc)
         if graceful:
-            try:
-                _group.release_user_rrefs(self._release_timeout(timeout, bool(dead)))
-            except Exception as exc:
-                log.warning("releasing the kernel's RRefs: %s", exc)
+            self._release_rrefs(self._release_timeout(timeout, bool(dead)))
             if self.process_group:
                 live = [r.name for r in self.records[1:] if r.state == "ready"]
                 _collective.destroy(self.process_group, live)
@@ -341,6 +339,23 @@ class Cluster:
                 dead = dead or list(failed)
         if dead:
             _group.release_stale_token()
+
+    def _release_rrefs(self, timeout_s: float) -> None:
+        """Every live process deletes its user RRefs at once, the kernel among them, as
+        in torch's static shutdown (see ``_group.release_user_rrefs``)."""
+        asked = [
+            self.engines.apply(eid, worker.release_rrefs, timeout_s)
+            for eid in self._live_engine_ids()
+        ]
+        try:
+            _group.release_user_rrefs(timeout_s)
+        except Exception as exc:
+            log.warning("releasing the kernel's RRefs: %s", exc)
+        for ar in asked:
+            try:
+                ar.get(timeout=timeout_s + 5)
+            except Exception as exc:
+                log.warning("a worker releasing its RRefs: %s", _engines.remote_message(exc))
 
     @staticmethod
     def _release_timeout(timeout: float, dead: bool) -> float:

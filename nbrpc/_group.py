@@ -339,10 +339,15 @@ def join(
 
 
 def release_user_rrefs(timeout_s: float) -> None:
-    """Delete this process's user RRefs (telling their owners) before peers leave.
+    """Delete this process's user RRefs (telling their owners) before peers leave, then
+    wait up to ``timeout_s`` for the forks of the RRefs it owns to be deleted.
 
-    torch's static-group shutdown does this; its dynamic leave does not. Without it the
-    kernel's RRefs to departed workers would log C++ errors when garbage-collected.
+    torch's static-group shutdown does this in every process at once; its dynamic leave
+    does not. nbrpc's graceful shutdown runs it in the kernel and every live worker at
+    once (``Cluster._release_rrefs``): an owner waits for its users' deletions, so run
+    in one process alone it waited its whole bound for an RRef a worker still held
+    (measured: 5 s). Without it the kernel's RRefs to departed workers would log C++
+    errors when garbage-collected.
     """
     _torch.delete_user_rrefs(timeout_s)
 

@@ -102,6 +102,21 @@ def slurm_task() -> tuple[int, str]:
     )
 
 
+def release_rrefs(timeout: float) -> None:
+    """A graceful shutdown begins: this worker lets go of the RRefs it holds, as the
+    kernel does at the same moment (see ``_group.release_user_rrefs``). Its kept failure
+    goes first: the frames of the last call that raised hold that call's arguments, an
+    RRef among them, and its owner would wait for it."""
+    import gc
+
+    from nbrpc import _group
+    from nbrpc._wire import failures
+
+    failures.forget_failures()
+    gc.collect()  # a traceback's frames and their locals form cycles
+    _group.release_user_rrefs(timeout)
+
+
 def leave(timeout: float = 0) -> None:
     """Leave the group gracefully; the engine itself keeps running."""
     from nbrpc import _group
