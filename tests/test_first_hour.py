@@ -176,6 +176,89 @@ def test_the_torch_api_a_notebook_calls_behaves_like_nbrpc(kernel):
     assert "unknown: No worker named 'worker9'" in out
 
 
+RREF_PATHS = """
+import threading
+import torch.distributed.rpc as rpc
+
+def make(dst):                       # an RRef made on one worker, owned by another
+    return rpc.remote(dst, torch.add, args=(torch.ones(2), 1))
+
+def in_containers(dst):
+    return {"rrefs": [make(dst)], "pair": (make(dst), 2)}
+
+def forward(rref):                   # an RRef received in arguments, sent back
+    return rref
+
+def value_of(rref):
+    return rref.to_here()
+
+class Box:
+    def get(self):
+        return torch.full((2,), 7.0)
+
+results = {}
+results["returned"] = rpc.rpc_sync("worker1", make, args=("worker2",)).to_here()
+found = rpc.rpc_sync("worker1", in_containers, args=("worker2",))
+results["in a list"] = found["rrefs"][0].to_here()
+results["in a tuple"] = found["pair"][0].to_here(timeout=30)
+mine = rpc.remote("worker2", torch.add, args=(torch.ones(2), 1))
+results["forwarded"] = rpc.rpc_sync("worker1", forward, args=(mine,)).to_here()
+results["nested"] = rpc.remote("worker1", make, args=("worker2",)).to_here().to_here()
+local = rpc.RRef(torch.ones(2) * 2)
+results["owned here"] = rpc.rpc_sync("worker1", forward, args=(local,)).to_here()
+results["to self"] = rpc.remote("worker0", torch.add, args=(torch.ones(2), 1)).to_here()
+received = rpc.rpc_sync("worker1", make, args=("worker2",))
+results["by a worker"] = rpc.rpc_sync("worker2", value_of, args=(received,))
+box = rpc.rpc_sync("worker1", forward, args=(rpc.remote("worker2", Box),))
+results["proxy"] = box.rpc_sync().get()
+results["proxy remote"] = box.remote().get().to_here()
+on_thread = []
+def elsewhere():
+    on_thread.append(rpc.rpc_sync("worker1", make, args=("worker2",)).to_here())
+thread = threading.Thread(target=elsewhere)
+thread.start()
+thread.join(60)
+results["another thread"] = on_thread[0]
+for path, value in results.items():
+    print(path, value.tolist())
+"""
+
+
+def test_every_rref_path_works_on_the_kernels_main_thread(kernel):
+    """to_here() on the main thread (every cell's thread) of RRefs this kernel did not make
+    with remote() itself: one a call returned, one inside a container, a fork it sent and
+    got back, one a worker's remote() returned, proxies on them. Each once killed the
+    kernel (torch's creation future of such an RRef is null)."""
+    out = kernel.run(RREF_PATHS)
+    for path in ("returned", "in a list", "in a tuple", "forwarded", "nested", "to self"):
+        assert f"{path} [2.0, 2.0]" in out, out
+    assert "owned here [2.0, 2.0]" in out
+    assert "by a worker [2.0, 2.0]" in out
+    assert "proxy [7.0, 7.0]" in out
+    assert "proxy remote [7.0, 7.0]" in out
+    assert "another thread [2.0, 2.0]" in out
+    assert kernel.value("nbrpc.rpc_sync(1, min, args=(1, 2))") == 1  # still alive
+
+
+def test_a_rank_or_a_worker_info_names_a_destination_as_in_torch(kernel):
+    out = kernel.run(
+        "import torch.distributed.rpc as rpc\n"
+        "print('by rank', rpc.rpc_sync(2, min, args=(3, 4)))\n"
+        "print('by info', rpc.rpc_async(rpc.get_worker_info('worker1'), max, args=(3, 4)).wait())\n"
+        "print('remote by rank', rpc.remote(1, torch.ones, args=(2,)).to_here().tolist())\n"
+        "print('info by rank', nbrpc.get_worker_info(2).name)\n"
+        "try:\n"
+        "    rpc.rpc_sync(42, min, args=(1, 2))\n"
+        "except RuntimeError as e:\n"
+        "    print('unknown:', type(e).__name__, e)"
+    )
+    assert "by rank 3" in out
+    assert "by info 4" in out
+    assert "remote by rank [1.0, 1.0]" in out
+    assert "info by rank worker2" in out
+    assert "unknown: UnknownWorkerError No worker with rank 42" in out
+
+
 def test_tracebacks_show_the_users_lines_not_nbrpcs(kernel):
     _, errors = kernel.execute("nbrpc.rpc_sync('worker1', recurse, args=(0,))")
     assert errors[0].startswith("RecursionError")
@@ -215,6 +298,14 @@ def test_a_crashed_worker_s_last_words_reach_the_cell_and_it_stays_quiet_after(k
     assert "tensorpipe_agent.cpp" not in kernel.stderr  # not sent: no C++ error line
     assert kernel.value("nbrpc.rpc_sync('worker1', min, args=(1, 2))") == 1
     assert wait_until(lambda: "worker2 dead" in kernel.run("print(nbrpc.current().summary())"))
+    # the one-line state says so wherever it stands: "ready" only when every process is
+    summary = kernel.run("print(nbrpc.current().summary())")
+    assert "nbrpc RPC group: 3 processes: 2 ready, worker2 dead" in summary
+    status = kernel.run("%rpc_status")
+    assert "nbrpc cluster: 3 processes: 2 ready, worker2 dead" in status, status
+    html = kernel.value("nbrpc.current()._repr_html_()")
+    assert "cluster: 3 processes: 2 ready, worker2 dead</div>" in html
+    assert "processes, ready" not in html + status + summary
     kernel.run("%rpc_shutdown\n%rpc_init -n 2 --quiet")  # the next cluster for what follows
 
 

@@ -16,6 +16,7 @@ import torch.distributed.rpc as rpc
 from conftest import ensure_cluster, run_script, wait_for_exit
 
 import nbrpc
+from nbrpc._engines import attached as attached_mod
 from nbrpc._engines import watchdog as watchdog_mod
 
 
@@ -90,9 +91,19 @@ def test_torch_shutdown_from_a_tutorial_stops_workers_not_the_kernel():
 
 
 def test_attach_to_running_ipyparallel_cluster_leaves_it_running():
+    """Attaching takes every engine the cluster was started with, also those still
+    registering: one engine is up, the second one is only starting when nbrpc attaches
+    (ipyparallel registers engines at its heart monitor's ticks; taking "what registered
+    so far" took one worker of two)."""
     nbrpc.shutdown()
-    engines = ipp.Cluster(n=2, controller_ip="127.0.0.1", log_level=40)
-    engines.start_cluster_sync()
+    engines = ipp.Cluster(controller_ip="127.0.0.1", log_level=40)
+    engines.start_controller_sync()
+    engines.start_engines_sync(n=1)
+    first = engines.connect_client_sync()
+    first.wait_for_engines(1, timeout=60)
+    first.close()
+    engines.start_engines_sync(n=1)  # its cluster file now says 2; one has registered
+    assert attached_mod.started_with(None, engines.cluster_id) == 2
     try:
         attached = nbrpc.init(cluster_id=engines.cluster_id, progress=False)
         assert attached.attached
@@ -306,3 +317,42 @@ def test_the_watchdog_also_stops_what_the_dead_kernel_was_still_starting(tmp_pat
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+RREFS_AT_SHUTDOWN = """
+import time, torch, torch.distributed.rpc as rpc, nbrpc
+
+class Holder:                      # a worker keeps an RRef the kernel owns
+    def __init__(self, rref):
+        self.rref = rref
+
+def boom(rref):                    # a failed call whose argument was an RRef
+    raise ValueError("bad batch")
+
+nbrpc.init(n=2, progress=False)
+mine = rpc.RRef(torch.ones(2))
+try:
+    rpc.rpc_sync("worker1", boom, args=(mine,))
+except ValueError:
+    print("caught")
+held = rpc.remote("worker2", Holder, args=(mine,))
+theirs = rpc.remote("worker1", torch.ones, args=(2,))
+del mine
+nbrpc.shutdown()
+print("shut down")
+"""
+
+
+def test_shutdown_after_a_failed_call_with_an_rref_waits_for_nothing(tmp_path):
+    """The worker keeps its last failure for %rpc_debug, frames and the RRef argument
+    included; a worker holds an RRef the kernel owns: at a graceful shutdown every process
+    lets go of its RRefs at once, so torch's owner waits on nothing (it waited its whole
+    bound, 5 s, and logged "Timed out waiting for pending OwnerRRefs to be deleted")."""
+    path = tmp_path / "rrefs_at_shutdown.py"
+    path.write_text(RREFS_AT_SHUTDOWN)
+    done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "caught" in done.stdout
+    assert "shut down" in done.stdout
+    assert "Timed out waiting" not in done.stderr, done.stderr[-3000:]
+    assert "Leaking RRef" not in done.stderr, done.stderr[-3000:]
