@@ -1,10 +1,9 @@
 """``%%rpc`` cells: notebook code that runs *on* the workers, in a namespace that stays.
 
-Functions sent with ``rpc_sync`` travel by value with their globals, so state kept in a
-worker-side global starts empty on every call. A ``%%rpc`` cell instead runs in the
-worker's own namespace: the worker process's ``__main__`` module, so ``x = 1`` in one cell
-is there in the next, and a class defined there pickles by reference on that worker, as
-in a notebook's kernel. (On a worker, ``__main__`` is nbrpc's engine module; nbrpc's own
+A ``%%rpc`` cell runs in the worker's own namespace: the worker process's ``__main__``
+module, so ``x = 1`` in one cell is there in the next, and a class defined there pickles by
+reference on that worker, as in a notebook's kernel. Notebook functions sent with
+``rpc_sync`` run in the same namespace (:mod:`nbrpc._wire.namespace`): one per worker. (On a worker, ``__main__`` is nbrpc's engine module; nbrpc's own
 names there start with ``_``.)
 
 This module holds both sides:
@@ -45,8 +44,8 @@ _running_lock = threading.Lock()
 def worker_namespace() -> dict[str, Any]:
     """This worker's persistent namespace (its ``__main__``), which ``%%rpc`` cells use.
 
-    A function sent with ``rpc_sync`` can keep state there: the one-line fix for the
-    by-value pitfall (``nbrpc.worker_namespace().setdefault("seen", []).append(x)``).
+    Notebook functions sent with ``rpc_sync`` run with it as their globals too, so their
+    ``global`` assignments land here (:mod:`nbrpc._wire.namespace`).
     """
     return sys.modules["__main__"].__dict__
 

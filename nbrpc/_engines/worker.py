@@ -46,7 +46,7 @@ def join(
     from nbrpc import _agent, _fence, _group, _process, _torch, autograd
     from nbrpc._debugger import remote_pdb
     from nbrpc._errors import BootError
-    from nbrpc._wire import bars, native_output, output, stacks
+    from nbrpc._wire import bars, namespace, native_output, output, stacks
 
     _torch.quiet_internal_deprecations()  # the optimizer's TorchScript notice, see there
     _agent.install()
@@ -64,6 +64,7 @@ def join(
     bars.install()  # tqdm.auto here draws its widget in the calling cell
     remote_pdb.install()  # breakpoint() opens pdb in the calling cell
     stacks.install()  # nbrpc.stacks() reads every thread's stack, also when all are busy
+    namespace.share()  # notebook functions keep their module-level names here, as scripts do
     _group.join(
         name,
         rank,

@@ -12,6 +12,8 @@ and what happens around a call on the callee:
 * :mod:`.native_output` -- what C and C++ write to a worker's file descriptors, forwarded;
   torch's lines about connections nbrpc closed, kept out of the cell;
 * :mod:`.bars` -- ``tqdm.auto`` / ``tqdm.notebook`` on a worker: a widget bar in the cell;
+* :mod:`.namespace` -- a notebook's module-level names on a worker: one namespace per
+  process, as a script's module;
 * :mod:`.failures` -- a failed call's exception and traceback, rebuilt by the caller, and
   the last failure kept for a post-mortem;
 * :mod:`.shm` and :mod:`.arena` -- large CPU tensors through shared memory between

@@ -50,7 +50,7 @@ from torch.distributed.rpc import RRef
 from nbrpc import _ledger, _process, _torch
 from nbrpc._errors import SerializationError
 
-from . import callee, failures, recording, shm
+from . import callee, failures, namespace, recording, shm
 
 #: the C field behind ``dispatch_table`` (a member descriptor; typeshed calls it a Mapping)
 _C_DISPATCH_TABLE: Any = pickle.Pickler.dispatch_table
@@ -147,6 +147,32 @@ class _DispatchTable(dict):
         super().__setitem__(key, _RREF_TABLE.get(key, value))
 
 
+class _MainGlobals:
+    """A notebook function's globals dict, as it travels: the worker's namespace there
+    (:func:`nbrpc._wire.namespace.globals_for`)."""
+
+    __slots__ = ("base",)
+
+    def __init__(self, base: dict) -> None:
+        self.base = base
+
+    def __reduce__(self) -> tuple:
+        return namespace.globals_for, (self.base,)
+
+
+class _Arriving:
+    """The globals a notebook function names, as they travel: put into the worker's
+    namespace on arrival (:func:`nbrpc._wire.namespace.arrive`)."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: dict) -> None:
+        self.values = {name: namespace.as_sent(value) for name, value in values.items()}
+
+    def __reduce__(self) -> tuple:
+        return namespace.arrive, (self.values,)
+
+
 class RpcPickler(cloudpickle.Pickler):
     """cloudpickle's Pickler, made to respect a ``dispatch_table`` assigned after creation.
 
@@ -171,6 +197,20 @@ class RpcPickler(cloudpickle.Pickler):
                 _pickling.by_reference.clear()
             _pickling.by_reference[id(obj)] = obj
         return reduced
+
+    def _dynamic_function_reduce(self, func: FunctionType) -> Any:
+        """cloudpickle's reduction of a function sent by value; one from the notebook's
+        ``__main__`` gets the worker's namespace as its globals (:mod:`.namespace`).
+
+        cloudpickle's hook, private: ``(make, (code, globals, ...), (state, slotstate),
+        ...)`` with the names the function reads in ``slotstate["__globals__"]``
+        (pinned in tests/test_pickling.py)."""
+        reduced = super()._dynamic_function_reduce(func)
+        if func.__module__ != "__main__":
+            return reduced
+        make, (code, base, *args), (state, slotstate), *rest = reduced
+        slotstate["__globals__"] = _Arriving(slotstate["__globals__"])
+        return (make, (code, _MainGlobals(base), *args), (state, slotstate), *rest)
 
     def dump(self, obj: Any) -> None:
         if len(_BY_VALUE_MODULES) != _pickling.by_value_seen:  # register_pickle_by_value
@@ -273,6 +313,16 @@ def _cannot_send(obj: Any, exc: Exception) -> str:
     func = _torch.udf_function(obj)  # torch's PythonUDF: the call being sent
     if func is not None:
         name = getattr(func, "__qualname__", type(func).__name__)
+        culprit = unsendable_global(func)
+        if culprit is not None:
+            owner, global_name, value = culprit
+            return (
+                f"cannot send a call of {name} over RPC: {owner} uses the notebook's "
+                f"global {global_name!r}, a {type(value).__name__}, which cannot travel "
+                f"({why}). Make it on the worker instead, as a script's module would: "
+                f"inside the function, or once in a %%rpc cell ({global_name} = ...); "
+                "module-level locks, events and semaphores are made there by themselves."
+            )
         return (
             f"cannot send a call of {name} over RPC: {why}. Objects holding locks, open "
             "files, sockets or generators cannot travel; create them on the worker instead "
@@ -283,3 +333,26 @@ def _cannot_send(obj: Any, exc: Exception) -> str:
         f"{why}. Return what pickles (numbers, tensors, lists, dicts of them), or keep the "
         "object on the worker: nbrpc.remote(...) returns an RRef to it."
     )
+
+
+def unsendable_global(func: Any, seen: set[int] | None = None) -> tuple[str, str, Any] | None:
+    """The notebook global that keeps ``func`` from travelling, found by pickling each one
+    it names, and those of the notebook functions it names (only once a call failed):
+    ``(function name, global name, value)``, or None."""
+    seen = set() if seen is None else seen
+    if not isinstance(func, FunctionType) or func.__module__ != "__main__" or id(func) in seen:
+        return None
+    seen.add(id(func))
+    names = cloudpickle.cloudpickle._extract_code_globals(func.__code__)
+    for name in sorted(names):
+        value = func.__globals__.get(name)
+        if isinstance(value, FunctionType):
+            found = unsendable_global(value, seen)
+            if found is not None:
+                return found
+            continue
+        try:
+            cloudpickle.dumps(namespace.as_sent(value))
+        except Exception:
+            return func.__qualname__, name, value
+    return None
