@@ -156,7 +156,7 @@ def test_push_pull_and_the_namespace_from_a_function(shell, cluster):
     assert nbrpc.pull("tag") == {"worker1": "a", "worker2": "b"}
     assert rpc(shell, "lr * 2") == {"worker1": 1.0, "worker2": 1.0}
 
-    def remember(x):  # the one-line fix for the by-value pitfall
+    def remember(x):  # the namespace, asked for by name
         nbrpc.worker_namespace().setdefault("seen", []).append(x)
         return len(nbrpc.worker_namespace()["seen"])
 
