@@ -147,10 +147,10 @@ except ZeroDivisionError as err:  # the worker's exception, with its own type
 # %% [markdown]
 # ## Cells that run on the workers: `%%rpc`
 #
-# A function sent with `rpc_sync` travels by value, its globals too, so a worker-side
-# global starts empty on every call. A `%%rpc` cell runs on the workers themselves, each in
-# its own namespace that stays: `calls` below lives on worker1 and worker2. The cell's last
-# value comes back per worker (docs/cells.md).
+# Each worker keeps one namespace for the notebook's module-level names, as each process of
+# a script has its module: a function's `global` assignment stays there between calls. A
+# `%%rpc` cell runs on the workers themselves, in that namespace: `calls` below lives on
+# worker1 and worker2. The cell's last value comes back per worker (docs/cells.md).
 
 # %%
 # %%rpc
