@@ -3,8 +3,9 @@
 A ``%%rpc`` cell runs in the worker's own namespace: the worker process's ``__main__``
 module, so ``x = 1`` in one cell is there in the next, and a class defined there pickles by
 reference on that worker, as in a notebook's kernel. Notebook functions sent with
-``rpc_sync`` run in the same namespace (:mod:`nbrpc._wire.namespace`): one per worker. (On a worker, ``__main__`` is nbrpc's engine module; nbrpc's own
-names there start with ``_``.)
+``rpc_sync`` run in the same namespace (:mod:`nbrpc._wire.namespace`): one per worker.
+(On a worker, ``__main__`` is nbrpc's engine module; nbrpc's own names there start with
+``_``.)
 
 This module holds both sides:
 

@@ -143,8 +143,9 @@ def test_cloudpickles_function_reducer_has_the_shape_nbrpc_rewrites():
     import io
 
     reduced = cloudpickle.Pickler(io.BytesIO())._dynamic_function_reduce(glob["f"])
-    make, newargs, (state, slotstate), *rest = reduced
-    assert callable(make) and isinstance(newargs[1], dict)
+    make, newargs, (_state, slotstate), *rest = reduced
+    assert callable(make)
+    assert isinstance(newargs[1], dict)
     assert slotstate["__globals__"] == {"k": 3}
     assert rest[-1] is cloudpickle.cloudpickle._function_setstate
 
