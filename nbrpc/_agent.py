@@ -378,7 +378,7 @@ def _to_here(rref: Any, timeout: float = _torch.UNSET_RPC_TIMEOUT) -> Any:
         return _torch.original_to_here(rref, timeout)
     except Exception as exc:
         if failures.is_rebuilt(exc):
-            raise
+            raise failures.delivered(exc)  # noqa: B904 (the worker's own, as raised there)
         owner = _torch.owner_name(rref)
         if owner is None:
             replaced = _replaced_error(_ledger.owner_rank(rref))
@@ -403,9 +403,25 @@ def _await_creation(rref: Any, timeout: float) -> None:
 
 
 def install() -> None:
-    """Give every RRef's ``to_here`` and ``owner`` nbrpc's error translation (idempotent)."""
+    """Give every RRef's ``to_here`` and ``owner`` nbrpc's error translation, and its
+    proxies (``rref.rpc_sync().f()``, ``rpc_async()``, ``remote()``) nbrpc's calls, so a
+    method's exception keeps its type as a call's does (idempotent)."""
     _torch.patch_rref_method("to_here", _to_here)
     _torch.patch_rref_method("owner", _owner)
+    for name, call in _torchs_spelling().items():
+        _torch.patch_rref_method(name, _proxy(call))
+
+
+def _proxy(call: Callable[..., Any]) -> Callable[..., Any]:
+    """``RRef.rpc_sync`` & co.: torch's own proxy (``RRefProxy``), calling through nbrpc's
+    ``call`` (torch's C++ made it call ``torch.distributed.rpc.api``'s, whose errors come
+    as a ``RuntimeError`` wrapping the method's)."""
+
+    def proxy(rref: Any, timeout: float = _torch.UNSET_RPC_TIMEOUT) -> Any:
+        return _torch.RRefProxy(rref, call, timeout)
+
+    proxy.__name__ = proxy.__qualname__ = call.__name__
+    return proxy
 
 
 # -- torch's API, as a notebook calls it ------------------------------------------------------
@@ -454,8 +470,17 @@ def route_torch_calls() -> None:
     the stop button interrupts. nbrpc's own modules send with torch's functions
     (``_torch.rpc_sync`` & co.), which this leaves alone.
     """
-    calls = {f.__name__: _in_torchs_spelling(f) for f in (rpc_sync, rpc_async, remote)}
-    _torch.route_user_calls(calls, wait_all)
+    _torch.route_user_calls(_torchs_spelling(), wait_all)
+
+
+def _torchs_spelling() -> dict[str, Callable[..., Any]]:
+    """nbrpc's ``rpc_sync``, ``rpc_async`` and ``remote`` with torch's signatures, made once."""
+    if not _spelled:
+        _spelled.update({f.__name__: _in_torchs_spelling(f) for f in (rpc_sync, rpc_async, remote)})
+    return _spelled
+
+
+_spelled: dict[str, Callable[..., Any]] = {}
 
 
 SNAPSHOT_TIMEOUT_S = 5.0
@@ -478,12 +503,13 @@ def probe(names: list[str], timeout: float = PROBE_TIMEOUT_S) -> None:
             fut.wait()
 
 
-def figures() -> dict[str, Any]:
+def figures(dead: frozenset[str] = frozenset()) -> dict[str, Any]:
     """This process's ledger snapshot and the user calls it served (run in every process,
-    asked by the kernel for ``%rpc_status`` and ``nbrpc.ownership()``)."""
+    asked by the kernel for ``%rpc_status`` and ``nbrpc.ownership()``); ``dead``: workers
+    known dead, whose RRefs are not asked anything."""
     calls = callee.call_counts()
     return {
-        **_ledger.snapshot(),
+        **_ledger.snapshot(dead),
         **_process.resources(),
         "name": _process.name(),
         "calls_in_flight": calls["in_flight"],
@@ -501,9 +527,9 @@ def snapshots(
     """
     _group.require_active("nbrpc.ownership()")
     me = rpc.get_worker_info().name
-    skip = {*skip, *_calls.dead}
+    skip = frozenset({*skip, *_calls.dead})
     others = [name for name in _group.member_names() if name != me and name not in skip]
-    return {me: figures(), **ask_all(others, figures, (), timeout)}
+    return {me: figures(skip), **ask_all(others, figures, (skip,), timeout)}
 
 
 def ask_all(names: list[str], func: Callable[..., Any], args: tuple, timeout: float) -> dict:

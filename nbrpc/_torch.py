@@ -53,6 +53,7 @@ from torch.distributed.rpc.constants import UNSET_RPC_TIMEOUT
 
 # what torch's callee returns for a call that raised (``msg``, ``exception_type``)
 from torch.distributed.rpc.internal import RemoteException as RemoteException
+from torch.distributed.rpc.rref_proxy import RRefProxy as RRefProxy
 from torch.jit._builtins import _find_builtin
 
 # -- the current agent ---------------------------------------------------------------------

@@ -50,6 +50,7 @@ def join(
 
     _torch.quiet_internal_deprecations()  # the optimizer's TorchScript notice, see there
     _agent.install()
+    _agent.route_torch_calls()  # code here written for torch behaves as in the kernel
     autograd.install()  # loss.backward() in a %%rpc cell says what to use instead
     spec = _group.StoreSpec(**store)
     if spec.kind == "file" and not os.path.exists(os.path.dirname(spec.path)):

@@ -24,6 +24,7 @@ import linecache
 import os
 import pickle
 import re
+import sys
 import threading
 import traceback
 from dataclasses import dataclass, field
@@ -131,12 +132,17 @@ def failure(exc: BaseException, keep: bool = False) -> RemoteException:
     return RemoteException(text_, type(exc))
 
 
-_OWN = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # nbrpc/
+_TORCH_RPC = sys.modules[RemoteException.__module__].__file__ or ""
+_OWN = (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # nbrpc/
+    os.path.dirname(os.path.abspath(_TORCH_RPC)) + os.sep,  # torch.distributed.rpc/
+)  # the second: torch's waits and RRef proxies (``_local_invoke``)
 
 
 def _users_frames(tb: traceback.StackSummary) -> list[tuple[str, int, str, str | None]]:
-    """The frames of a failed call worth showing: the user's, not nbrpc's around them
-    (``run_function``, the call facade's waits); all of them if nothing else is left."""
+    """The frames of a failed call worth showing: the user's, not nbrpc's or torch RPC's
+    around them (``run_function``, the call facade's waits, an RRef proxy's
+    ``_local_invoke``); all of them if nothing else is left."""
     frames = [(f.filename, f.lineno or 0, f.name, f.line) for f in tb]
     users = [f for f in frames if not os.path.abspath(f[0]).startswith(_OWN)]
     return users or frames[1:]  # the first frame is run_function itself
@@ -284,6 +290,20 @@ def raisable(exc: BaseException) -> BaseException:
     if isinstance(getattr(twin, "_render_traceback_", None), _ShortTraceback):
         twin._render_traceback_ = _ShortTraceback(twin)  # type: ignore[attr-defined]
     return twin
+
+
+def delivered(exc: BaseException) -> BaseException:
+    """A rebuilt exception raised straight to its caller (``RRef.to_here`` converts on the
+    caller's thread): the key :func:`handle_exception` noted goes, from its notes and from
+    the exceptions kept for :func:`settle`."""
+    notes = getattr(exc, "__notes__", [])
+    keys = [int(m.group(1)) for m in map(_KEY.fullmatch, notes) if m]
+    if keys:
+        exc.__notes__ = [n for n in notes if not _KEY.fullmatch(n)]
+        with _state.lock:
+            for key in keys:
+                _state.rebuilt.pop(key, None)
+    return exc
 
 
 def is_rebuilt(exc: BaseException) -> bool:
