@@ -132,13 +132,17 @@ def holds_user_rrefs() -> bool:
     return any(not rref.is_owner() for rref in held)
 
 
-def _type_of(rref: PyRRef, entry: _Entry, pending: list) -> None:
+def _type_of(rref: PyRRef, entry: _Entry, pending: list, dead: frozenset[str]) -> None:
+    """The type of ``rref``'s value, asked of its owner once. Never of a dead owner: torch
+    sends the RRef itself along, a fork that only the owner can confirm, and an unconfirmed
+    fork stays pending in this process for good (every later shutdown waited its whole
+    bound: "Timed out waiting for pending UserRRefs to be confirmed by owner and parent")."""
     if entry.type is not None:
         return
     try:
         if rref.is_owner():
             entry.type = type(rref.local_value()).__qualname__
-        else:  # asks the owner once; torch caches the answer in the handle
+        elif _torch.owner_name(rref) not in dead:  # torch caches the answer in the handle
             pending.append((entry, _torch.rref_type_future(rref)))
     except Exception:
         entry.type = "?"
@@ -148,14 +152,15 @@ def _type_of(rref: PyRRef, entry: _Entry, pending: list) -> None:
 GONE = "(gone)"
 
 
-def snapshot() -> dict[str, Any]:
-    """This process's handles and how many RRefs it owns (see ``_agent.figures``)."""
+def snapshot(dead: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """This process's handles and how many RRefs it owns (see ``_agent.figures``);
+    ``dead``: workers known dead, whose RRefs' types are not asked."""
     with _ledger.lock:
         held = list(_ledger.handles.items())
     pending: list = []
     rows = []
     for rref, entry in held:
-        _type_of(rref, entry, pending)
+        _type_of(rref, entry, pending, dead)
     deadline = time.monotonic() + _TYPE_WAIT_S
     for entry, fut in pending:
         while not fut.done() and time.monotonic() < deadline:
