@@ -28,7 +28,7 @@ from torch.distributed.rpc import RRef, WorkerInfo
 from . import autograd
 from ._agent import get_worker_info, ownership, remote, rpc_async, rpc_sync, workers
 from ._cells import CellResults, RpcCellError, pull, push, worker_namespace
-from ._cluster import Cluster, ClusterState, current, init, restart, shutdown, status
+from ._cluster import Cluster, ClusterState, current, init, rank, restart, shutdown, status
 from ._debugger.postmortem import post_mortem
 from ._errors import (
     AlreadyInitializedError,
@@ -99,6 +99,7 @@ __all__ = [
     "post_mortem",
     "pull",
     "push",
+    "rank",
     "record",
     "register_by_value",
     "remote",
