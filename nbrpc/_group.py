@@ -486,9 +486,9 @@ def kernel_membership(
         member = _membership.kernel
         if name != member.name:
             raise ConfigError(
-                f"this kernel joined torch RPC as {member.name!r}; torch cannot rename a "
-                f"process in a group, so --self {name} needs a kernel restart. "
-                f"Leave --self out (or use --self {member.name})."
+                f"this kernel joined torch RPC as {member.name!r} and torch fixes a "
+                f"process's name for its lifetime, so --self {name} needs a kernel restart. "
+                f"Without --self, %rpc_init keeps {member.name!r}."
             )
         if (device_maps or {}) != member.device_maps:
             raise ConfigError(

@@ -398,6 +398,22 @@ def _unknown(name: str, opts: dict[str, Opt]) -> str:
     return f"unknown option {name!r}{hint} The options are in docs/options.md."
 
 
+def _self_name(asked: str | None, default: str) -> str:
+    """The kernel's name: torch fixes a process's name when it first joins, so once this
+    kernel joined, it keeps that name without being asked again, and a different --self is
+    refused before anything starts."""
+    joined = _group.current_kernel_membership()
+    if joined is None:
+        return asked or default
+    if asked is not None and asked != joined.name:
+        raise ConfigError(
+            f"this kernel joined torch RPC as {joined.name!r} and torch fixes a process's "
+            f"name for its lifetime, so --self {asked} needs a kernel restart. Without "
+            f"--self, %rpc_init keeps {joined.name!r}."
+        )
+    return joined.name
+
+
 def _process_group(v: dict[str, Any]) -> tuple[str | None, tuple[str, ...] | None]:
     """The workers' process group: its backend and members, checked."""
     backend = v["process_group"]
@@ -488,6 +504,7 @@ class Settings:
         v = {name: opt.default for name, opt in opts.items()}
         v.update(options)
         v["n"] = n if n is not None else v["n"]
+        v["self_name"] = _self_name(options.get("self_name"), opts["self_name"].default)
         return cls._checked(v)
 
     @classmethod

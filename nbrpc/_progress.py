@@ -45,7 +45,8 @@ class BootProgress:
             self._rows[name] = (bar, label)
         self._box = w.VBox(rows)
         # a front end without widgets shows text/plain: say what happens, not "VBox(...)"
-        text = f"nbrpc: starting {len(self.names)} workers ({', '.join(self.names[:8])}"
+        workers = "worker" if len(self.names) == 1 else "workers"
+        text = f"nbrpc: starting {len(self.names)} {workers} ({', '.join(self.names[:8])}"
         text += ", ...)" if len(self.names) > 8 else ")"
         display(widget_bundle(self._box, text), raw=True)
 

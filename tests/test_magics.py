@@ -62,7 +62,7 @@ def test_full_cycle_with_custom_names(shell, cluster, capsys):
     assert "shut down" in capsys.readouterr().out
     shell.run_line_magic("rpc_status", "")
     assert "no cluster is running" in capsys.readouterr().out
-    with pytest.raises(nbrpc.ConfigError, match="cannot rename"):
+    with pytest.raises(nbrpc.ConfigError, match=r"fixes a process\'s name for its lifetime"):
         shell.run_line_magic("rpc_init", "-n 1 --self master")
     shell.run_line_magic("rpc_init", "--names ps,trainer1 --timeout 20 --threads 4 --quiet")
     try:
