@@ -129,7 +129,9 @@ class Options(TypedDict, total=False):
             "attach to the ipyparallel cluster of this profile",
             doc="Attach to a running ipyparallel cluster (engines on other hosts included) "
             "instead of starting engines; ``n`` then picks how many of its engines join "
-            "(default: all). Its engines keep running after a shutdown.",
+            "(default: as many as the cluster was started with, read from its cluster "
+            "file, waited for up to the boot timeout). Its engines keep running after a "
+            "shutdown.",
         ),
     ]
     cluster_id: Annotated[
