@@ -229,3 +229,18 @@ nbrpc.shutdown(release=True)
     assert b"result 5" in done.stdout
     assert "\r[worker1] script: 100%" in err, json.dumps(err[-2000:])
     assert "\n[worker1] script:  40%" not in err, "updates rewrite the line, not add lines"
+
+
+def test_torchs_lines_about_a_peer_nbrpc_stopped_are_expected_requests_and_responses():
+    from nbrpc._wire import native_output
+
+    line = (
+        "[W1124 12:00:00.000000000 tensorpipe_agent.cpp:{n}] RPC agent for worker0 encountered "
+        "error when reading incoming {what} from {peer}: EOF: end of file (this error ...)"
+    )
+    native_output.expect_leaving(["worker9"], seconds=60)
+    for n, what in ((723, "request"), (941, "response")):
+        assert native_output.expected(line.format(n=n, what=what, peer="worker9"))
+        assert not native_output.expected(line.format(n=n, what=what, peer="worker8"))
+    native_output.joined(["worker9"])
+    assert not native_output.expected(line.format(n=941, what="response", peer="worker9"))

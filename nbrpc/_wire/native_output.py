@@ -16,6 +16,8 @@ torch writes a warning in every process when a peer's connection closes::
     [W1123 ...tensorpipe_agent.cpp:723] RPC agent for worker0 encountered error when
     reading incoming request from worker1: EOF: end of file (this error originated at ...)
 
+(and "reading incoming response", line 941, when a call to that peer was in flight).
+
 When nbrpc itself made that peer leave (a shutdown, a restart), the line says nothing
 the user did not ask for; a cell showed one per worker, in red, at every ``%rpc_shutdown``.
 :func:`expect_leaving` names such peers for :data:`LEAVING_GRACE_S`; while they are named,
@@ -47,7 +49,7 @@ LEAVING_GRACE_S = 15.0
 #: torch's line for a peer's connection that closed (group 1: the peer's name).
 CLOSED_BY_PEER = re.compile(
     r"^\[[EW]\d{4} [^\]]*tensorpipe_agent\.cpp:\d+\] RPC agent for \S+ encountered error "
-    r"when reading incoming request from (\S+): "
+    r"when reading incoming (?:request|response) from (\S+): "
     r"(EOF: end of file|ECONNRESET: connection reset by peer|.*pipe closed)"
 )
 #: torch's error when it drops a reference to an RRef whose owner left the group (group 1:
