@@ -38,6 +38,7 @@ there is one; not the frames of nbrpc, IPython and torch between them.
 from __future__ import annotations
 
 import os
+import re
 import traceback
 
 
@@ -58,6 +59,34 @@ def _users_frame(frame: traceback.FrameSummary, libraries: tuple[str, ...]) -> b
     return not (frame.line or "").startswith("get_ipython().run_")
 
 
+def cell_name(filename: str) -> str | None:
+    """``"Cell In[5]"`` for the file a notebook cell was compiled as (ipykernel names it
+    ``/tmp/ipykernel_PID/NNN.py``), as IPython's own tracebacks say; None for other files."""
+    import sys
+
+    IPython = sys.modules.get("IPython")
+    shell = IPython.get_ipython() if IPython is not None else None
+    named = getattr(getattr(shell, "compile", None), "format_code_name", lambda _: None)(filename)
+    return f"{named[0]} {named[1]}" if named else None
+
+
+_FILE_LINE = re.compile(r'^  File "(.+)", line (\d+), in (.+)$')
+
+
+def format_frames(frames: list[traceback.FrameSummary]) -> list[str]:
+    """``traceback.StackSummary.format`` (repeated frames collapsed as Python does), with
+    a notebook cell named as IPython names it: ``Cell In[5], line 3, in f``."""
+    chunks = []
+    for chunk in traceback.StackSummary.from_list(frames).format():
+        first, newline, rest = chunk.partition("\n")
+        match = _FILE_LINE.match(first)
+        cell = cell_name(match.group(1)) if match else None
+        if match and cell:
+            first = f"  {cell}, line {match.group(2)}, in {match.group(3)}"
+        chunks.append((first + newline + rest).rstrip("\n"))
+    return chunks
+
+
 def short_traceback(exc: BaseException) -> list[str]:
     """What a notebook shows for ``exc`` (IPython's ``_render_traceback_``): the user's own
     frames, the error in one line, and its notes (a worker's traceback), not the frames of
@@ -67,7 +96,7 @@ def short_traceback(exc: BaseException) -> list[str]:
     lines = []
     if frames:
         lines.append("Traceback (most recent call last):")
-        lines.extend(line.rstrip("\n") for line in traceback.format_list(frames))
+        lines.extend(format_frames(list(frames)))
     name = type(exc).__qualname__
     module = type(exc).__module__
     if module not in ("builtins", "__main__") and not module.startswith("nbrpc"):

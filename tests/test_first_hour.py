@@ -105,6 +105,10 @@ def test_the_stop_button_ends_torch_style_waits(kernel, cell):
     assert errors
     assert errors[0].startswith("KeyboardInterrupt")
     assert ran_on < 5, f"the cell ran {ran_on:.1f} s after the stop button (the call: 10 s)"
+    text = _traceback(kernel)
+    assert "Cell In[" in text, text  # the cell's own line, as IPython names it
+    for hidden in ("_agent.py", "prompts.py", "torch/futures", "ipykernel_"):
+        assert hidden not in text, text
 
 
 def _idle(kernel: Kernel) -> bool:
@@ -279,6 +283,15 @@ def test_tracebacks_show_the_users_lines_not_nbrpcs(kernel):
     )
     assert errors[0].startswith("AutogradContextError")
     assert "nbrpc.autograd.backward(context_id, [loss])" in errors[0]
+
+
+def test_an_nbrpc_error_names_the_cell_as_ipython_does(kernel):
+    kernel.execute("def keeps():\n    return __import__('threading').Lock()")
+    _, errors = kernel.execute("nbrpc.rpc_sync('worker1', keeps)")
+    assert errors[0].startswith("SerializationError")
+    text = _traceback(kernel)
+    assert "Cell In[" in text, text
+    assert "ipykernel_" not in text, text
 
 
 def test_push_to_an_unknown_worker_names_push(kernel):

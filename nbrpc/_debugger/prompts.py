@@ -249,13 +249,17 @@ def wait_on_main_thread(fut: Any, limit: float = 0) -> bool:
     woke = threading.Event()
     fut.add_done_callback(lambda _: woke.set())
     deadline = deadlines.clock.now() + limit if limit > 0 else None
-    with main_thread_waits(woke):
-        while not fut.done():
-            woke.wait(SIGNAL_CHECK_S)
-            woke.clear()
-            if fut.done():
-                break
-            serve()
-            if deadline is not None and deadlines.clock.now() >= deadline:
-                return False
+    try:
+        with main_thread_waits(woke):
+            while not fut.done():
+                woke.wait(SIGNAL_CHECK_S)
+                woke.clear()
+                if fut.done():
+                    break
+                serve()
+                if deadline is not None and deadlines.clock.now() >= deadline:
+                    return False
+    except KeyboardInterrupt as stop:  # the stop button: the cell's lines, not nbrpc's waits
+        failures.show_short(stop)
+        raise
     return True

@@ -33,7 +33,7 @@ from typing import Any
 import cloudpickle
 
 from nbrpc import _process
-from nbrpc._errors import RemoteError, short_traceback
+from nbrpc._errors import RemoteError, format_frames, short_traceback
 from nbrpc._torch import RemoteException
 
 
@@ -165,7 +165,7 @@ def format_remote_traceback(failure: _FailureText) -> str:
         ]
     )
     lines = [f"Remote traceback (most recent call last), on {failure.worker}:\n"]
-    lines.extend(frames.format())
+    lines.extend(chunk + "\n" for chunk in format_frames(list(frames)))
     lines.append(f"{failure.ename}: {failure.evalue}\n")
     return "".join(lines)
 
@@ -185,6 +185,12 @@ class _ShortTraceback:
 
     def __reduce__(self) -> tuple:
         return (_ShortTraceback, (None,))
+
+
+def show_short(exc: BaseException) -> None:
+    """Have IPython show ``exc`` short: the cell's lines, not nbrpc's (the stop button's
+    KeyboardInterrupt raised inside one of nbrpc's waits)."""
+    exc._render_traceback_ = _ShortTraceback(exc)  # type: ignore[attr-defined]
 
 
 def rebuild(result: RemoteException) -> BaseException:
