@@ -51,11 +51,10 @@ from ._errors import (
     BootError,
     ClusterClosedError,
     NotInitializedError,
-    UnknownWorkerError,
 )
 from ._options import Options, Settings, options_doc
-from ._rows import StatusRow, WorkerRecord
-from ._wire import native_output, output, shm
+from ._rows import StatusRow, WorkerRecord, WorkerState
+from ._wire import native_output, shm
 
 log = logging.getLogger("nbrpc")
 
@@ -222,7 +221,7 @@ class Cluster:
             if not gone and record.local:
                 gone = not process_alive(record.pid)
             if gone:
-                record.state = "dead"
+                record.move(WorkerState.DEAD)
                 _agent.mark_dead(record.name)
                 prompts.forget_worker(record.name)
         return [r.name for r in self.records[1:] if r.state == "dead"]
@@ -299,7 +298,7 @@ class Cluster:
             sweep_segments(segment_prefix(os.getpid()))
             for record in self.records[1:]:
                 if record.state == "ready":
-                    record.state = "stopped"
+                    record.move(WorkerState.STOPPED)
             self._enter(ClusterState.CLOSED)
 
     def _leave(self, graceful: bool, timeout: float) -> None:
@@ -314,7 +313,7 @@ class Cluster:
             _agent.cancel_calls_in_flight()
             dead = [r.name for r in self.records[1:]]
             for record in self.records[1:]:
-                record.state = "stopped"
+                record.move(WorkerState.STOPPED)
         if dead:
             live = [r.name for r in self.records[1:] if r.state == "ready"]
             native_output.expect_gone([r.rank for r in self.records[1:] if r.name in dead])
@@ -488,43 +487,6 @@ def current() -> Cluster:
     if _current.cluster is None:
         raise NotInitializedError("nbrpc.current()")
     return _current.cluster
-
-
-def rank(name: str | None = None) -> int:
-    """The rank a script would give process ``name`` (default: this one): 0 for the
-    kernel, 1..N for the workers in the order they were named, in every cluster.
-
-    torch's own ids (``get_worker_info().id``) are that only for the first cluster of a
-    kernel: the kernel's RPC agent joins once and keeps a connection per id for its life,
-    so a later cluster's workers take new ids (docs/architecture.md, "Ranks"). Code that
-    computes with ranks (``get_worker_info().id - 1``) uses ``nbrpc.rank()`` instead; on
-    a worker it asks the kernel for the order once.
-    """
-    me = _process.name()
-    name = me if name is None else name
-    order = _order()
-    if name not in order:
-        raise UnknownWorkerError(name, order)
-    return order.index(name)
-
-
-def names_in_order() -> list[str]:
-    """The current cluster's processes, the kernel first, in naming order ([] for none)."""
-    cluster = _current.cluster
-    return [r.name for r in cluster.records] if cluster is not None else []
-
-
-def _order() -> list[str]:
-    _group.require_active("nbrpc.rank()")
-    order = names_in_order()
-    if order:
-        return order
-    if not _asked_order:  # a worker: its cluster lives in the kernel
-        _asked_order.extend(_torch.rpc_sync(output.kernel_name(), names_in_order))
-    return _asked_order
-
-
-_asked_order: list[str] = []  # a worker's cluster does not change its names
 
 
 def running() -> Cluster | None:

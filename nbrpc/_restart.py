@@ -36,7 +36,7 @@ from ._boot import ask_to_join, set_up_fast_path, wait_for_joins
 from ._engines import JOIN_TIMEOUT_S
 from ._errors import BootError, ConfigError
 from ._progress import BootProgress
-from ._rows import WorkerRecord
+from ._rows import WorkerRecord, WorkerState
 from ._wire import native_output
 
 
@@ -78,7 +78,7 @@ def run(cluster: Any, names: list[str]) -> Restarted:
         records = {r.name: r for r in cluster.records[1:]}
         failed = [n for n in names if records.get(n) and records[n].state == "restarting"]
         for name in failed:
-            records[name].state = "dead"
+            records[name].move(WorkerState.DEAD)
         _agent.revived(failed)
         for name in failed:
             _agent.mark_dead(name, f"its restart failed: {str(exc).splitlines()[0]}")
@@ -105,7 +105,7 @@ def _run(cluster: Any, names: list[str]) -> Restarted:
         _collective.destroy(pg, others)
         booted.process_group = None
     for name in names:
-        records[name].state = "restarting"
+        records[name].move(WorkerState.RESTARTING)
     try:
         new_ids = engines.replace(
             [records[n].engine_id for n in names], [records[n].pid for n in names], JOIN_TIMEOUT_S
@@ -136,7 +136,8 @@ def _run(cluster: Any, names: list[str]) -> Restarted:
     for name in names:
         info, record = infos[name], records[name]
         record.pid, record.rank, record.host = info["pid"], info["rank"], info["host"]
-        record.engine_id, record.state = booted.engine_of[name], "ready"
+        record.engine_id = booted.engine_of[name]
+        record.move(WorkerState.READY)
         record.role = f"engine {record.engine_id}"
         record.devices = info["devices"]
     native_output.joined(names)

@@ -7,8 +7,11 @@ cluster's own record of each process (:class:`WorkerRecord`) is a small dataclas
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any, Literal, NotRequired, TypedDict
+
+from ._errors import ClusterClosedError
 
 
 class CudaMemory(TypedDict):
@@ -30,7 +33,7 @@ class StatusRow(TypedDict):
     role: str  # "kernel" or "engine N"
     devices: list[str]
     engine_id: int | None
-    state: str  # "ready", "dead", "stopped"
+    state: str  # a WorkerState: "ready", "dead", "restarting", "stopped"
     calls_in_flight: int | None  # None: not ready, or did not answer in time
     calls_done: int | None
     rrefs_owned: int | None
@@ -137,9 +140,28 @@ class StackRow(TypedDict):
     error: str | None  # why no stacks came (then ``threads`` is empty)
 
 
+class WorkerState(enum.StrEnum):
+    """Where one process of the cluster stands (a ``str``: rows print and compare as text)."""
+
+    READY = "ready"
+    DEAD = "dead"  # its process is gone; %rpc_restart replaces it
+    RESTARTING = "restarting"  # a fresh process is being made for its name
+    STOPPED = "stopped"  # it left at a shutdown
+
+
+#: The transitions a process's state may take (the cluster's own are ``_cluster._NEXT``).
+WORKER_NEXT: dict[WorkerState, frozenset[WorkerState]] = {
+    WorkerState.READY: frozenset({WorkerState.DEAD, WorkerState.RESTARTING, WorkerState.STOPPED}),
+    WorkerState.DEAD: frozenset({WorkerState.RESTARTING, WorkerState.STOPPED}),
+    WorkerState.RESTARTING: frozenset({WorkerState.READY, WorkerState.DEAD}),
+    WorkerState.STOPPED: frozenset(),
+}
+
+
 @dataclass
 class WorkerRecord:
-    """One process of the group, as the notebook shows it."""
+    """One process of the group, as the notebook shows it. Its ``state`` changes only
+    through :meth:`move`, which refuses a transition :data:`WORKER_NEXT` lacks."""
 
     name: str
     rank: int
@@ -148,8 +170,16 @@ class WorkerRecord:
     role: str  # "kernel" or "engine N"
     devices: list[str] = field(default_factory=list)
     engine_id: int | None = None
-    state: str = "ready"
+    state: WorkerState = WorkerState.READY
     local: bool = True  # on the kernel's host: its pid is this host's
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+    def move(self, state: WorkerState) -> None:
+        """Change the state (staying where it is is no change)."""
+        if state is not self.state and state not in WORKER_NEXT[self.state]:
+            raise ClusterClosedError(
+                f"{self.name} is {self.state.value} and cannot become {state.value}"
+            )
+        self.state = state

@@ -181,3 +181,17 @@ def test_backward_view_of_a_real_pass_crosses_workers():
     assert "ms busy" in view.html
     assert "4 cross-process hops" in repr(view)
     view.close()
+
+
+def test_a_workers_state_moves_only_along_its_transitions():
+    from nbrpc._rows import WorkerRecord, WorkerState
+
+    record = WorkerRecord("worker1", 1, 10, "h", "engine 0")
+    assert record.state == "ready"  # a str: rows print and compare as text
+    record.move(WorkerState.DEAD)
+    record.move(WorkerState.RESTARTING)
+    record.move(WorkerState.READY)
+    record.move(WorkerState.STOPPED)
+    with pytest.raises(nbrpc.ClusterClosedError, match="worker1 is stopped and cannot become"):
+        record.move(WorkerState.READY)
+    assert f"{WorkerState.DEAD}" == "dead"
