@@ -28,7 +28,7 @@ from torch.distributed.rpc import RRef, WorkerInfo
 from . import autograd
 from ._agent import get_worker_info, ownership, remote, rpc_async, rpc_sync, workers
 from ._cells import CellResults, RpcCellError, pull, push, worker_namespace
-from ._cluster import Cluster, ClusterState, current, init, rank, restart, shutdown, status
+from ._cluster import Cluster, ClusterState, current, init, restart, shutdown, status
 from ._debugger.postmortem import post_mortem
 from ._errors import (
     AlreadyInitializedError,
@@ -49,6 +49,7 @@ from ._errors import (
     WorkerDiedError,
 )
 from ._options import Slurm
+from ._ranks import rank
 from ._rows import CallRow, OwnershipRow, StackRow, StatusRow, Trace, WorkerRecord
 from ._stacks import stacks
 from ._timeline import Recording, record
