@@ -68,10 +68,6 @@ def set_active(active: bool) -> None:
     _membership.active = active
 
 
-def is_active() -> bool:
-    return _membership.active
-
-
 def require_active(what: str) -> None:
     """Raise :class:`~nbrpc.NotInitializedError` naming ``what`` unless a cluster is up."""
     if not _membership.active:

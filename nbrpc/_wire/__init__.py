@@ -16,6 +16,8 @@ and what happens around a call on the callee:
   process, as a script's module;
 * :mod:`.failures` -- a failed call's exception and traceback, rebuilt by the caller, and
   the last failure kept for a post-mortem;
+* :mod:`.recording` -- each process's rows of a call timeline (``nbrpc.record()``);
+* :mod:`.stacks` -- every thread's stack, read without the GIL (``nbrpc.stacks()``);
 * :mod:`.shm` and :mod:`.arena` -- large CPU tensors through shared memory between
   processes of one host.
 """

@@ -185,12 +185,6 @@ def enabled() -> bool:
     return _state.threshold is not None
 
 
-def eligible(t: torch.Tensor) -> bool:
-    """Whether this tensor would take the fast path now."""
-    threshold = _state.threshold
-    return threshold is not None and _eligible(t, threshold)
-
-
 def _eligible(t: torch.Tensor, threshold: int) -> bool:
     return (
         type(t) is torch.Tensor
