@@ -34,7 +34,7 @@ from ._options import Settings
 from ._placement import validate_names
 from ._progress import BootProgress
 from ._rows import WorkerRecord
-from ._wire import shm, stacks
+from ._wire import shm
 
 
 @dataclass
@@ -282,7 +282,6 @@ def _since(t0: float) -> float:
 
 
 def _join_kernel(settings: Settings, device_maps: dict, devices: list[str] | None) -> Any:
-    stacks.install()  # the kernel's RPC threads say what they serve, for nbrpc.stacks()
     return _group.kernel_membership(
         settings.self_name,
         init_method=settings.init_method,

@@ -39,9 +39,9 @@ from . import (
     _ledger,
     _process,
     _restart,
+    _setup,
     _torch,
     _views,
-    autograd,
 )
 from ._debugger import prompts
 from ._engines import worker
@@ -160,9 +160,7 @@ class Cluster:
         _process.warn_if_the_host_is_shared()
         self._enter(ClusterState.BOOTING)
         try:
-            _route_torch()
-            native_output.quiet_kernel_stderr()  # torch's lines about workers nbrpc stops
-            _process.watch_cells()  # a worker's native output goes to the running cell
+            _setup.kernel(_torch_shutdown)  # every step the kernel installs, in order
             _boot.boot(self.settings, self.engines, self.booted)
             native_output.joined([r.name for r in self.records[1:]])
             if self.settings.restart == "dead":
@@ -553,13 +551,3 @@ def _torch_shutdown(graceful: bool = True, timeout: float = 0) -> None:
     workers but keep the kernel's agent, or the next ``%rpc_init`` could not work.
     """
     shutdown(graceful=graceful, timeout=timeout or LEAVE_TIMEOUT_S)
-
-
-def _route_torch() -> None:
-    """The names a notebook calls in torch's spelling behave as nbrpc's (see
-    :func:`nbrpc._agent.route_torch_calls`), ``rpc.shutdown()`` included."""
-    _torch.route_user_shutdown(_torch_shutdown)
-    _torch.quiet_internal_deprecations()
-    _agent.install()
-    _agent.route_torch_calls()
-    autograd.install()

@@ -38,7 +38,6 @@ import torch.distributed.rpc as rpc
 
 from . import _fence, _torch
 from ._errors import BootError, ConfigError, NotInitializedError
-from ._wire import pickling
 
 SCHEME = "nbrpc"
 
@@ -309,7 +308,6 @@ def join(
             "cannot join twice from one process. Restart it (for attached ipyparallel "
             "engines: restart the engines) and attach again."
         )
-    pickling.install()
     if uses_cuda(device_maps, devices):
         # A dynamic group (world_size=None) skips the step of a static init_rpc that brings
         # CUDA up, and the first CUDA tensor TensorPipe hands a process that has not used

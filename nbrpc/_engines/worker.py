@@ -43,15 +43,9 @@ def join(
 
     ``members``: the cluster's addresses, when it listens beyond loopback: then this
     process's listening sockets admit those alone (:mod:`nbrpc._fence`)."""
-    from nbrpc import _agent, _fence, _group, _process, _torch, autograd
-    from nbrpc._debugger import remote_pdb
+    from nbrpc import _agent, _fence, _group, _process, _setup
     from nbrpc._errors import BootError
-    from nbrpc._wire import bars, namespace, native_output, output, stacks
 
-    _torch.quiet_internal_deprecations()  # the optimizer's TorchScript notice, see there
-    _agent.install()
-    _agent.route_torch_calls()  # code here written for torch behaves as in the kernel
-    autograd.install()  # loss.backward() in a %%rpc cell says what to use instead
     spec = _group.StoreSpec(**store)
     if spec.kind == "file" and not os.path.exists(os.path.dirname(spec.path)):
         raise BootError(
@@ -60,12 +54,7 @@ def join(
             "(an address of the kernel's host that this host reaches), so the kernel's store "
             "and RPC endpoint listen there."
         )
-    output.forward_output_to(kernel, name)
-    native_output.start_tail()  # what C and C++ write too
-    bars.install()  # tqdm.auto here draws its widget in the calling cell
-    remote_pdb.install()  # breakpoint() opens pdb in the calling cell
-    stacks.install()  # nbrpc.stacks() reads every thread's stack, also when all are busy
-    namespace.share()  # notebook functions keep their module-level names here, as scripts do
+    _setup.worker(kernel, name)  # every step a worker installs, in order
     _group.join(
         name,
         rank,
