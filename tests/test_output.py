@@ -1,4 +1,4 @@
-"""Issue 28: output as a person expects, in a real kernel driven as a notebook drives it.
+"""Output as a person expects, in a real kernel driven as a notebook drives it.
 
 A line a worker rewrites with ``\\r`` arrives while the call runs and updates in place;
 ``tqdm.auto`` on a worker draws a widget bar in the calling cell; what native code writes

@@ -1,4 +1,4 @@
-"""Issue 26: restart a worker without losing the rest, in real kernels, as a person types.
+"""Restart a worker without losing the rest, in real kernels, as a person types.
 
 One kernel's cluster of two workers: state on both, then ``%rpc_restart worker2``; the
 kernel and worker1 keep everything, what the old worker2 owned fails naming the restart,

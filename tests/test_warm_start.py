@@ -1,4 +1,4 @@
-"""Issue 27: ``%load_ext nbrpc`` warms up in the background (the controller, the zygote and
+"""``%load_ext nbrpc`` warms up in the background (the controller, the zygote and
 two spare engines), so that the first ``%rpc_init`` only joins them; in real kernels, as a
 person types the cells. The speed target is a ratio in ``make bench`` ("first boot after
 %load_ext"), not a timed test.
