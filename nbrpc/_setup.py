@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import _agent, _process, _torch, autograd
+from . import _agent, _group, _process, _torch, autograd
 from ._debugger import remote_pdb
 from ._wire import bars, namespace, native_output, output, pickling, stacks
 
@@ -26,6 +26,7 @@ def _both() -> None:
     pickling.install()  # notebook code by value, tensors out of band; RRef handles recorded
     _agent.install()  # RRefs: to_here, owner and proxies with nbrpc's errors
     _agent.route_torch_calls()  # torch's spelling (rpc.rpc_sync & co.) is nbrpc's
+    _torch.route_all_gather(_group.member_names)  # torch's barriers span the cluster
     autograd.install()  # loss.backward() inside a context says what to use instead
     stacks.install()  # RPC threads say what they serve, for nbrpc.stacks()
 
@@ -33,6 +34,7 @@ def _both() -> None:
 def kernel(torch_shutdown: Callable[..., Any]) -> None:
     """The kernel's steps; ``torch_shutdown`` stands in for ``rpc.shutdown()``."""
     _both()
+    _torch.reset_all_gather()  # a new cluster's fresh workers count their gathers from 0
     _torch.route_user_shutdown(torch_shutdown)  # tutorials end with rpc.shutdown()
     native_output.quiet_kernel_stderr()  # torch's lines about workers nbrpc stops
     _process.watch_cells()  # a worker's native output goes to the running cell

@@ -234,6 +234,29 @@ def patch_api(name: str, value: Any) -> Any:
     return original
 
 
+#: torch's ``_all_gather`` (the collective its RPC layer builds barriers with), as it was
+_torch_all_gather = rpc_api._all_gather
+
+
+def route_all_gather(members: Callable[[], list[str]]) -> None:
+    """``torch.distributed.rpc.api._all_gather`` without names gathers over ``members()``
+    (idempotent). torch defaults to ``_ALL_WORKER_NAMES``, the processes a process saw when
+    it joined: in a dynamic group the kernel saw only itself, and a gather hung."""
+
+    def _all_gather(obj: Any, worker_names: Any = None, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
+        return _torch_all_gather(obj, worker_names or set(members()), timeout)
+
+    patch_api("_all_gather", _all_gather)
+
+
+def reset_all_gather() -> None:
+    """A new cluster's gathers count from 0 in every process, as its fresh workers do:
+    torch numbers them per set of names, and a kernel that re-runs reuses the names."""
+    with rpc_api._all_gather_dict_lock:
+        rpc_api._all_gather_sequence_id.clear()
+        rpc_api._all_gather_sequence_id_to_states.clear()
+
+
 def route_user_shutdown(replacement: Callable[..., Any]) -> None:
     """Make ``torch.distributed.rpc.shutdown`` (the name tutorials call) ``replacement``;
     ``torch.distributed.rpc.api.shutdown``, which :func:`leave_group` uses, stays torch's."""

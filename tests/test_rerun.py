@@ -21,6 +21,17 @@ class C:
 
 def my_rank():
     return nbrpc.rank(), rpc.get_worker_info().id
+
+def gather():  # torch's own collective over RPC, which its barriers use
+    from torch.distributed.rpc import api
+    return sorted(api._all_gather(rpc.get_worker_info().name, timeout=30).values())
+
+def gather_everywhere():
+    from torch.distributed.rpc import api
+    futs = [rpc.rpc_async(w, gather) for w in nbrpc.workers()[1:]]
+    return [sorted(api._all_gather(nbrpc.workers()[0], timeout=30).values())] + [
+        f.wait() for f in futs
+    ]
 """
 
 
@@ -62,6 +73,7 @@ def test_an_error_keeps_its_type_and_shows_once_per_hop(kernel, call):
 def test_ranks_and_the_kernels_name_after_a_re_init(kernel):
     """torch's ids continue after a re-init (the kernel's agent joins once); nbrpc.rank()
     gives the ranks a script has. A later %rpc_init keeps --self without being asked."""
+    assert kernel.value("gather_everywhere()") == [["master", "ps"]] * 2
     kernel.run("%rpc_shutdown")
     kernel.run("%rpc_init -n 2 --quiet  # no --self: the kernel stays 'master'")
     assert kernel.value("nbrpc.workers()") == ["master", "worker1", "worker2"]
@@ -69,6 +81,9 @@ def test_ranks_and_the_kernels_name_after_a_re_init(kernel):
     mine = kernel.value("[rpc.rpc_sync(w, my_rank) for w in ('worker1', 'worker2')]")
     assert [rank for rank, _ in mine] == [1, 2]
     assert [torch_id for _, torch_id in mine] == [2, 3]  # after ps (1): docs/architecture.md
+    everyone = ["master", "worker1", "worker2"]
+    for _ in range(2):  # torch's _all_gather spans the cluster, also in a re-run kernel
+        assert kernel.value("gather_everywhere()") == [everyone] * 3
     _, errors = kernel.execute("%rpc_init -n 1 --self agent")
     assert errors[0].startswith("AlreadyInitializedError") or "kernel restart" in errors[0]
     kernel.run("%rpc_shutdown")
@@ -78,3 +93,6 @@ def test_ranks_and_the_kernels_name_after_a_re_init(kernel):
     assert "starting" not in kernel.stderr  # refused before any progress was drawn
     kernel.run("%rpc_init --names ps --quiet")
     assert kernel.value("nbrpc.rank('ps')") == 1
+    # the same names as the first cluster: the new ps counts its gathers from 0, and so
+    # must the kernel (torch numbers them per set of names)
+    assert kernel.value("gather_everywhere()") == [["master", "ps"]] * 2
