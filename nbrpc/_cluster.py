@@ -156,6 +156,7 @@ class Cluster:
                 f"an nbrpc cluster is already running ({running}). Run %rpc_shutdown "
                 "(or nbrpc.shutdown()) first, then start a new one."
             )
+        _group.check_kernel_name(self.settings.self_name)  # before anything is drawn
         _current.cluster = self
         _process.warn_if_the_host_is_shared()
         self._enter(ClusterState.BOOTING)

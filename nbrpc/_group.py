@@ -457,6 +457,17 @@ class KernelMembership:
             shutil.rmtree(self._owned_dir, ignore_errors=True)
 
 
+def check_kernel_name(name: str) -> None:
+    """Refuse a new name for a kernel that joined already: torch fixes it for the process."""
+    member = _membership.kernel
+    if member is not None and name != member.name:
+        raise ConfigError(
+            f"this kernel joined torch RPC as {member.name!r} and torch fixes a "
+            f"process's name for its lifetime, so --self {name} needs a kernel restart. "
+            f"Without --self, %rpc_init keeps {member.name!r}."
+        )
+
+
 def kernel_membership(
     name: str,
     *,
@@ -478,12 +489,7 @@ def kernel_membership(
     """
     if _membership.kernel is not None:
         member = _membership.kernel
-        if name != member.name:
-            raise ConfigError(
-                f"this kernel joined torch RPC as {member.name!r} and torch fixes a "
-                f"process's name for its lifetime, so --self {name} needs a kernel restart. "
-                f"Without --self, %rpc_init keeps {member.name!r}."
-            )
+        check_kernel_name(name)
         if (device_maps or {}) != member.device_maps:
             raise ConfigError(
                 f"this kernel's device maps are {member.device_maps or 'none'}; torch fixes a "

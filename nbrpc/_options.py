@@ -402,18 +402,12 @@ def _unknown(name: str, opts: dict[str, Opt]) -> str:
 
 def _self_name(asked: str | None, default: str) -> str:
     """The kernel's name: torch fixes a process's name when it first joins, so once this
-    kernel joined, it keeps that name without being asked again, and a different --self is
-    refused before anything starts."""
+    kernel joined, it keeps that name without being asked again (a different --self is
+    refused as a cluster starts, before anything is drawn: ``_group.check_kernel_name``)."""
+    if asked is not None:
+        return asked
     joined = _group.current_kernel_membership()
-    if joined is None:
-        return asked or default
-    if asked is not None and asked != joined.name:
-        raise ConfigError(
-            f"this kernel joined torch RPC as {joined.name!r} and torch fixes a process's "
-            f"name for its lifetime, so --self {asked} needs a kernel restart. Without "
-            f"--self, %rpc_init keeps {joined.name!r}."
-        )
-    return joined.name
+    return joined.name if joined is not None else default
 
 
 def _process_group(v: dict[str, Any]) -> tuple[str | None, tuple[str, ...] | None]:
