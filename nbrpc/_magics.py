@@ -17,7 +17,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from traitlets import Bool
 
-from . import _cells, _cluster, _engines, _options, _process, _stacks, _timeline, _timeline_views
+from . import _cells, _cluster, _engines, _options, _process, _stacks, _timeline, _views
 from ._debugger import postmortem
 
 #: ``NBRPC_PREWARM=0`` in the environment: ``%load_ext nbrpc`` starts nothing.
@@ -167,7 +167,7 @@ class RpcMagics(Magics):
         """Print every thread's Python stack in each process, with the call it serves and
         its caller; read from outside each worker, so busy workers answer too."""
         args = _parse(self.rpc_stacks, line)
-        print(_timeline_views.stacks_text(_stacks.stacks(*args.names)))
+        print(_views.stacks_text(_stacks.stacks(*args.names)))
 
     @line_magic
     def rpc_debug(self, line: str) -> None:

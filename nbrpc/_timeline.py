@@ -30,7 +30,7 @@ from typing import Any
 from . import _agent, _group, _process, _torch
 from ._errors import NbrpcError
 from ._rows import CallRow
-from ._timeline_views import timeline_text
+from ._views import timeline_text
 from ._wire import recording
 
 _ROUNDS = 5

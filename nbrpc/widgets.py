@@ -22,7 +22,7 @@ from typing import Any
 import anywidget
 import traitlets
 
-from . import _agent, _cluster, _timeline, _timeline_views, _views
+from . import _agent, _cluster, _timeline, _views
 from ._errors import NbrpcError
 from ._rows import Trace
 
@@ -223,9 +223,9 @@ class TimelineView(_View):
         }
 
     def _render(self, data: dict[str, Any]) -> str:
-        return _timeline_views.timeline_html(data["calls"], data["processes"], data["recording"])
+        return _views.timeline_html(data["calls"], data["processes"], data["recording"])
 
     def _text(self, data: dict[str, Any] | None) -> str:
         if not data:
             return "TimelineView()"
-        return _timeline_views.timeline_text(data["calls"], data["processes"], data["recording"])
+        return _views.timeline_text(data["calls"], data["processes"], data["recording"])

@@ -1,11 +1,8 @@
-"""The timeline of a recording and the stacks of a cluster, as text and SVG: pure
-functions of the rows ``nbrpc.record()`` and ``nbrpc.stacks()`` return (beside
-:mod:`nbrpc._views`, whose helpers they share).
-
-The timeline's SVG carries ``data-call``, ``data-parent``, ``data-caller`` and
-``data-callee`` on each call's group, and the row as its ``<title>`` (the tooltip), for
-the widget's front end and the browser test.
-"""
+"""The timeline view: a recording's calls as bars on one clock, lane per process, with
+arrows from caller to callee (``TimelineView``, ``%%rpc_timeline``); from the rows
+``nbrpc.record()`` returns. The SVG carries ``data-call``, ``data-parent``,
+``data-caller`` and ``data-callee`` on each call's group, and the row as its ``<title>``
+(the tooltip), for the widget's front end and the browser test."""
 
 from __future__ import annotations
 
@@ -13,9 +10,7 @@ from collections.abc import Mapping, Sequence
 from html import escape
 from typing import Any
 
-from ._views import FONT, bytes_text, columns
-
-# -- timeline -----------------------------------------------------------------------------
+from .draw import FONT, bytes_text, columns
 
 
 def _ms(seconds: float) -> str:
@@ -60,6 +55,8 @@ def timeline_text(calls: Sequence[Mapping[str, Any]], processes: list[str], reco
 
 
 _LANE_H = 34
+
+
 _CALL_COLORS = ("#1976d2", "#388e3c", "#f57c00", "#7b1fa2", "#0097a7", "#5d4037")
 
 
@@ -144,26 +141,3 @@ def timeline_html(calls: Sequence[Mapping[str, Any]], processes: list[str], reco
         f'<div class="nbrpc-timeline-view" style="{FONT}"><div>{escape(head)}</div>'
         f"{timeline_svg(calls, processes)}</div>"
     )
-
-
-# -- stacks -------------------------------------------------------------------------------
-
-
-def stacks_text(rows: Sequence[Mapping[str, Any]], frames: int = 12) -> str:
-    """Every process's threads, those serving a call first; each thread's innermost
-    ``frames`` frames, innermost last (as a traceback prints)."""
-    lines: list[str] = []
-    for r in rows:
-        lines.append(f"== {r['name']} (pid {r['pid']} on {r['host']}, read by {r['how']})")
-        if r["error"]:
-            lines.append(f"   {r['error']}")
-        for t in sorted(r["threads"], key=lambda t: t["serving"] is None):
-            label = t["name"] or f"thread {t['thread']:#x}"
-            serving = f": serving {t['serving']}" if t["serving"] else ""
-            lines.append(f"-- {label}{serving}")
-            shown = t["frames"][-frames:]
-            if len(t["frames"]) > len(shown):
-                lines.append(f"   ... {len(t['frames']) - len(shown)} outer frames")
-            for f in shown:
-                lines.append(f'   File "{f["file"]}", line {f["line"]}, in {f["function"]}')
-    return "\n".join(lines)
