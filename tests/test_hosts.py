@@ -187,7 +187,7 @@ def test_workers_on_two_hosts_over_ssh(hosts, kernel):
     # the engines' files live in a directory of this controller's own (no stale files)
     watched, local, run = kernel.value(
         "(lambda h: (open(h.pidfile).read().split(), h.pids(), h.remote_dir))"
-        "(nbrpc.current().engines.source.engines)"
+        "(nbrpc.current().engines.source.controller)"
     )
     assert sorted(map(int, watched)) == sorted(local)
     for pid in local:  # the controller and its heart monitor: no engine (their pids are
@@ -393,7 +393,7 @@ def test_shutdown_leaves_nothing_on_the_hosts_and_init_works_again(hosts, kernel
 def test_engines_exit_when_the_controller_is_gone(hosts, kernel):
     """Failure 4: engines outlived a killed controller by minutes."""
     kernel.run('nbrpc.shutdown()\n%rpc_init --hosts fakeh2 --ssh-args "$SSH" --quiet')
-    pids = kernel.value("nbrpc.current().engines.source.engines.pids()")  # with its heart monitor
+    pids = kernel.value("nbrpc.current().engines.source.controller.pids()")  # with its heart monitor
     assert any("nbrpc._engine" in p for p in hosts.processes("fakeh2"))
     for pid in pids:
         os.kill(pid, 9)

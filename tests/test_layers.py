@@ -297,3 +297,7 @@ def test_every_engine_source_implements_the_protocol_with_its_signatures():
         made = source(Settings.make())
         for name in attributes:
             assert hasattr(made, name), f"{source.__name__} has no {name!r} (EngineSource)"
+        for name in ("wants", "start", "launch", "client", "take", "stop"):  # no default
+            assert getattr(source, name) is not getattr(EngineSource, name), (
+                f"{source.__name__} does not write {name}, which every source must"
+            )

@@ -15,16 +15,17 @@ ssh sources start), :mod:`.zygote` (the process local engines fork from),
 :mod:`.watchdog` (stops them all if the kernel dies), :mod:`.hosts` (ssh options and the
 preflight of ``--hosts``) and :mod:`.worker` (what runs inside an engine to join).
 
-Every source implements :class:`EngineSource`, with the same signatures (a test holds
-them to it), and :class:`Engines`, the facade the cluster's lifecycle uses, never asks
-which source it has.
+Every source extends :class:`~.base.EngineSource` (in :mod:`.base`), which gives a
+default to everything a source need not do; a test holds every source to its signatures.
+:class:`Engines`, the facade the cluster's lifecycle uses, never asks which source it has.
 
 **Adding a source** (say, a batch scheduler's):
 
-1. a module here with a class implementing :class:`EngineSource`: ``wants(settings)``
-   says which options ask for it, ``resolve`` completes those options, ``start`` /
-   ``launch`` / ``take`` bring engines up in worker order, ``stop`` and ``release_kept``
-   end what it started;
+1. a module here with a subclass of :class:`~.base.EngineSource` that writes what it does:
+   ``wants(settings)`` says which options ask for it, ``start`` / ``launch`` / ``client``
+   / ``take`` bring engines up in worker order, ``stop`` ends what it started; the rest
+   (``resolve``, ``replace``, ``dump_stacks``, ...) where it can do better than the
+   default;
 2. its options in :class:`nbrpc._options.Options` (and :class:`~nbrpc._options.Settings`);
 3. one line in :data:`SOURCES`, before the sources it must win over.
 
@@ -38,13 +39,14 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import psutil
 
 from nbrpc import _fence, _options
 
 from .attached import AttachedSource
+from .base import EngineSource
 from .local import LocalSource
 from .local import prewarm as _prewarm_here
 from .slurm import SlurmSource
@@ -56,102 +58,6 @@ log = logging.getLogger("nbrpc")
 
 ENGINE_START_TIMEOUT_S = 90.0
 JOIN_TIMEOUT_S = 90.0
-
-
-class EngineSource(Protocol):
-    """One way of getting a cluster's engines (see the module doc)."""
-
-    #: the engines run on other hosts: their pids are not this host's, and shared memory
-    #: is probed host by host
-    remote: bool
-    #: why the controller and warm engines were there before this cluster ("kept from
-    #: the last cluster", "warmed up at %load_ext"); "" when started for it
-    reused: str
-    #: why :meth:`replace` cannot work for this source ("": it can), said before a
-    #: restart stops anything
-    cannot_replace: str
-
-    def __init__(self, settings: _options.Settings) -> None: ...
-
-    @classmethod
-    def wants(cls, settings: _options.Settings) -> bool:
-        """Whether these settings ask for this source."""
-        ...
-
-    @classmethod
-    def resolve(cls, settings: _options.Settings) -> _options.Settings:
-        """The settings completed with what only this source can work out."""
-        ...
-
-    @classmethod
-    def release_kept(cls) -> None:
-        """Stop what this source keeps between clusters (``%rpc_shutdown --release``)."""
-        ...
-
-    def start(self) -> None:
-        """Start what engines need (a controller, a zygote); returns at once."""
-        ...
-
-    def hosts(self) -> list[str]:
-        """The addresses of the hosts its engines will run on, known before they start
-        (admitted through the member filter first); [] when they are this host's, or
-        known only once they registered (they report them then)."""
-        ...
-
-    def launch(self, n: int) -> None:
-        """Ask for ``n`` engines; they register with the controller in the background."""
-        ...
-
-    def client(self) -> Any:
-        """The ipyparallel client, connected to the controller."""
-        ...
-
-    def take(self, n: int | None, timeout: float, registered: Callable[..., None]) -> list[int]:
-        """Ids of ``n`` registered engines, in worker order (``None``: all there are),
-        never handed out again; ``registered(count)`` as engines arrive, or
-        ``registered(count, note)`` with what they wait for (a job in Slurm's queue)."""
-        ...
-
-    def controller_seconds(self) -> float | None:
-        """Seconds until its controller answered (0: kept; None: not started by it)."""
-        ...
-
-    def import_seconds(self) -> float | None:
-        """Seconds its engines' imports took, once (0: done before; None: per engine)."""
-        ...
-
-    def controller_pid(self) -> int | None:
-        """The pid of the controller it started on this host (None: none)."""
-        ...
-
-    def last_output(self, pid: int) -> str:
-        """What engine ``pid`` printed as it crashed, or why the source lost it (a Slurm
-        job that ended); "" if nothing, or not known here."""
-        ...
-
-    def summary_note(self) -> str:
-        """A line for the cluster's summary about where the engines came from ("": none)."""
-        ...
-
-    def stop(self, engine_ids: list[int], pids: list[int], keep_warm: bool) -> None:
-        """Stop the engines a cluster used (``pids``: those of this host);
-        ``keep_warm``: start spares for the next cluster, where the source keeps any."""
-        ...
-
-    def replace(self, engine_ids: list[int], pids: list[int], timeout: float) -> list[int]:
-        """Kill the engines ``engine_ids`` (processes ``pids`` on their own hosts) and
-        start as many new ones where they ran; the new ids, registered, in that order
-        (``nbrpc.restart``)."""
-        ...
-
-    def dump_stacks(
-        self, engine_ids: list[int], pids: list[int], timeout: float
-    ) -> dict[int, dict[str, Any]]:
-        """Every thread's Python stack of the engines (processes ``pids`` on their own
-        hosts), read on their hosts without their GIL (:mod:`nbrpc._wire.stacks`): by engine
-        id, ``{"dump", "labels"}`` or ``{"error"}``; {} where the source cannot reach its
-        engines' hosts (``nbrpc.stacks`` then asks by RPC)."""
-        ...
 
 
 #: The registered sources, asked in order which one the settings want (the last one

@@ -24,7 +24,9 @@ from dataclasses import replace
 from typing import Any
 
 from nbrpc import _options
-from nbrpc._errors import BootError, ConfigError
+from nbrpc._errors import BootError
+
+from .base import EngineSource
 
 log = logging.getLogger("nbrpc")
 
@@ -48,20 +50,20 @@ def started_with(profile: str | None, cluster_id: str | None) -> int | None:
         return None
 
 
-class AttachedSource:
-    """The engines of a running ipyparallel cluster, used and left running."""
+class AttachedSource(EngineSource):
+    """The engines of a running ipyparallel cluster, used and left running: none of them
+    nbrpc's to restart or read on their hosts (``nbrpc.stacks`` asks them by RPC)."""
 
     #: taken as this host's (``ipcluster start`` here): their pids are watched, and the
     #: shared-memory probe tells whether they see this kernel's /dev/shm
     remote = False
-    reused = ""
     cannot_replace = (
         "the engines of an attached ipyparallel cluster are not nbrpc's to replace. Restart "
         "the engine with ipyparallel, then %rpc_shutdown and %rpc_init"
     )
 
     def __init__(self, settings: _options.Settings) -> None:
-        self.settings = settings
+        super().__init__(settings)
         self._client: Any = None
 
     @classmethod
@@ -77,15 +79,8 @@ class AttachedSource:
         expected = started_with(settings.profile, settings.cluster_id)
         return settings if expected is None else replace(settings, n=expected)
 
-    @classmethod
-    def release_kept(cls) -> None:
-        pass  # nothing of ours runs
-
     def start(self) -> None:
         pass  # they run already
-
-    def hosts(self) -> list[str]:
-        return []  # known once they registered: they report them
 
     def launch(self, n: int) -> None:
         pass  # ipyparallel's engines are started by whoever started the cluster
@@ -134,21 +129,6 @@ class AttachedSource:
                 )
             time.sleep(0.05)
 
-    def controller_seconds(self) -> float | None:
-        return None  # not ours
-
-    def import_seconds(self) -> float | None:
-        return None
-
-    def controller_pid(self) -> int | None:
-        return None
-
-    def last_output(self, pid: int) -> str:
-        return ""
-
-    def summary_note(self) -> str:
-        return ""
-
     def stop(self, engine_ids: list[int], pids: list[int], keep_warm: bool) -> None:
         """Its engines run on; only the client closes."""
         if self._client is not None:
@@ -157,11 +137,3 @@ class AttachedSource:
             except Exception as exc:
                 log.warning("closing the ipyparallel client: %s", exc)
             self._client = None
-
-    def replace(self, engine_ids: list[int], pids: list[int], timeout: float) -> list[int]:
-        raise ConfigError(self.cannot_replace)
-
-    def dump_stacks(
-        self, engine_ids: list[int], pids: list[int], timeout: float
-    ) -> dict[int, dict[str, Any]]:
-        return {}  # hosts nbrpc has no way into: nbrpc.stacks asks by RPC

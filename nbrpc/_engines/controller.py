@@ -34,6 +34,7 @@ import psutil
 from nbrpc import _options
 
 from . import watchdog
+from .base import EngineSource
 
 log = logging.getLogger("nbrpc")
 
@@ -186,34 +187,26 @@ class Controller:
 C = TypeVar("C", bound=Controller)
 
 
-class ControllerSource(Generic[C]):
+class ControllerSource(EngineSource, Generic[C]):
     """What the sources of engines on other hosts (``--hosts``, ``--slurm``) do alike: a
-    :class:`Controller` of this host (``engines``, made by ``start``) and engines that
+    :class:`Controller` of this host (``controller``, made by ``start``) and engines that
     import torch where they run; nothing kept between clusters."""
 
     remote = True
-    reused = ""
 
     def __init__(self, settings: _options.Settings) -> None:
-        self.settings = settings
-        self.engines: C | None = None
-
-    @classmethod
-    def release_kept(cls) -> None:
-        pass  # nothing outlives its cluster
+        super().__init__(settings)
+        self.controller: C | None = None
 
     def _ours(self) -> C:
-        assert self.engines is not None, "start() comes first"
-        return self.engines
+        assert self.controller is not None, "start() comes first"
+        return self.controller
 
     def client(self) -> Any:
         return self._ours().client()
 
     def controller_seconds(self) -> float | None:
         return self._ours().controller_seconds
-
-    def import_seconds(self) -> float | None:
-        return None  # each engine imports torch on its own host
 
     def controller_pid(self) -> int | None:
         return self._ours().controller_pid

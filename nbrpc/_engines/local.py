@@ -50,6 +50,7 @@ from nbrpc._errors import BootError
 from nbrpc._wire import stacks
 
 from . import controller, watchdog
+from .base import EngineSource
 from .controller import ENGINE_ARGS, Controller, tail
 from .watchdog import process_alive
 
@@ -483,24 +484,18 @@ def release() -> None:
         ours.release()
 
 
-class LocalSource:
+class LocalSource(EngineSource):
     """Engines forked on this host from the kept controller's zygote (the default)."""
 
-    remote = False
     cannot_replace = ""
 
     def __init__(self, settings: _options.Settings) -> None:
-        self.settings = settings
-        self.reused = ""
-        self.engines: LocalController | None = None
+        super().__init__(settings)
+        self.controller: LocalController | None = None
 
     @classmethod
     def wants(cls, settings: _options.Settings) -> bool:
         return True  # the default, asked last
-
-    @classmethod
-    def resolve(cls, settings: _options.Settings) -> _options.Settings:
-        return settings
 
     @classmethod
     def release_kept(cls) -> None:
@@ -516,11 +511,11 @@ class LocalSource:
         if _kept.controller is None:
             _kept.controller = LocalController(*key)
         _kept.origin = KEPT  # for the next cluster, if this one keeps it
-        self.engines = _kept.controller
+        self.controller = _kept.controller
 
     def _ours(self) -> LocalController:
-        assert self.engines is not None, "start() comes first"
-        return self.engines
+        assert self.controller is not None, "start() comes first"
+        return self.controller
 
     def hosts(self) -> list[str]:
         return []  # this host's
@@ -551,7 +546,7 @@ class LocalSource:
         return ""
 
     def stop(self, engine_ids: list[int], pids: list[int], keep_warm: bool) -> None:
-        ours = self.engines
+        ours = self.controller
         if ours is None:  # its start failed: nothing of it runs
             return
         ours.retire(pids, engine_ids)

@@ -452,10 +452,7 @@ class SlurmSource(ControllerSource[SlurmController]):
         s = self.settings
         assert s.listen, "resolve() works out --listen"
         assert s.slurm is not None, "wants() took it for these settings"
-        self.engines = SlurmController(s.listen, s.slurm, s.remote_python or s.python)
-
-    def hosts(self) -> list[str]:
-        return []  # the nodes are Slurm's choice: they report their addresses
+        self.controller = SlurmController(s.listen, s.slurm, s.remote_python or s.python)
 
     def launch(self, n: int) -> None:
         self._ours().spawn(n)
@@ -465,10 +462,10 @@ class SlurmSource(ControllerSource[SlurmController]):
         return self._ours().take(n or 1, self.settings.slurm.queue_timeout, registered)
 
     def last_output(self, pid: int) -> str:
-        return self.engines.lost() if self.engines is not None else ""
+        return self.controller.lost() if self.controller is not None else ""
 
     def summary_note(self) -> str:
-        ours = self.engines
+        ours = self.controller
         if ours is None or not ours.job:
             return ""
         nodes = sorted({node for _, node in ours._task_of.values() if node})
@@ -480,17 +477,14 @@ class SlurmSource(ControllerSource[SlurmController]):
         return f"workers from {what}, on {', '.join(nodes) or 'its nodes'}"
 
     def stop(self, engine_ids: list[int], pids: list[int], keep_warm: bool) -> None:
-        ours = self.engines
+        ours = self.controller
         if ours is None:
             return
         try:
             ours.retire(engine_ids)
         finally:
             ours.release()
-            self.engines = None
-
-    def replace(self, engine_ids: list[int], pids: list[int], timeout: float) -> list[int]:
-        raise ConfigError(self.cannot_replace)
+            self.controller = None
 
     def dump_stacks(
         self, engine_ids: list[int], pids: list[int], timeout: float

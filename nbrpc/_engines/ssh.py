@@ -385,7 +385,7 @@ class SshSource(ControllerSource[HostController]):
         assert s.listen, "resolve() works out --listen"
         assert s.hosts, "wants() took it for these settings"
         plan = hosts.HostPlan(s.hosts, s.ssh_args, s.remote_python or "")
-        self.engines = HostController(s.listen, plan, s.python)
+        self.controller = HostController(s.listen, plan, s.python)
 
     def hosts(self) -> list[str]:
         s = self.settings
@@ -404,14 +404,14 @@ class SshSource(ControllerSource[HostController]):
         return ""
 
     def stop(self, engine_ids: list[int], pids: list[int], keep_warm: bool) -> None:
-        ours = self.engines
+        ours = self.controller
         if ours is None:  # its start failed: the preflight or the controller
             return
         try:
             ours.retire(engine_ids, os.getpid())
         finally:
             ours.release()
-            self.engines = None
+            self.controller = None
 
     def replace(self, engine_ids: list[int], pids: list[int], timeout: float) -> list[int]:
         return self._ours().replace(engine_ids, pids, timeout)
