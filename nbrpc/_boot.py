@@ -112,10 +112,9 @@ class _Boot:
         self.set_up_fast_path(member, names)
         if settings.process_group:
             t_pg = time.monotonic()
-            prefix = f"nbrpc-process-group/{os.getpid()}/{ranks[0]}"  # ranks are never reused
             devices = {name: infos[name]["devices"] for name in names}
-            self.booted.process_group = _collective.start(
-                settings.process_group, members, member.spec.to_dict(), prefix, devices
+            self.booted.process_group = start_process_group(
+                settings.process_group, members, member, ranks[0], devices
             )
             phases["process group"] = _since(t_pg)
             self.progress.phase("process group", phases["process group"], settings.process_group)
@@ -275,6 +274,16 @@ def ask_to_join(
         chosen.get(name),
         members,
     )
+
+
+def start_process_group(
+    backend: str, members: list[str], member: Any, first_rank: int, devices: dict
+) -> _collective.ProcessGroupInfo:
+    """The workers' torch.distributed group among ``members`` (a boot's, or a restart's
+    rebuild), its store keys apart from every earlier group's: ``first_rank`` is the first
+    of the ranks just handed out, and ranks are never reused."""
+    prefix = f"nbrpc-process-group/{os.getpid()}/{first_rank}"
+    return _collective.start(backend, members, member.spec.to_dict(), prefix, devices)
 
 
 def _since(t0: float) -> float:

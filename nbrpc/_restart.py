@@ -26,18 +26,30 @@ next cell runs, with a line naming it and why it died (:func:`watch_for_dead`).
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from . import _agent, _collective, _fence, _group, _process
-from ._boot import ask_to_join, set_up_fast_path, wait_for_joins
-from ._engines import JOIN_TIMEOUT_S
+from ._boot import Booted, ask_to_join, set_up_fast_path, start_process_group, wait_for_joins
+from ._engines import JOIN_TIMEOUT_S, Engines
 from ._errors import BootError, ConfigError
+from ._options import Settings
 from ._progress import BootProgress
 from ._rows import WorkerRecord, WorkerState
 from ._wire import native_output
+
+
+class Cluster(Protocol):
+    """What a restart reads and changes of the cluster (``nbrpc.Cluster``, which imports
+    this module)."""
+
+    settings: Settings
+    booted: Booted
+    engines: Engines
+
+    @property
+    def records(self) -> list[WorkerRecord]: ...
 
 
 @dataclass
@@ -69,7 +81,7 @@ class Restarted:
         return "\n".join(lines)
 
 
-def run(cluster: Any, names: list[str]) -> Restarted:
+def run(cluster: Cluster, names: list[str]) -> Restarted:
     """Restart ``names`` of ``cluster`` (a :class:`nbrpc.Cluster` that is ready); a new
     process that cannot start or join is a :class:`BootError` that says the rest works."""
     try:
@@ -89,7 +101,7 @@ def run(cluster: Any, names: list[str]) -> Restarted:
         ) from None
 
 
-def _run(cluster: Any, names: list[str]) -> Restarted:
+def _run(cluster: Cluster, names: list[str]) -> Restarted:
     t0 = time.monotonic()
     records = {r.name: r for r in cluster.records[1:]}
     _check(cluster, names, records)
@@ -106,10 +118,10 @@ def _run(cluster: Any, names: list[str]) -> Restarted:
         booted.process_group = None
     for name in names:
         records[name].move(WorkerState.RESTARTING)
+    old_ids = [eid for n in names if (eid := records[n].engine_id) is not None]
+    assert len(old_ids) == len(names), "every worker runs in an engine"
     try:
-        new_ids = engines.replace(
-            [records[n].engine_id for n in names], [records[n].pid for n in names], JOIN_TIMEOUT_S
-        )
+        new_ids = engines.replace(old_ids, [records[n].pid for n in names], JOIN_TIMEOUT_S)
     finally:  # the old processes are gone either way: out of the group, on their behalf
         _group.forget(names, others)
         _group.release_stale_token()
@@ -144,18 +156,16 @@ def _run(cluster: Any, names: list[str]) -> Restarted:
     _fast_path(cluster, member, names)
     result = Restarted(list(names), old, {n: (records[n].pid, records[n].rank) for n in names})
     if pg:
-        members = list(pg["ranks"])
-        prefix = f"nbrpc-process-group/{os.getpid()}/{ranks[0]}"  # ranks are never reused
         devices = {r.name: r.devices for r in cluster.records[1:]}
-        booted.process_group = _collective.start(
-            pg["backend"], members, member.spec.to_dict(), prefix, devices
+        booted.process_group = start_process_group(
+            pg["backend"], list(pg["ranks"]), member, ranks[0], devices
         )
         result.process_group = True
     result.seconds = time.monotonic() - t0
     return result
 
 
-def _check(cluster: Any, names: list[str], records: dict[str, WorkerRecord]) -> None:
+def _check(cluster: Cluster, names: list[str], records: dict[str, WorkerRecord]) -> None:
     """Refuse, before anything stops, what a restart cannot do."""
     if not names:
         raise ConfigError("name the workers to restart, e.g. %rpc_restart worker2")
@@ -178,7 +188,7 @@ def _check(cluster: Any, names: list[str], records: dict[str, WorkerRecord]) -> 
         )
 
 
-def _fast_path(cluster: Any, member: Any, names: list[str]) -> None:
+def _fast_path(cluster: Cluster, member: Any, names: list[str]) -> None:
     """The shared-memory path with the new processes, where the cluster had it."""
     if not cluster.booted.fast_path:
         return
