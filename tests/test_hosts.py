@@ -393,7 +393,9 @@ def test_shutdown_leaves_nothing_on_the_hosts_and_init_works_again(hosts, kernel
 def test_engines_exit_when_the_controller_is_gone(hosts, kernel):
     """Failure 4: engines outlived a killed controller by minutes."""
     kernel.run('nbrpc.shutdown()\n%rpc_init --hosts fakeh2 --ssh-args "$SSH" --quiet')
-    pids = kernel.value("nbrpc.current().engines.source.controller.pids()")  # with its heart monitor
+    pids = kernel.value(
+        "nbrpc.current().engines.source.controller.pids()"
+    )  # with its heart monitor
     assert any("nbrpc._engine" in p for p in hosts.processes("fakeh2"))
     for pid in pids:
         os.kill(pid, 9)

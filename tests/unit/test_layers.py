@@ -16,7 +16,7 @@ import re
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PKG = ROOT / "nbrpc"
 DOC = ROOT / "docs" / "architecture.md"
 MAX_LINES = 600
@@ -232,7 +232,7 @@ def _private_uses(path: pathlib.Path, module: str | None) -> list[str]:
 
 @pytest.mark.parametrize(
     "path",
-    sorted([*PKG.rglob("*.py"), *(ROOT / "tests").glob("*.py")]),
+    sorted([*PKG.rglob("*.py"), *(ROOT / "tests").rglob("*.py")]),
     ids=lambda p: str(p.relative_to(ROOT)),
 )
 def test_no_module_reaches_another_modules_underscore_names(path):
