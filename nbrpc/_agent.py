@@ -238,7 +238,9 @@ def rpc_async(
     timeout: float | None = None,
 ) -> torch.futures.Future[T]:
     """Start ``func(*args, **kwargs)`` on worker ``to``; return a ``torch.futures.Future``."""
-    return _start("rpc_async", to, func, args, kwargs, timeout)
+    fut = _start("rpc_async", to, func, args, kwargs, timeout)
+    _torch.list_future(fut)  # inside torch's _wait_all() block: waited for at its end
+    return fut
 
 
 class _Sent:
@@ -451,12 +453,40 @@ def _in_torchs_spelling(call: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def wait_all(futures: list) -> list:
-    """``torch.futures.wait_all``, routed: on the main thread each wait can be interrupted
-    (the stop button) and serves a worker's debugger, as :class:`Future` waits do."""
+    """``torch.futures.wait_all``, routed: every future's value, or the first error as soon
+    as one fails (torch's documented behaviour; its ``collect_all`` waits for them all).
+    On the main thread the wait can be interrupted (the stop button) and serves a worker's
+    debugger, as :class:`Future` waits do."""
+    if not futures:
+        return []
+    settled: torch.futures.Future[None] = torch.futures.Future()
+    state: dict[str, Any] = {"left": len(futures), "failed": None}
+    lock = threading.Lock()
+
+    def one_settled(fut: Any) -> None:
+        try:
+            fut.value()
+            failed = False
+        except BaseException:
+            failed = True
+        with lock:
+            if settled.done():
+                return
+            state["left"] -= 1
+            if failed:
+                state["failed"] = fut
+            if failed or state["left"] == 0:
+                settled.set_result(None)
+
+    for fut in futures:
+        fut.add_done_callback(one_settled)
     if threading.current_thread() is threading.main_thread():
-        for fut in futures:
-            prompts.wait_on_main_thread(fut)
-    return _torch.wait_all(futures)
+        prompts.wait_on_main_thread(settled)
+    else:
+        settled.wait()
+    if state["failed"] is not None:
+        state["failed"].wait()  # raises its error, as the future itself would
+    return [fut.wait() for fut in futures]
 
 
 def route_torch_calls() -> None:

@@ -155,7 +155,6 @@ def forget_locally(info: Any) -> None:
 #: The names a notebook calls, which nbrpc routes to its own in the kernel
 #: (:func:`route_user_calls`): ``torch.distributed.rpc.<name>``.
 USER_CALLS = ("rpc_sync", "rpc_async", "remote")
-_torch_wait_all = torch.futures.wait_all
 
 
 def rpc_sync(*args: Any, **kwargs: Any) -> Any:
@@ -164,18 +163,31 @@ def rpc_sync(*args: Any, **kwargs: Any) -> Any:
 
 
 def rpc_async(*args: Any, **kwargs: Any) -> Any:
-    """torch's own ``rpc_async`` (see :func:`rpc_sync`)."""
-    return rpc_api.rpc_async(*args, **kwargs)
+    """torch's own ``rpc_async`` (see :func:`rpc_sync`), its future left out of the list
+    that torch's ``_wait_all()`` block keeps: nbrpc lists the future it hands out instead
+    (:func:`list_future`), and a ``rpc_sync`` built on this is not an ``rpc_async``."""
+    local = rpc_api._thread_local_var
+    listed = getattr(local, "future_list", None)
+    if listed is None:
+        return rpc_api.rpc_async(*args, **kwargs)
+    del local.future_list
+    try:
+        return rpc_api.rpc_async(*args, **kwargs)
+    finally:
+        local.future_list = listed
+
+
+def list_future(fut: Any) -> None:
+    """Add ``fut`` to the futures of a ``torch.distributed.rpc.api._wait_all()`` block
+    running on this thread, as torch's ``rpc_async`` adds its own."""
+    listed = getattr(rpc_api._thread_local_var, "future_list", None)
+    if listed is not None:
+        listed.append(fut)
 
 
 def remote(*args: Any, **kwargs: Any) -> Any:
     """torch's own ``remote``, as the ledger patched it (see :func:`rpc_sync`)."""
     return rpc_api.remote(*args, **kwargs)
-
-
-def wait_all(futures: list) -> list:
-    """torch's own ``torch.futures.wait_all``."""
-    return _torch_wait_all(futures)
 
 
 def route_user_calls(calls: dict[str, Callable[..., Any]], wait_all: Callable[..., Any]) -> None:

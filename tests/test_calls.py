@@ -93,6 +93,40 @@ def test_rpc_async_futures(cell):
     assert torch.futures.wait_all(futs[:3]) == [1, 2, 3]
 
 
+def test_wait_all_returns_at_the_first_error_as_torch_says(cluster):
+    """torch.futures.wait_all: the first error as soon as it happens, not after the slow
+    call (torch's own collect_all would wait for all)."""
+
+    def slow(seconds):
+        time.sleep(seconds)
+        return seconds
+
+    def fails():
+        raise ValueError("Expected error")
+
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="Expected error"):
+        torch.futures.wait_all(
+            [rpc.rpc_async("worker1", slow, args=(5,)), rpc.rpc_async("worker2", fails)]
+        )
+    assert time.monotonic() - t0 < 4, "it waited for the slow call"
+
+
+def test_torchs_wait_all_block_lists_rpc_async_futures_only_and_sees_timeouts(cluster):
+    """torch.distributed.rpc.api._wait_all() collects the futures rpc_async returns (not
+    those an rpc_sync uses inside), and waits for them: a timeout there raises torch's
+    RuntimeError with torch's words."""
+    from torch.distributed.rpc.api import _thread_local_var, _wait_all
+
+    with _wait_all():
+        for _ in range(3):
+            rpc.rpc_async("worker1", min, args=(1, 2))
+            rpc.rpc_sync("worker1", min, args=(1, 2))
+        assert len(_thread_local_var.future_list) == 3
+    with pytest.raises(RuntimeError, match="RPC ran for more than"), _wait_all():
+        rpc.rpc_async("worker1", time.sleep, args=(1,), timeout=0.1)
+
+
 def test_remote_rref_to_notebook_class(cell):
     counter = nbrpc.remote("worker1", cell.Counter, args=(5,))
     assert isinstance(counter, rpc.PyRRef)  # torch returns the C++ base of rpc.RRef
