@@ -342,10 +342,12 @@ class Cluster:
     def _release_rrefs(self, timeout_s: float) -> None:
         """Every live process deletes its user RRefs at once, the kernel among them, as
         in torch's static shutdown (see ``_group.release_user_rrefs``)."""
-        asked = [
-            self.engines.apply(eid, worker.release_rrefs, timeout_s)
-            for eid in self._live_engine_ids()
-        ]
+        asked = []
+        for eid in self._live_engine_ids():
+            try:  # an engine ipyparallel lost since (a job cancelled from outside)
+                asked.append(self.engines.apply(eid, worker.release_rrefs, timeout_s))
+            except Exception as exc:
+                log.warning("engine %s cannot release its RRefs: %s", eid, exc)
         try:
             _group.release_user_rrefs(timeout_s)
         except Exception as exc:

@@ -148,6 +148,9 @@ class WorkerState(enum.StrEnum):
     RESTARTING = "restarting"  # a fresh process is being made for its name
     STOPPED = "stopped"  # it left at a shutdown
 
+    def __repr__(self) -> str:
+        return repr(self.value)  # a list of states prints as it did when they were strings
+
 
 #: The transitions a process's state may take (the cluster's own are ``_cluster._NEXT``).
 WORKER_NEXT: dict[WorkerState, frozenset[WorkerState]] = {
