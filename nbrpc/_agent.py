@@ -35,7 +35,7 @@ from ._errors import (
     WorkerDiedError,
 )
 from ._rows import OwnershipRow
-from ._wire import callee, failures, shm
+from ._wire import callee, failures, recording, shm
 
 T = TypeVar("T")
 
@@ -323,15 +323,26 @@ def _last_output(dest: str) -> str:
 
 
 def _as_python_call(func: Any, args: tuple, kwargs: dict | None) -> tuple:
-    """What works locally works remotely: a builtin runs as the Python call it is.
+    """What works locally works remotely: a builtin goes as torch sends it where it can,
+    else as the Python call it is.
 
-    torch sends builtins (``torch.ones``, and Python's ``dict`` or ``len``) as TorchScript
-    operators, matched against a schema on the callee: ``torch.ones(3)`` or
-    ``dict(k=1)`` then fail with "failed to match any schema" although they work locally.
-    Sent as a Python call instead, they behave as in the notebook, and their tensors take
-    nbrpc's pickler (and the shared-memory fast path) like any other argument.
+    torch sends builtins (``torch.add``, ``torch.ones``, Python's ``dict``) as TorchScript
+    operators matched against a schema on the callee, and ``remote()`` of one makes a typed
+    ``RRef[Tensor]`` that TorchScript code takes. Where no schema takes the arguments
+    (``torch.ones(3)``, ``dict(k=1)``: "failed to match any schema", although they work
+    locally), nbrpc sends a Python call instead, checked here first; and so it does where a
+    large tensor would take the shared-memory fast path, or while a timeline records (the
+    Python call is what names the row).
     """
     if not _torch.is_builtin(func):
+        return func, args, kwargs
+    arguments = (*args, *(kwargs or {}).values())
+    native = (
+        recording.active() is None
+        and not shm.carries_any(arguments)
+        and _torch.builtin_accepts(func, args, kwargs)
+    )
+    if native:
         return func, args, kwargs
     return callee.call_builtin, (func, args, kwargs), None
 

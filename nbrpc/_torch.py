@@ -43,6 +43,7 @@ import torch.distributed.rpc as rpc
 import torch.distributed.rpc.api as rpc_api
 import torch.distributed.rpc.internal as rpc_internal
 from torch import _jit_internal
+from torch._C import _jit_resolve_packet
 from torch._C._distributed_rpc import (
     PyRRef,
     _delete_all_user_and_unforked_owner_rrefs,
@@ -449,6 +450,17 @@ def local_backward(*args: Any, **kwargs: Any) -> Any:
 
 
 # -- TorchScript ---------------------------------------------------------------------------
+
+
+def builtin_accepts(func: Any, args: tuple, kwargs: dict | None) -> bool:
+    """Whether one of the TorchScript schemas of builtin ``func`` takes these arguments:
+    matched here as the callee would match them (torch's ``_jit_resolve_packet``, which
+    ``torch.ops`` resolves overloads with), so a call torch would refuse there is known."""
+    try:
+        _jit_resolve_packet(_find_builtin(func), *args, **(kwargs or {}))
+    except Exception:
+        return False
+    return True
 
 
 def is_builtin(func: Any) -> bool:

@@ -105,11 +105,11 @@ def test_wait_all_returns_at_the_first_error_as_torch_says(cluster):
         raise ValueError("Expected error")
 
     t0 = time.monotonic()
+    slow_call = rpc.rpc_async("worker1", slow, args=(5,))
     with pytest.raises(ValueError, match="Expected error"):
-        torch.futures.wait_all(
-            [rpc.rpc_async("worker1", slow, args=(5,)), rpc.rpc_async("worker2", fails)]
-        )
+        torch.futures.wait_all([slow_call, rpc.rpc_async("worker2", fails)])
     assert time.monotonic() - t0 < 4, "it waited for the slow call"
+    assert slow_call.wait() == 5  # the cluster is left as it was found
 
 
 def test_torchs_wait_all_block_lists_rpc_async_futures_only_and_sees_timeouts(cluster):
@@ -239,6 +239,26 @@ def test_builtins_give_the_local_result_remotely(cluster, func, args, kwargs):
     assert _same(nbrpc.rpc_sync("worker1", func, args=args, kwargs=kwargs), local)
     assert _same(nbrpc.rpc_async("worker2", func, args=args, kwargs=kwargs).wait(), local)
     assert _same(nbrpc.remote("worker1", func, args=args, kwargs=kwargs).to_here(), local)
+
+
+def test_a_builtin_goes_as_torch_sends_it_where_a_schema_takes_its_arguments(cluster):
+    """torch.add(tensor, 1) goes as the TorchScript operator torch sends (remote() of it is
+    torch's typed RRef), torch.ones(3) as a Python call (no schema takes an int there):
+    only the Python call runs through nbrpc's callee, which counts it."""
+
+    def python_calls_done() -> int:
+        return {r["name"]: r for r in nbrpc.status()}["worker1"]["calls_done"]
+
+    before = python_calls_done()
+    assert torch.equal(
+        rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1)), torch.ones(2) * 2
+    )
+    rref = rpc.remote("worker1", torch.add, args=(torch.ones(2), 1))
+    assert torch.equal(rref.to_here(), torch.ones(2) * 2)
+    after_native = python_calls_done()
+    assert torch.equal(rpc.rpc_sync("worker1", torch.ones, args=(3,)), torch.ones(3))
+    assert after_native == before  # status() asks outside the user's count
+    assert python_calls_done() == after_native + 1  # torch.ones(3)
 
 
 def test_remote_builtin_keeps_its_label_in_the_ledger(cluster):

@@ -185,6 +185,15 @@ def enabled() -> bool:
     return _state.threshold is not None
 
 
+def carries_any(values: tuple) -> bool:
+    """Whether a tensor among ``values`` (a call's arguments, not nested) would take
+    shared memory now."""
+    threshold = _state.threshold
+    return threshold is not None and any(
+        isinstance(v, torch.Tensor) and _eligible(v, threshold) for v in values
+    )
+
+
 def _eligible(t: torch.Tensor, threshold: int) -> bool:
     return (
         type(t) is torch.Tensor
