@@ -165,6 +165,11 @@ def test_builtins_are_recognised():
     for func in (torch.add, torch.ones, dict, __import__("math").sqrt):
         _pin(_torch.is_builtin(func), f"{func} is no longer a TorchScript builtin", "is_builtin")
     _pin(not _torch.is_builtin(lambda: 0), "a lambda counts as builtin", "is_builtin")
+    takes = _torch.builtin_accepts
+    _pin(takes(torch.add, (torch.ones(2), 1), None), "_jit_resolve_packet", "builtin_accepts")
+    _pin(takes(torch.ones, ((3,),), None), "_jit_resolve_packet", "builtin_accepts")
+    _pin(not takes(torch.ones, (3,), None), "torch.ones(3) matches a schema", "builtin_accepts")
+    _pin(not takes(dict, (), {"k": 1}), "dict(k=1) matches a schema", "builtin_accepts")
 
 
 def test_error_wording_matches():
