@@ -518,6 +518,9 @@ CONNECTION_LOST = (
 #: torch's words when a handle names a worker id its agent does not know: an RRef whose
 #: owner left the group (a worker that died, or one of an earlier cluster).
 UNKNOWN_DESTINATION = "could not find destination id"
+#: torch's hint when a callee cannot find the function a call names (its unpickler's
+#: AttributeError; torch's caller gets it as a RuntimeError)
+NOT_ON_CALLEE = "RPC pickler does not serialize"
 
 
 def owner_name(rref: PyRRef) -> str | None:

@@ -2,6 +2,7 @@
 
 import gc
 import math
+import sys
 import time
 
 import pytest
@@ -259,6 +260,30 @@ def test_a_builtin_goes_as_torch_sends_it_where_a_schema_takes_its_arguments(clu
     assert torch.equal(rpc.rpc_sync("worker1", torch.ones, args=(3,)), torch.ones(3))
     assert after_native == before  # status() asks outside the user's count
     assert python_calls_done() == after_native + 1  # torch.ones(3)
+
+
+def test_a_function_missing_on_the_callee_is_the_runtime_error_torch_raises(cluster, tmp_path):
+    (tmp_path / "callee_mod.py").write_text("def foo_add():\n    return 1\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import callee_mod
+
+        def remove_it(path):
+            import sys
+
+            sys.path.insert(0, path)
+            import callee_mod
+
+            del callee_mod.foo_add
+
+        rpc.rpc_sync("worker1", remove_it, args=(str(tmp_path),))
+        with pytest.raises(RuntimeError, match="RPC pickler does not serialize") as caught:
+            rpc.rpc_sync("worker1", callee_mod.foo_add)
+        assert isinstance(caught.value, nbrpc.SerializationError)
+        assert "nbrpc.register_by_value" in str(caught.value)
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("callee_mod", None)
 
 
 def test_remote_builtin_keeps_its_label_in_the_ledger(cluster):

@@ -33,8 +33,8 @@ from typing import Any
 import cloudpickle
 
 from nbrpc import _process
-from nbrpc._errors import RemoteError, format_frames, short_traceback
-from nbrpc._torch import RemoteException
+from nbrpc._errors import RemoteError, SerializationError, format_frames, short_traceback
+from nbrpc._torch import NOT_ON_CALLEE, RemoteException
 
 
 class _FailureText(str):
@@ -223,6 +223,11 @@ def rebuild(result: RemoteException) -> BaseException:
             exc = None
     if not isinstance(exc, BaseException):
         exc = RemoteError(failure.ename, failure.evalue, failure.worker, remote_tb)
+    if isinstance(exc, AttributeError) and NOT_ON_CALLEE in failure.evalue:
+        exc = SerializationError(  # torch's caller gets a RuntimeError here: this is one
+            f"{failure.worker} cannot find the function this call names: {failure.evalue} "
+            "Or send its module by value: nbrpc.register_by_value(module)."
+        )
     try:
         exc.worker = failure.worker  # type: ignore[attr-defined]
         exc.remote_traceback = remote_tb  # type: ignore[attr-defined]
