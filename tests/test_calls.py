@@ -286,6 +286,30 @@ def test_a_function_missing_on_the_callee_is_the_runtime_error_torch_raises(clus
         sys.modules.pop("callee_mod", None)
 
 
+def test_a_worker_whose_code_replaced_its_stderr_logs_a_failed_call_there_as_torch_does(cluster):
+    def replace_stderr():
+        import io
+        import sys
+
+        sys.__dict__.setdefault("nbrpc_test_stderr", sys.stderr)
+        sys.stderr = io.StringIO()
+
+    def restore_stderr():
+        import sys
+
+        logged = sys.stderr.getvalue()
+        sys.stderr = sys.__dict__.pop("nbrpc_test_stderr")
+        return logged
+
+    def raises():
+        raise ValueError("Expected error")
+
+    rpc.rpc_sync("worker2", replace_stderr)
+    with pytest.raises(ValueError, match="Expected error"):
+        rpc.rpc_sync("worker2", raises)
+    assert "ValueError: Expected error" in rpc.rpc_sync("worker2", restore_stderr)
+
+
 def test_remote_builtin_keeps_its_label_in_the_ledger(cluster):
     rref = nbrpc.remote("worker2", torch.ones, args=(2,))
     rows = [r for r in nbrpc.ownership() if r["created_by"] == "remote(worker2, torch.ones)"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bdb
 import inspect
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -142,6 +143,10 @@ def run_function(python_udf: Any) -> Any:
     except BaseException as exc:  # sys.exit() or KeyboardInterrupt must not reach torch's C++
         raised = type(exc).__name__
         result = failures.failure(exc, keep=counted)
+        if output.kernel_name() is not None and not output.forwarded(sys.stderr):
+            # a worker whose stderr its own code replaced logs it, as torch's callee does
+            # (forwarded, the calling cell would show it twice)
+            print(result.msg, file=sys.stderr)
         return result
     finally:
         _thread.depth -= 1

@@ -316,6 +316,11 @@ def forward_output_to(kernel: str, me: str) -> None:
         sys.stderr = _ForwardingStream(sys.stderr, "stderr")
 
 
+def forwarded(stream: Any) -> bool:
+    """Whether ``stream`` is a worker's stdout or stderr that goes to the calling cell."""
+    return isinstance(stream, _ForwardingStream)
+
+
 def kernel_name() -> str | None:
     """On a worker: the name of the process its output (and debugger) goes to."""
     return _forward.to
