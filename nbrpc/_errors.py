@@ -22,7 +22,7 @@ catches it; a timeout's message keeps torch's words ("RPC ran for more than")::
     ├── WorkerDiedError          (ConnectionError, RuntimeError)  the worker's process is gone
     ├── ThreadsExhaustedError    (RuntimeError)   calls made inside calls used up the RPC threads
     ├── DebuggerQuitError        (RuntimeError)   q (or the stop button) in a worker's pdb
-    └── RemoteError                               a worker raised, and the original type
+    └── RemoteError              (RuntimeError)   a worker raised, and the original type
                                                   could not be rebuilt here
 
 A worker's exception whose type *can* be rebuilt is re-raised as that type (a
@@ -224,8 +224,9 @@ class SharedHostWarning(UserWarning):
     warnings: ``warnings.filterwarnings("ignore", category=nbrpc.SharedHostWarning)``."""
 
 
-class RemoteError(NbrpcError):
-    """A worker raised an exception whose type could not be rebuilt in this process.
+class RemoteError(NbrpcError, RuntimeError):
+    """A worker raised an exception whose type could not be rebuilt in this process (a
+    ``RuntimeError``, with torch's words for it, as torch's own caller raises).
 
     ``ename`` is the remote type's qualified name, ``evalue`` its message, ``worker`` the
     worker's name and ``remote_traceback`` the formatted remote traceback.
@@ -236,7 +237,10 @@ class RemoteError(NbrpcError):
         self.evalue = evalue
         self.worker = worker
         self.remote_traceback = remote_traceback
-        super().__init__(f"{ename}: {evalue} (raised on {worker})")
+        super().__init__(
+            f"{ename}: {evalue} (raised on {worker}; its type cannot be rebuilt here. "
+            f"Original exception on remote side was {ename})"
+        )
 
     def __reduce__(self):
         return (

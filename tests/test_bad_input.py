@@ -58,6 +58,8 @@ def test_an_exception_that_cannot_be_rebuilt_arrives_as_remote_error():
     assert "Picky" in e.value.ename
     assert "bad state" in e.value.evalue
     assert "raise Picky" in e.value.remote_traceback
+    assert isinstance(e.value, RuntimeError)  # as torch's caller gets it, with its words
+    assert "Original exception on remote side was" in str(e.value)
 
 
 def test_a_worker_on_another_host_with_the_local_store_is_told_the_fix():
