@@ -310,6 +310,12 @@ def test_a_worker_whose_code_replaced_its_stderr_logs_a_failed_call_there_as_tor
     assert "ValueError: Expected error" in rpc.rpc_sync("worker2", restore_stderr)
 
 
+def test_a_builtin_with_arguments_it_does_not_take_fails_as_locally_and_as_in_torch(cluster):
+    with pytest.raises(RuntimeError, match="failed to match any schema") as caught:
+        rpc.rpc_sync("worker1", torch.add, args=())
+    assert isinstance(caught.value, TypeError)  # what torch.add() raises locally
+
+
 def test_remote_builtin_keeps_its_label_in_the_ledger(cluster):
     rref = nbrpc.remote("worker2", torch.ones, args=(2,))
     rows = [r for r in nbrpc.ownership() if r["created_by"] == "remote(worker2, torch.ones)"]

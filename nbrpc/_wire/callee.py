@@ -49,10 +49,24 @@ def serving() -> bool:
     return getattr(_thread, "depth", 0) > 0
 
 
+class BuiltinArgumentError(TypeError, RuntimeError):
+    """A torch operator called with arguments it does not take: the ``TypeError`` it raises
+    locally, and the ``RuntimeError`` torch's RPC raises ("failed to match any schema")."""
+
+
 def call_builtin(op: Any, args: tuple, kwargs: dict | None) -> Any:
-    """Run a torch builtin operator sent as a Python call (so large tensors can take the
-    shared-memory fast path, which torch's TorchScript path for builtins bypasses)."""
-    return op(*args, **(kwargs or {}))
+    """Run a builtin sent as a Python call: one no TorchScript schema takes the arguments
+    of (``torch.ones(3)``), or one with a large tensor for the shared-memory fast path, or
+    one recorded on a timeline (``_agent._as_python_call``)."""
+    try:
+        return op(*args, **(kwargs or {}))
+    except TypeError as exc:
+        if type(exc) is not TypeError or not getattr(op, "__module__", "").startswith("torch"):
+            raise
+        raise BuiltinArgumentError(
+            "Overloaded torch operator invoked from Python failed to match any schema: "
+            f"{exc}"
+        ) from None
 
 
 def is_user_call(func: Any) -> bool:
