@@ -9,7 +9,7 @@ TORCH   := torch==2.13.0
 CHROMIUM := /usr/bin/chromium
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: venv demo test lint notebooks package-check bench clean
+.PHONY: venv demo test lint notebooks package-check bench compat clean
 
 venv: $(STAMP)
 
@@ -85,6 +85,11 @@ test: $(STAMP) $(CHROMIUM) $(FAKEHOSTS) lint package-check
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
+
+# torch's own RPC test classes on nbrpc clusters (docs/compatibility.md): the whole tier,
+# about 45 min on 2 cores (expecttest, which torch's test classes import, is in the extra)
+compat: $(STAMP)
+	$(PY) tools/compat.py --out docs/compatibility-results.md
 
 clean:
 	rm -rf .venv build *.egg-info test-artifacts

@@ -38,6 +38,7 @@ def kernel(torch_shutdown: Callable[..., Any]) -> None:
     _torch.route_user_shutdown(torch_shutdown)  # tutorials end with rpc.shutdown()
     native_output.quiet_kernel_stderr()  # torch's lines about workers nbrpc stops
     _process.watch_cells()  # a worker's native output goes to the running cell
+    output.remember_stderr()  # a failed call is logged only to a stderr code put there
 
 
 def worker(kernel_name: str, name: str) -> None:
@@ -48,3 +49,4 @@ def worker(kernel_name: str, name: str) -> None:
     bars.install()  # tqdm.auto here draws its widget in the calling cell
     remote_pdb.install()  # breakpoint() opens pdb in the calling cell
     namespace.share()  # notebook functions keep their module-level names here
+    output.remember_stderr()  # a failed call is logged only to a stderr code put there

@@ -64,8 +64,7 @@ def call_builtin(op: Any, args: tuple, kwargs: dict | None) -> Any:
         if type(exc) is not TypeError or not getattr(op, "__module__", "").startswith("torch"):
             raise
         raise BuiltinArgumentError(
-            "Overloaded torch operator invoked from Python failed to match any schema: "
-            f"{exc}"
+            f"Overloaded torch operator invoked from Python failed to match any schema: {exc}"
         ) from None
 
 
@@ -157,9 +156,9 @@ def run_function(python_udf: Any) -> Any:
     except BaseException as exc:  # sys.exit() or KeyboardInterrupt must not reach torch's C++
         raised = type(exc).__name__
         result = failures.failure(exc, keep=counted)
-        if output.kernel_name() is not None and not output.forwarded(sys.stderr):
-            # a worker whose stderr its own code replaced logs it, as torch's callee does
-            # (forwarded, the calling cell would show it twice)
+        if output.stderr_replaced():
+            # where code replaced sys.stderr, it is logged there, as torch's callee does
+            # (on the stream nbrpc set up, a calling cell would show it twice)
             print(result.msg, file=sys.stderr)
         return result
     finally:

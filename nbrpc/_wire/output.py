@@ -316,9 +316,17 @@ def forward_output_to(kernel: str, me: str) -> None:
         sys.stderr = _ForwardingStream(sys.stderr, "stderr")
 
 
-def forwarded(stream: Any) -> bool:
-    """Whether ``stream`` is a worker's stdout or stderr that goes to the calling cell."""
-    return isinstance(stream, _ForwardingStream)
+_standard: list[Any] = []  # this process's sys.stderr once it was set up
+
+
+def remember_stderr() -> None:
+    """This process's sys.stderr as nbrpc set it up (a cell's, or forwarded to one)."""
+    _standard[:] = [sys.stderr]
+
+
+def stderr_replaced() -> bool:
+    """Whether code running here replaced sys.stderr since (a test capturing it)."""
+    return bool(_standard) and sys.stderr is not _standard[0]
 
 
 def kernel_name() -> str | None:
