@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 from torch.distributed.rpc import RRef, WorkerInfo
 
 from . import autograd
-from ._agent import get_worker_info, ownership, remote, rpc_async, rpc_sync, workers
+from ._agent import get_worker_info, remote, rpc_async, rpc_sync, workers
 from ._cells import CellResults, RpcCellError, pull, push, worker_namespace
+from ._census import ownership
 from ._cluster import Cluster, ClusterState, current, init, restart, shutdown, status
 from ._debugger.postmortem import post_mortem
 from ._errors import (

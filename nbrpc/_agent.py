@@ -14,7 +14,6 @@ main thread waits on a call it also serves those debuggers' prompts (:mod:`nbrpc
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,17 +23,15 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.distributed.rpc import RRef, WorkerInfo
 
-from . import _deadlock, _group, _ledger, _process, _torch
+from . import _deadlock, _group, _ledger, _torch
 from ._debugger import deadlines, prompts
 from ._errors import (
     ClusterClosedError,
-    NbrpcError,
     RpcTimeoutError,
     SerializationError,
     UnknownWorkerError,
     WorkerDiedError,
 )
-from ._rows import OwnershipRow
 from ._wire import callee, failures, recording, shm
 
 T = TypeVar("T")
@@ -218,7 +215,7 @@ def rpc_sync(
     An exception raised there is raised here with its own type (see :mod:`nbrpc._wire.failures`).
     """
     if threading.current_thread() is not threading.main_thread():
-        return _start("rpc_sync", to, func, args, kwargs, timeout).wait()
+        return start_call("rpc_sync", to, func, args, kwargs, timeout).wait()
     # The notebook's case, without the future rpc_async returns (measured ~40 µs a call):
     # the main thread waits on torch's future itself and settles it here.
     raw, call = _send("rpc_sync", to, func, args, kwargs, timeout)
@@ -238,7 +235,7 @@ def rpc_async(
     timeout: float | None = None,
 ) -> torch.futures.Future[T]:
     """Start ``func(*args, **kwargs)`` on worker ``to``; return a ``torch.futures.Future``."""
-    fut = _start("rpc_async", to, func, args, kwargs, timeout)
+    fut = start_call("rpc_async", to, func, args, kwargs, timeout)
     _torch.list_future(fut)  # inside torch's _wait_all() block: waited for at its end
     return fut
 
@@ -273,7 +270,7 @@ def _send(
     return raw, _Sent(dest.name, f"call of {_name_of(func)}", limit, timeout)
 
 
-def _start(
+def start_call(
     what: str, to: Any, func: Any, args: tuple, kwargs: dict | None, timeout: float | None
 ) -> torch.futures.Future:
     raw, call = _send(what, to, func, args, kwargs, timeout)
@@ -522,81 +519,3 @@ def _torchs_spelling() -> dict[str, Callable[..., Any]]:
 
 
 _spelled: dict[str, Callable[..., Any]] = {}
-
-
-SNAPSHOT_TIMEOUT_S = 5.0
-PROBE_TIMEOUT_S = 3.0
-
-
-def _pong() -> None:
-    """What :func:`probe` asks of a worker: nothing but an answer."""
-
-
-def probe(names: list[str], timeout: float = PROBE_TIMEOUT_S) -> None:
-    """Ask ``names`` for an answer at once: a worker whose process is gone refuses the
-    connection and is marked dead (:func:`known_dead`), a live one answers in a round trip."""
-    asked = []
-    for name in names:
-        with contextlib.suppress(NbrpcError):
-            asked.append(_start("probe", name, _pong, (), None, timeout))
-    for fut in asked:
-        with contextlib.suppress(Exception):
-            fut.wait()
-
-
-def figures(dead: frozenset[str] = frozenset()) -> dict[str, Any]:
-    """This process's ledger snapshot and the user calls it served (run in every process,
-    asked by the kernel for ``%rpc_status`` and ``nbrpc.ownership()``); ``dead``: workers
-    known dead, whose RRefs are not asked anything."""
-    calls = callee.call_counts()
-    return {
-        **_ledger.snapshot(dead),
-        **_process.resources(),
-        "name": _process.name(),
-        "calls_in_flight": calls["in_flight"],
-        "calls_done": calls["done"],
-    }
-
-
-def snapshots(
-    timeout: float = SNAPSHOT_TIMEOUT_S, skip: set[str] | frozenset = frozenset()
-) -> dict:
-    """Every live process's ledger snapshot (see :mod:`nbrpc._ledger`), by process name.
-
-    Asked of all processes at once. A process that does not answer within ``timeout``
-    (or is in ``skip``, e.g. known dead) is left out: its RRefs are unknown, not absent.
-    """
-    _group.require_active("nbrpc.ownership()")
-    me = rpc.get_worker_info().name
-    skip = frozenset({*skip, *_calls.dead})
-    others = [name for name in _group.member_names() if name != me and name not in skip]
-    return {me: figures(skip), **ask_all(others, figures, (skip,), timeout)}
-
-
-def ask_all(names: list[str], func: Callable[..., Any], args: tuple, timeout: float) -> dict:
-    """``func(*args)`` on every process of ``names`` at once: the answers by name. A
-    process that died, left, or did not answer within ``timeout`` is left out."""
-    asked = {}
-    for name in names:
-        try:
-            asked[name] = _start("ask", name, func, args, None, timeout)
-        except (WorkerDiedError, UnknownWorkerError):  # it left since the list was read
-            continue
-    found = {}
-    for name, fut in asked.items():
-        try:
-            found[name] = fut.wait()
-        except (RpcTimeoutError, WorkerDiedError, RuntimeError):
-            continue
-    return found
-
-
-def ownership(timeout: float = SNAPSHOT_TIMEOUT_S) -> list[OwnershipRow]:
-    """One dict per live RRef in the cluster, whoever made it.
-
-    Keys: ``id`` (torch's RRef id, ``"creator_rank:n"``), ``owner``, ``holders`` (processes
-    holding a user reference), ``owner_holds``, ``type`` (of the value), ``created_by``
-    (e.g. ``"remote(worker1, ParameterServer)"``) and ``handles`` (Python handles in all).
-    An RRef dropped everywhere and garbage-collected is gone from the list.
-    """
-    return _ledger.merge(list(snapshots(timeout).values()))

@@ -32,6 +32,7 @@ from typing import Any, Unpack
 from . import (
     _agent,
     _boot,
+    _census,
     _collective,
     _devices,
     _engines,
@@ -304,7 +305,7 @@ class Cluster:
         """The workers leave the RPC group (the dead ones are removed on their behalf)."""
         if graceful:  # a worker that died on another host is known by its heartbeats only
             # after seconds: one that refuses a call now is dead, and must not be waited on
-            _agent.probe([r.name for r in self.records[1:] if r.state == "ready"])
+            _census.probe([r.name for r in self.records[1:] if r.state == "ready"])
         dead = self.dead_workers()
         if graceful:
             self._wait_for_calls_in_flight(timeout)
@@ -401,7 +402,7 @@ class Cluster:
         return list(self.records)
 
     def status(
-        self, timeout: float = _agent.SNAPSHOT_TIMEOUT_S, ask_ipyparallel: bool = True
+        self, timeout: float = _census.SNAPSHOT_TIMEOUT_S, ask_ipyparallel: bool = True
     ) -> list[StatusRow]:
         """Live figures per process: the record (state, pid, host, devices, role) plus
         ``calls_in_flight``, ``calls_done`` (Python calls it served), ``rrefs_owned`` and
@@ -414,7 +415,7 @@ class Cluster:
         snaps: dict[str, dict] = {}
         if self.state is ClusterState.READY:
             dead = set(self.dead_workers(ask_ipyparallel))
-            snaps = _agent.snapshots(timeout, skip=dead)
+            snaps = _census.snapshots(timeout, skip=dead)
         rows: list[StatusRow] = []
         for r in self.records:
             snap = snaps.get(r.name) if r.state == "ready" else None
@@ -522,7 +523,7 @@ def restart(*names: str) -> _restart.Restarted:
     return current().restart(*names)
 
 
-def status(timeout: float = _agent.SNAPSHOT_TIMEOUT_S) -> list[StatusRow]:
+def status(timeout: float = _census.SNAPSHOT_TIMEOUT_S) -> list[StatusRow]:
     """Live figures for each process of the current cluster (see :meth:`Cluster.status`)."""
     return current().status(timeout)
 

@@ -27,7 +27,7 @@ import threading
 import uuid
 from typing import Any
 
-from . import _agent, _group, _process, _torch
+from . import _agent, _census, _group, _process, _torch
 from ._errors import NbrpcError
 from ._rows import CallRow
 from ._views import timeline_text
@@ -135,7 +135,7 @@ class Recording:
         """``func(token)`` here, then on every worker of the recording at once; answers by
         name (a worker that does not answer is left out)."""
         here = {self.processes[0]: func(self.token)}
-        return {**here, **_agent.ask_all(self.processes[1:], func, (self.token,), _ASK_TIMEOUT_S)}
+        return {**here, **_census.ask_all(self.processes[1:], func, (self.token,), _ASK_TIMEOUT_S)}
 
     def _take(self, parts: dict[str, dict[str, Any]]) -> None:
         """Keep the rows and request sizes each process (by name) handed out."""

@@ -22,7 +22,7 @@ from typing import Any
 import anywidget
 import traitlets
 
-from . import _agent, _cluster, _timeline, _views
+from . import _agent, _census, _cluster, _timeline, _views
 from ._errors import NbrpcError
 from ._rows import Trace
 
@@ -153,7 +153,7 @@ class OwnershipView(_LiveView):
     def _compute(self) -> dict[str, Any]:
         try:
             workers = _agent.workers()
-            rrefs = _agent.ownership(POLL_TIMEOUT_S)
+            rrefs = _census.ownership(POLL_TIMEOUT_S)
         except NbrpcError:
             return {"workers": [], "rrefs": []}
         return {"workers": workers, "rrefs": rrefs}

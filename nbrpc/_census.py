@@ -1,0 +1,96 @@
+"""What the kernel asks of every process at once: is it there (a probe), its figures
+(``%rpc_status``), its RRefs (``nbrpc.ownership()``), or anything else (:func:`ask_all`).
+
+Each question goes to all processes at once and waits for them together, with a deadline:
+a process that died, left, or did not answer in time is left out (unknown, not absent).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed.rpc as rpc
+
+from . import _agent, _group, _ledger, _process
+from ._errors import NbrpcError, RpcTimeoutError, UnknownWorkerError, WorkerDiedError
+from ._rows import OwnershipRow
+from ._wire import callee
+
+SNAPSHOT_TIMEOUT_S = 5.0
+PROBE_TIMEOUT_S = 3.0
+
+
+def _pong() -> None:
+    """What :func:`probe` asks of a worker: nothing but an answer."""
+
+
+def probe(names: list[str], timeout: float = PROBE_TIMEOUT_S) -> None:
+    """Ask ``names`` for an answer at once: a worker whose process is gone refuses the
+    connection and is marked dead (``_agent.known_dead``), a live one answers at once."""
+    asked = []
+    for name in names:
+        with contextlib.suppress(NbrpcError):
+            asked.append(_agent.start_call("probe", name, _pong, (), None, timeout))
+    for fut in asked:
+        with contextlib.suppress(Exception):
+            fut.wait()
+
+
+def figures(dead: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """This process's ledger snapshot and the user calls it served (run in every process,
+    asked by the kernel for ``%rpc_status`` and ``nbrpc.ownership()``); ``dead``: workers
+    known dead, whose RRefs are not asked anything."""
+    calls = callee.call_counts()
+    return {
+        **_ledger.snapshot(dead),
+        **_process.resources(),
+        "name": _process.name(),
+        "calls_in_flight": calls["in_flight"],
+        "calls_done": calls["done"],
+    }
+
+
+def snapshots(
+    timeout: float = SNAPSHOT_TIMEOUT_S, skip: set[str] | frozenset = frozenset()
+) -> dict:
+    """Every live process's ledger snapshot (see :mod:`nbrpc._ledger`), by process name.
+
+    Asked of all processes at once. A process that does not answer within ``timeout``
+    (or is in ``skip``, e.g. known dead) is left out: its RRefs are unknown, not absent.
+    """
+    _group.require_active("nbrpc.ownership()")
+    me = rpc.get_worker_info().name
+    skip = frozenset({*skip, *_agent.known_dead()})
+    others = [name for name in _group.member_names() if name != me and name not in skip]
+    return {me: figures(skip), **ask_all(others, figures, (skip,), timeout)}
+
+
+def ask_all(names: list[str], func: Callable[..., Any], args: tuple, timeout: float) -> dict:
+    """``func(*args)`` on every process of ``names`` at once: the answers by name. A
+    process that died, left, or did not answer within ``timeout`` is left out."""
+    asked = {}
+    for name in names:
+        try:
+            asked[name] = _agent.start_call("ask", name, func, args, None, timeout)
+        except (WorkerDiedError, UnknownWorkerError):  # it left since the list was read
+            continue
+    found = {}
+    for name, fut in asked.items():
+        try:
+            found[name] = fut.wait()
+        except (RpcTimeoutError, WorkerDiedError, RuntimeError):
+            continue
+    return found
+
+
+def ownership(timeout: float = SNAPSHOT_TIMEOUT_S) -> list[OwnershipRow]:
+    """One dict per live RRef in the cluster, whoever made it.
+
+    Keys: ``id`` (torch's RRef id, ``"creator_rank:n"``), ``owner``, ``holders`` (processes
+    holding a user reference), ``owner_holds``, ``type`` (of the value), ``created_by``
+    (e.g. ``"remote(worker1, ParameterServer)"``) and ``handles`` (Python handles in all).
+    An RRef dropped everywhere and garbage-collected is gone from the list.
+    """
+    return _ledger.merge(list(snapshots(timeout).values()))
