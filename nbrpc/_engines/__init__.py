@@ -1,4 +1,4 @@
-"""Where a cluster's engines come from: one family of sources behind one protocol.
+"""Where a cluster's engines come from: one family of sources on one base.
 
 ipyparallel is nbrpc's control plane: it launches, watches and stops the engines that
 become workers, and runs their bootstrap code. Where those engines come from varies; each
@@ -116,7 +116,7 @@ class Engines:
         self.source.start()
 
     def hosts(self) -> list[str]:
-        """The addresses of the engines' hosts known before they start (see the protocol)."""
+        """The addresses of the engines' hosts known before they start (see the base)."""
         return self.source.hosts()
 
     def fence_controller(self) -> None:
@@ -207,7 +207,7 @@ class Engines:
         return self.source.cannot_replace
 
     def replace(self, engine_ids: list[int], pids: list[int], timeout: float) -> list[int]:
-        """New engines in place of ``engine_ids`` (see the protocol); they become this
+        """New engines in place of ``engine_ids`` (see ``base.EngineSource``); they become this
         cluster's."""
         new = self.source.replace(engine_ids, pids, timeout)
         self.taken = [i for i in self.taken if i not in engine_ids] + new
@@ -216,7 +216,7 @@ class Engines:
     def dump_stacks(
         self, engine_ids: list[int], pids: list[int], timeout: float
     ) -> dict[int, dict[str, Any]]:
-        """The engines' stacks, read on their hosts (see the protocol)."""
+        """The engines' stacks, read on their hosts (see ``base.EngineSource``)."""
         return self.source.dump_stacks(engine_ids, pids, timeout)
 
     def stop(self, pids: list[int], keep_spares: bool) -> None:
