@@ -25,7 +25,6 @@ import contextlib
 import ctypes
 import itertools
 import linecache
-import sys
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -33,6 +32,7 @@ from typing import Any
 
 from . import _agent
 from ._errors import ConfigError, NbrpcError, short_traceback
+from ._wire import namespace
 
 INTERRUPT_GRACE_S = 2.0  # how long the kernel waits for interrupted cells to stop
 
@@ -48,7 +48,7 @@ def worker_namespace() -> dict[str, Any]:
     Notebook functions sent with ``rpc_sync`` run with it as their globals too, so their
     ``global`` assignments land here (:mod:`nbrpc._wire.namespace`).
     """
-    return sys.modules["__main__"].__dict__
+    return namespace.namespace()
 
 
 class CellInterrupted(Exception):
