@@ -32,7 +32,7 @@ from ._errors import (
     UnknownWorkerError,
     WorkerDiedError,
 )
-from ._wire import callee, failures, recording, shm
+from ._wire import callee, failures, lanes, recording, shm
 
 T = TypeVar("T")
 
@@ -142,7 +142,7 @@ def cancel_calls_in_flight() -> None:
 def calls_in_flight() -> int:
     """Calls this process started that have not finished (torch's own count)."""
     metrics = _torch.agent().get_metrics()
-    return int(metrics.get("agent.client_active_calls", 0))
+    return int(metrics.get("agent.client_active_calls", 0)) + lanes.in_flight()
 
 
 def workers() -> list[str]:
@@ -217,14 +217,58 @@ def rpc_sync(
     if threading.current_thread() is not threading.main_thread():
         return start_call("rpc_sync", to, func, args, kwargs, timeout).wait()
     # The notebook's case, without the future rpc_async returns (measured ~40 µs a call):
-    # the main thread waits on torch's future itself and settles it here.
-    raw, call = _send("rpc_sync", to, func, args, kwargs, timeout)
-    if not prompts.wait_on_main_thread(raw, call.limit):
-        raise call.expired()
-    value, error = failures.outcome(raw, call.translate)
+    # the main thread waits on torch's future, or on its lane, itself and settles it here.
+    dest = _destination(to, "rpc_sync")
+    call = _Sent(dest.name, f"call of {_name_of(func)}", _limit(timeout), timeout)
+    payload = lanes.request(dest, func, tuple(args), kwargs)
+    answer = _on_main_lane(dest, payload, call) if payload is not None else None
+    sent = (func, args, kwargs)
+    if answer is None:
+        value, error = _sync_through_torch(dest, sent, call)
+    elif answer[0] == lanes.VALUE:
+        value, error = failures.returned(answer[1])
+    elif answer[0] == lanes.LOST:
+        value, error = None, answer[1]
+    else:  # kept by the callee, or not unpicklable there: TensorPipe takes it
+        value, error = _sync_through_torch(dest, _fetch_or_resend(*answer, sent), call)
     if error is not None:
         raise error
     return value
+
+
+def _sync_through_torch(dest: WorkerInfo, sent: tuple, call: _Sent) -> tuple[Any, Any]:
+    raw = _send_to(dest, *sent)
+    if not prompts.wait_on_main_thread(raw, call.limit):
+        return None, call.expired()
+    return failures.outcome(raw, call.translate)
+
+
+def _fetch_or_resend(kind: int, got: Any, sent: tuple) -> tuple:
+    """What TensorPipe sends for a call a lane did not finish: the reply the callee kept
+    (``FETCH``), or the call itself again (``RETRY``: the callee could not unpickle it)."""
+    return (lanes.take, (got,), None) if kind == lanes.FETCH else sent
+
+
+def _on_main_lane(dest: WorkerInfo, payload: bytes, call: _Sent) -> tuple[int, Any] | None:
+    """The call on the main thread's lane to ``dest``: ``(kind, value)`` of its answer,
+    ``(LOST, error)`` for a lost lane or a timeout, or None (no lane: TensorPipe)."""
+    lane = lanes.lane_to(dest, main=True)
+    if lane is None or lane.busy:
+        return None
+    lane.busy = True
+    try:
+        lane.send(payload)
+        if not prompts.wait_readable_on_main_thread(lane.sock, call.limit):
+            lane.close()  # its answer would come on a lane no one reads: the next call opens one
+            return lanes.LOST, call.expired()
+        return lane.receive()[1]
+    except lanes.LaneLost as lost:
+        return lanes.LOST, call.translate(lost)
+    except BaseException:  # the stop button: this lane's answer is no one's now
+        lane.close()
+        raise
+    finally:
+        lane.busy = False
 
 
 def rpc_async(
@@ -257,29 +301,51 @@ class _Sent:
         return _timeout_error(None, self.what, self.dest, self.timeout)
 
 
-def _send(
-    what: str, to: Any, func: Any, args: tuple, kwargs: dict | None, timeout: float | None
-) -> tuple[torch.futures.Future, _Sent]:
-    """Start the call with torch: its raw future (torch's errors), and what nbrpc keeps of
-    the call. Bad input fails before anything is sent."""
-    dest = _destination(to, what)
-    limit = _limit(timeout)
+def _send_to(dest: WorkerInfo, func: Any, args: tuple, kwargs: dict | None) -> torch.futures.Future:
+    """Start the call with torch: its raw future (torch's errors)."""
     sent, args, kwargs = _as_python_call(func, tuple(args), kwargs)
     with shm.sending_to(dest.name):  # torch's timeout: none; nbrpc's clock keeps it
-        raw = _torch.rpc_async(dest, sent, args=args, kwargs=kwargs, timeout=0)
-    return raw, _Sent(dest.name, f"call of {_name_of(func)}", limit, timeout)
+        return _torch.rpc_async(dest, sent, args=args, kwargs=kwargs, timeout=0)
 
 
 def start_call(
     what: str, to: Any, func: Any, args: tuple, kwargs: dict | None, timeout: float | None
 ) -> torch.futures.Future:
-    raw, call = _send(what, to, func, args, kwargs, timeout)
+    """Start a call, on a lane if it takes one (:mod:`nbrpc._wire.lanes`), else with
+    torch; its future, settled with nbrpc's errors. Bad input fails before anything is sent."""
+    dest = _destination(to, what)
+    call = _Sent(dest.name, f"call of {_name_of(func)}", _limit(timeout), timeout)
     out = Future()
     out.dest = call.dest
-    raw.add_done_callback(lambda done: failures.settle(done, out, call.translate))
+    sent = (func, tuple(args), kwargs)
+    payload = lanes.request(dest, func, sent[1], kwargs)
+    lane = lanes.lane_to(dest, main=False) if payload is not None else None
+    if lane is None:
+        raw = _send_to(dest, *sent)
+        raw.add_done_callback(lambda done: failures.settle(done, out, call.translate))
+    else:
+        try:
+            lane.send(
+                payload, lambda kind, got: _settle_from_lane(kind, got, dest, sent, call, out)
+            )
+        except lanes.LaneLost as lost:
+            failures.complete(out, error=call.translate(lost))
     if call.limit > 0:
         deadlines.expire_after(call.limit, out, call.expired)
     return out
+
+
+def _settle_from_lane(
+    kind: int, got: Any, dest: WorkerInfo, sent: tuple, call: _Sent, out: Future
+) -> None:
+    """Finish ``out`` with a lane's answer (on the lane's reader thread)."""
+    if kind == lanes.VALUE:
+        failures.complete(out, *failures.returned(got))
+    elif kind == lanes.LOST:
+        failures.complete(out, error=call.translate(got))
+    else:  # fetched, or sent again, through TensorPipe (no wait on this thread)
+        raw = _send_to(dest, *_fetch_or_resend(kind, got, sent))
+        raw.add_done_callback(lambda done: failures.settle(done, out, call.translate))
 
 
 def _translate(exc: BaseException, what: str, dest: str, timeout: float | None) -> Any:
@@ -298,7 +364,7 @@ def _translate(exc: BaseException, what: str, dest: str, timeout: float | None) 
     unsent = _torch.serialization_failure(exc)
     if unsent:
         return SerializationError(f"{unsent} (the {what} on {dest})")
-    if _torch.is_connection_loss(exc):
+    if _torch.is_connection_loss(exc) or isinstance(exc, lanes.LaneLost):
         if _calls.cancelled:
             return ClusterClosedError(
                 f"{what} on {dest} was cancelled: the cluster was "

@@ -34,7 +34,7 @@ from ._options import Settings
 from ._placement import validate_names
 from ._progress import BootProgress
 from ._rows import WorkerRecord
-from ._wire import shm
+from ._wire import lanes, shm
 
 
 @dataclass
@@ -51,6 +51,7 @@ class Booted:
     seconds: dict[str, float] = field(default_factory=dict)
     device_maps: dict = field(default_factory=dict)  # every process's maps
     fast_path: bool = False  # large CPU tensors through shared memory
+    lanes: bool = False  # small calls through Unix sockets (nbrpc._wire.lanes)
     #: across hosts: each process's peers that see its /dev/shm (the fast path's reach)
     shm_peers: dict[str, list[str]] = field(default_factory=dict)
     process_group: _collective.ProcessGroupInfo | None = None
@@ -237,7 +238,8 @@ def set_up_fast_path(
     booted: Booted, settings: Settings, engines: Engines, member: Any, names: list[str]
 ) -> None:
     """Shared memory for large tensors with the workers ``names`` (across hosts: host by
-    host, and ``names`` are then every worker, whose peers are worked out again)."""
+    host, and ``names`` are then every worker, whose peers are worked out again); in a
+    local cluster, lanes for small calls (not with device maps: CUDA calls need torch's)."""
     prefix = segment_prefix(os.getpid())
     threshold = settings.shm_threshold
     if engines.remote:
@@ -245,6 +247,9 @@ def set_up_fast_path(
         booted.fast_path = any(booted.shm_peers.values())
     else:
         booted.fast_path = shm.set_up(prefix, threshold, names, member.spec.loopback_only)
+    local = not engines.remote and member.spec.loopback_only
+    if settings.fast_calls and local and not settings.wants_devices:
+        booted.lanes = lanes.set_up(prefix, names, settings.num_worker_threads)
 
 
 def ask_to_join(

@@ -55,7 +55,7 @@ from ._errors import (
 )
 from ._options import Options, Settings, options_doc
 from ._rows import StatusRow, WorkerRecord, WorkerState
-from ._wire import native_output, shm
+from ._wire import lanes, native_output, shm
 
 log = logging.getLogger("nbrpc")
 
@@ -291,6 +291,7 @@ class Cluster:
         try:
             self._leave(graceful, timeout)
         finally:
+            lanes.close()
             local = [r.pid for r in self.records[1:] if r.local]
             self.engines.stop(local, keep_spares=not release)
             if release:
@@ -453,6 +454,8 @@ class Cluster:
         tensors = None
         if self.shm_peers or self.state is ClusterState.READY or self.fast_path:
             tensors = shm.describe(self.settings.shm_threshold, self.fast_path, self.shm_peers)
+            if self.booted.lanes:
+                tensors += "; small calls take Unix-socket lanes between local processes"
         return _views.summary_text(
             self._rows(),
             self.state.value,

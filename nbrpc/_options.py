@@ -196,6 +196,19 @@ class Options(TypedDict, total=False):
             switch=(shm.DEFAULT_THRESHOLD, None),
         ),
     ]
+    fast_calls: Annotated[
+        bool,
+        Opt(
+            "--no-fast-calls",
+            "send small calls through TensorPipe, not the same-host lanes",
+            default=True,
+            doc="Small Python calls (``rpc_sync``/``rpc_async``, no RRef, small CPU tensors) "
+            "between processes of a local cluster travel on Unix-socket lanes beside "
+            "TensorPipe (``False``, ``--no-fast-calls``: always TensorPipe); see "
+            "docs/architecture.md.",
+            switch=(True, False),
+        ),
+    ]
     python: Annotated[
         str | None,
         Opt(
@@ -462,6 +475,7 @@ class Settings:
     #: the kernel's maps to workers, checked for syntax now, against devices at boot
     device_maps: _devices.Maps = field(default_factory=dict)
     shm_threshold: int | None = shm.DEFAULT_THRESHOLD
+    fast_calls: bool = True
     python: str = sys.executable
     #: a torch.distributed process group among the workers ("gloo" or "nccl"), and which
     #: workers are in it, in rank order (None: all of them)
@@ -536,6 +550,7 @@ class Settings:
             gpus=gpus,
             device_maps=_devices.merge(v["self_name"], (v["device_maps"] or {}).items()),
             shm_threshold=shm_threshold,
+            fast_calls=bool(v["fast_calls"]),
             python=v["python"] or sys.executable,
             process_group=process_group,
             process_group_workers=members,

@@ -108,6 +108,7 @@ class CallRow(TypedDict):
     bytes_out: int  # the reply (0: none sent, as for remote())
     path_in: str | None  # its tensors' path: "tensorpipe", "arena", "segment", "cuda"
     path_out: str  # ("" without tensors; "arena+tensorpipe" when they took two)
+    route: str  # the call's own way: "lane" (nbrpc._wire.lanes) or "tensorpipe"
     ok: bool
     error: str | None  # the exception's type name
     thread: int  # the callee's thread that ran it

@@ -29,6 +29,7 @@ def _both() -> None:
     _torch.route_all_gather(_group.member_names)  # torch's barriers span the cluster
     autograd.install()  # loss.backward() inside a context says what to use instead
     stacks.install()  # RPC threads say what they serve, for nbrpc.stacks()
+    _torch.track_autograd_contexts()  # a call inside one goes through TensorPipe (lanes)
 
 
 def kernel(torch_shutdown: Callable[..., Any]) -> None:

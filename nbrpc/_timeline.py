@@ -174,6 +174,7 @@ class Recording:
             "bytes_out": r["bytes_out"],
             "path_in": sent["path"] if sent else None,
             "path_out": r["path_out"],
+            "route": r.get("route", "tensorpipe"),
             "ok": r["ok"],
             "error": r["error"],
             "thread": r["thread"],
@@ -260,6 +261,7 @@ CALL_ARGS = (
     "bytes_out",
     "path_in",
     "path_out",
+    "route",
     "ok",
     "error",
 )

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import re
 import sys
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -230,6 +231,56 @@ def install_rpc_hooks(
 def default_pickler() -> Any:
     """The pickler instance torch's RPC uses (``serialize(obj) -> (bytes, tensors)``)."""
     return rpc_api._default_pickler
+
+
+def custom_reducer_classes() -> list[type]:
+    """The classes torch's RPC pickler reduces its own way (``RemoteModule``, ...): private
+    (``_InternalRPCPickler._class_reducer_dict``)."""
+    return list(getattr(default_pickler(), "_class_reducer_dict", {}))
+
+
+def profiler_enabled() -> bool:
+    """Whether torch's autograd profiler records now (it records RPCs): private
+    (``torch._C._autograd._profiler_enabled``), about 30 ns."""
+    return bool(torch._C._autograd._profiler_enabled())
+
+
+_contexts = threading.local()  # .made: contexts this thread made and has not released
+
+
+def track_autograd_contexts() -> None:
+    """Count the distributed autograd contexts each thread makes (idempotent), so that
+    :func:`in_autograd_context` costs one attribute read outside one. torch's
+    ``context()`` calls the module's ``_new_context`` and ``_release_context``."""
+    made, released = dist_autograd._new_context, dist_autograd._release_context
+    if getattr(made, "nbrpc_counted", False):
+        return
+
+    def new_context() -> Any:
+        context = made()
+        _contexts.made = getattr(_contexts, "made", 0) + 1
+        return context
+
+    def release_context(context_id: int) -> Any:
+        _contexts.made = max(getattr(_contexts, "made", 0) - 1, 0)
+        return released(context_id)
+
+    new_context.nbrpc_counted = True  # type: ignore[attr-defined]
+    dist_autograd._new_context = new_context
+    dist_autograd._release_context = release_context
+
+
+def in_autograd_context() -> bool:
+    """Whether this thread is inside a distributed autograd context (its RPCs are part of
+    the backward pass). Private: ``_current_context`` raises when there is none (a few
+    µs), asked only on a thread that made a context (:func:`track_autograd_contexts`)."""
+    if not getattr(_contexts, "made", 0):
+        return False
+    try:
+        dist_autograd._current_context()
+    except RuntimeError:
+        return False
+    return True
 
 
 def patch_api(name: str, value: Any) -> Any:

@@ -108,14 +108,16 @@ def test_every_call_is_a_row_with_its_parent_times_bytes_path_and_outcome(cluste
 
     (add,) = _by_function(rows, "torch.add")
     assert add["ok"]
-    assert add["path_in"] == "tensorpipe"
+    assert add["path_in"] == "lane"  # a small call: tensors in the lane's pickle
+    assert (add["route"], outer["route"], inner["route"]) == ("lane", "lane", "tensorpipe")
     assert add["bytes_out"] > 0
     (failed,) = _by_function(rows, "boom")
     assert not failed["ok"]
     assert failed["error"] == "KeyError"
     (zeros,) = _by_function(rows, "big")
     assert zeros["bytes_out"] >= 4_000_000
-    assert zeros["path_out"] in ("arena", "segment")
+    assert zeros["path_out"] in ("arena", "segment")  # the lane's callee left it to TensorPipe
+    assert zeros["route"] == "lane"
     (method,) = _by_function(rows, "Counter.add")
     assert method["callee"] == "worker2"
     (asked,) = _by_function(rows, "ask_kernel")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import linecache
 import os
+import select
 import sys
 import threading
 import time
@@ -248,14 +249,28 @@ def wait_on_main_thread(fut: Any, limit: float = 0) -> bool:
     """
     woke = threading.Event()
     fut.add_done_callback(lambda _: woke.set())
+
+    def one_slice() -> bool:
+        if not fut.done():
+            woke.wait(SIGNAL_CHECK_S)
+            woke.clear()
+        return fut.done()
+
+    return _wait(one_slice, woke, limit)
+
+
+def wait_readable_on_main_thread(sock: Any, limit: float = 0) -> bool:
+    """:func:`wait_on_main_thread` for an answer on socket ``sock`` (a lane,
+    :mod:`nbrpc._wire.lanes`); a prompt is served within a slice of it arriving."""
+    woke = threading.Event()
+    return _wait(lambda: bool(select.select([sock], [], [], SIGNAL_CHECK_S)[0]), woke, limit)
+
+
+def _wait(one_slice: Any, woke: threading.Event, limit: float) -> bool:
     deadline = deadlines.clock.now() + limit if limit > 0 else None
     try:
         with main_thread_waits(woke):
-            while not fut.done():
-                woke.wait(SIGNAL_CHECK_S)
-                woke.clear()
-                if fut.done():
-                    break
+            while not one_slice():
                 serve()
                 if deadline is not None and deadlines.clock.now() >= deadline:
                     return False

@@ -111,7 +111,8 @@ def release_rrefs(timeout: float) -> None:
 def leave(timeout: float = 0) -> None:
     """Leave the group gracefully; the engine itself keeps running."""
     from nbrpc import _group
-    from nbrpc._wire import native_output
+    from nbrpc._wire import lanes, native_output
 
+    lanes.close()
     native_output.stop_tail()
     _group.leave(timeout)

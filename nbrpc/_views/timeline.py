@@ -19,7 +19,7 @@ def _ms(seconds: float) -> str:
 
 
 def _path(row: Mapping[str, Any]) -> str:
-    paths = sorted({p for p in (row.get("path_in"), row.get("path_out")) if p})
+    paths = sorted({p for p in (row.get("path_in"), row.get("path_out"), row.get("route")) if p})
     return "+".join(paths)
 
 

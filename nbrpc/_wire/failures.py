@@ -345,6 +345,19 @@ def outcome(raw: Any, translate: Any) -> tuple[Any, BaseException | None]:
         return None, original
 
 
+def returned(value: Any) -> tuple[Any, BaseException | None]:
+    """``(value, None)``, or ``(None, error)`` when ``value`` is a failure a call sent back
+    (a reply that came by a lane, :mod:`nbrpc._wire.lanes`, rebuilt as a future's is)."""
+    if isinstance(value, RemoteException):
+        return None, rebuild(value)
+    return value, None
+
+
+def complete(out: Any, value: Any = None, error: BaseException | None = None) -> None:
+    """Finish future ``out`` with ``value`` or ``error`` unless its deadline failed it first."""
+    _complete(out, value, error)
+
+
 def settle(raw: Any, out: Any, translate: Any) -> None:
     """Complete future ``out`` from finished torch future ``raw`` (see :func:`outcome`)."""
     value, error = outcome(raw, translate)

@@ -257,6 +257,22 @@ class RpcPickler(cloudpickle.Pickler):
         _C_DISPATCH_TABLE.__set__(self, _DispatchTable(merged))
 
 
+class LanePickler(RpcPickler):
+    """:class:`RpcPickler` with the reducers it is given, over cloudpickle's and nbrpc's
+    base (:func:`over_base_table`), nothing merged in per message: the lanes' pickler
+    (:mod:`nbrpc._wire.lanes`), which puts small tensors in the pickle itself."""
+
+    def __init__(self, file: Any, table: dict) -> None:
+        cloudpickle.Pickler.__init__(self, file, protocol=5)
+        self.out = file
+        _C_DISPATCH_TABLE.__set__(self, table)
+
+
+def over_base_table(table: dict) -> dict:
+    """``table`` over the reducers every nbrpc pickle uses (code objects, methods, ...)."""
+    return {**_BASE_TABLE, **table}
+
+
 #: What a pickle by reference would record as a name: no tensors are found inside them.
 _NAMED_ONLY = (type, FunctionType, BuiltinFunctionType, ModuleType, CodeType)
 

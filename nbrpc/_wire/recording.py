@@ -166,9 +166,10 @@ def outgoing(obj: Any, caller: str, reply: bool, user: bool) -> tuple[Any, dict 
     return Recorded(obj, (call, caller, parent, clock(), reply)), message
 
 
-def counted(reducer: Any) -> Any:
+def counted(reducer: Any, path: str = "tensorpipe") -> Any:
     """The tensor reducer of a message pickled while recording: it also adds each
-    tensor's bytes and path to the message being pickled on this thread."""
+    tensor's bytes and path to the message being pickled on this thread (``path``: where
+    a tensor goes that is not in shared memory)."""
 
     def reduce(t: torch.Tensor) -> Any:
         reduced = reducer(t)
@@ -178,7 +179,7 @@ def counted(reducer: Any) -> Any:
             if reduced[0] is shm.import_tensor:
                 message["paths"].add("arena" if isinstance(reduced[1][0], tuple) else "segment")
             else:
-                message["paths"].add("cuda" if t.is_cuda else "tensorpipe")
+                message["paths"].add("cuda" if t.is_cuda else path)
         return reduced
 
     return reduce
@@ -195,6 +196,20 @@ def message_for(obj: Any) -> dict | None:
     message = {"bytes": 0, "paths": set(), "row": row}
     _thread.message = message
     return message
+
+
+def reply_row(result: Any) -> dict | None:
+    """The row whose reply ``result`` is (pickled next on this thread), if recorded; for a
+    reply a lane leaves to TensorPipe (:func:`reply_here`)."""
+    reply = _replies.get(threading.get_ident())
+    return reply[1] if reply is not None and reply[0] is result else None
+
+
+def reply_here(result: Any, row: dict | None) -> None:
+    """``result``, the reply of ``row``, is pickled next on this thread (a lane's reply
+    that TensorPipe fetches: its bytes and path count where the call's row is)."""
+    if row is not None:
+        _replies[threading.get_ident()] = (result, row)
 
 
 def pickled(message: dict, size: int) -> None:
@@ -228,6 +243,7 @@ def begin(python_udf: Any, name: str) -> dict | None:
         "parent": parent,
         "caller": caller,
         "function": name,
+        "route": "lane" if getattr(python_udf, "lane", False) else "tensorpipe",
         "sent": sent,
         "start": clock(),
         "end": 0.0,
