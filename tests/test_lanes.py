@@ -1,0 +1,265 @@
+"""Small calls on lanes (nbrpc/_wire/lanes.py): what takes one, what stays on TensorPipe, and
+that a call gives the same result, error, timeout and death either way."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+from conftest import running_kernel
+
+import nbrpc
+from nbrpc._wire import lanes
+
+CELL = """
+import os
+import threading
+import time
+import torch
+import torch.distributed.rpc as rpc
+
+def echo(x):
+    return x
+
+def nap(seconds):
+    time.sleep(seconds)
+    return seconds
+
+def grad_leaf():
+    return torch.ones(2, requires_grad=True)
+
+def big_result(n):
+    return torch.arange(n, dtype=torch.float32)
+
+def own_rref(x):
+    return rpc.RRef(x * 2)
+
+def not_picklable():
+    return threading.Lock()
+
+@rpc.functions.async_execution
+def later(x):
+    fut = torch.futures.Future()
+    fut.set_result(x + 1)
+    return fut
+
+gate = None
+
+def meet(k):
+    global gate
+    if gate is None:
+        gate = threading.Barrier(k, timeout=20)
+    gate.wait()
+    return k
+
+class Point:
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+    def __eq__(self, other):
+        return (self.x, self.y) == (other.x, other.y)
+"""
+
+
+@pytest.fixture
+def code(nb, cluster):
+    return nb(CELL)
+
+
+def _routes(rec) -> dict[str, str]:
+    return {row["function"]: row["route"] for row in rec.calls if row["caller"] != "worker1"}
+
+
+def _same(a, b) -> None:
+    assert type(a) is type(b), (a, b)
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape, a.stride(), a.storage_offset()) == (
+            b.dtype,
+            b.shape,
+            b.stride(),
+            b.storage_offset(),
+        )
+        assert torch.equal(a, b)
+    elif isinstance(a, (list, tuple)):
+        for x, y in zip(a, b, strict=True):
+            _same(x, y)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _same(a[k], b[k])
+    else:
+        assert a == b
+
+
+def test_a_small_call_takes_the_lane_and_gives_what_tensorpipe_gives(cluster, code):
+    """Each value goes both ways on a lane and, for comparison, through TensorPipe
+    (remote().to_here()); dtype, shape, strides (a transposed view stays one) and values
+    are the same, and so are notebook classes and containers."""
+    base = torch.arange(12.0).reshape(3, 4)
+    values = [
+        torch.ones(1),
+        base.T,  # a view: its storage, offset and strides travel
+        base[1],
+        torch.ones(3, dtype=torch.bfloat16),
+        torch.tensor(7),
+        torch.zeros(0),
+        torch.tensor([True, False]),
+        {"a": torch.arange(3), "b": [1, 2.5, "x"]},
+        code.Point(1, torch.ones(2)),
+        (None, 3, b"bytes"),
+    ]
+    with nbrpc.record() as rec:
+        for value in values:
+            on_lane = nbrpc.rpc_sync("worker1", code.echo, args=(value,))
+            through_tensorpipe = nbrpc.remote("worker1", code.echo, args=(value,)).to_here()
+            if isinstance(value, code.Point):
+                assert on_lane == value == through_tensorpipe
+                continue
+            _same(on_lane, value if not isinstance(value, torch.Tensor) else through_tensorpipe)
+            _same(on_lane, through_tensorpipe)
+    routes = [row["route"] for row in rec.calls if row["function"] == "echo"]
+    assert routes.count("lane") == len(values), routes  # the rpc_sync calls
+    assert routes.count("tensorpipe") == len(values), routes  # remote() always
+
+
+def test_what_a_lane_leaves_to_tensorpipe_goes_there_and_works(cluster, code):
+    x = torch.ones(3)
+    local = rpc.RRef(torch.ones(2))
+    with nbrpc.record() as rec:
+        assert torch.equal(nbrpc.rpc_sync("worker1", torch.mul, args=(local.to_here(), 2)), x[:2] * 2)
+        # an RRef in the arguments: torch forks it
+        assert nbrpc.rpc_sync("worker1", code.echo, args=(local,)).to_here().sum() == 2
+        needs_grad = torch.ones(2, requires_grad=True)
+        assert nbrpc.rpc_sync("worker1", code.echo, args=(needs_grad,)).sum() == 2
+        assert nbrpc.rpc_sync("worker1", code.echo, args=(torch.ones(1 << 17),)).numel() == 1 << 17
+        with dist_autograd.context():
+            assert nbrpc.rpc_sync("worker1", code.nap, args=(0,)) == 0
+        assert nbrpc.rpc_sync("worker1", code.later, args=(1,)) == 2
+    rows = [r for r in rec.calls if r["caller"] != "worker1"]
+    routes = [(r["function"], r["route"]) for r in rows]
+    assert ("torch.mul", "lane") in routes
+    assert routes.count(("echo", "tensorpipe")) == 3, routes  # RRef, grad, large
+    assert ("nap", "tensorpipe") in routes, routes  # inside a distributed autograd context
+    assert ("later", "tensorpipe") in routes, routes  # async_execution: torch waits it
+
+
+def test_a_reply_the_lane_cannot_carry_is_fetched_through_tensorpipe(cluster, code):
+    """An RRef, a tensor that needs grad, a large tensor: the call came by lane, the reply
+    went through TensorPipe (torch's behaviour); a reply that does not pickle is torch's
+    error, with nbrpc's words."""
+    with nbrpc.record() as rec:
+        owned = nbrpc.rpc_sync("worker1", code.own_rref, args=(torch.ones(2),))
+        leaf = nbrpc.rpc_sync("worker1", code.grad_leaf)
+        big = nbrpc.rpc_sync("worker1", code.big_result, args=(1 << 16,))
+    assert torch.equal(owned.to_here(), torch.ones(2) * 2)
+    assert owned.owner().name == "worker1"
+    through_tensorpipe = nbrpc.remote("worker1", code.grad_leaf).to_here()
+    assert leaf.requires_grad == through_tensorpipe.requires_grad
+    assert torch.equal(big, torch.arange(1 << 16, dtype=torch.float32))
+    rows = {r["function"]: r for r in rec.calls}
+    assert rows["own_rref"]["route"] == rows["big_result"]["route"] == "lane"
+    assert rows["big_result"]["bytes_out"] >= 4 << 16  # counted where TensorPipe pickled it
+    with pytest.raises(nbrpc.SerializationError, match="cannot send a lock back from worker1"):
+        nbrpc.rpc_sync("worker1", code.not_picklable)
+    assert nbrpc.rpc_sync("worker1", code.echo, args=(5,)) == 5
+
+
+def test_a_timeout_on_a_lane_is_nbrpcs_and_the_next_call_takes_a_new_lane(cluster, code):
+    for call in (
+        lambda: nbrpc.rpc_sync("worker2", code.nap, args=(1.5,), timeout=0.3),
+        lambda: nbrpc.rpc_async("worker2", code.nap, args=(1.5,), timeout=0.3).wait(),
+    ):
+        t0 = time.monotonic()
+        with pytest.raises(nbrpc.RpcTimeoutError, match="RPC ran for more than"):
+            call()
+        assert time.monotonic() - t0 < 1.2
+        assert nbrpc.rpc_sync("worker2", code.echo, args=(3,)) == 3
+    time.sleep(1.5)  # the naps end there
+
+
+def test_concurrent_calls_on_one_lane_run_at_once_as_on_torchs_thread_pool(cluster, code):
+    """1000 rpc_async calls all come back with their own values, and 4 calls that wait on
+    each other (a barrier on the worker) all finish: each got a thread, as on torch's pool."""
+    futures = [nbrpc.rpc_async("worker1", code.echo, args=(i,)) for i in range(1000)]
+    assert [f.wait() for f in futures] == list(range(1000))
+    waiting = [nbrpc.rpc_async("worker2", code.meet, args=(4,), timeout=30) for _ in range(4)]
+    assert [f.wait() for f in waiting] == [4, 4, 4, 4]
+
+
+def test_lane_sockets_admit_only_this_user_and_survive_garbage(cluster, code):
+    directory = lanes.directory()
+    assert directory is not None
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+    path = lanes.socket_path(directory, "worker1")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    if os.getuid() == 0:  # another user is refused by the directory's mode
+        probe = (
+            "import os, socket, sys\n"
+            "os.setgid(65534); os.setuid(65534)\n"
+            "s = socket.socket(socket.AF_UNIX)\n"
+            "try:\n    s.connect(sys.argv[1])\nexcept PermissionError:\n    print('refused')\n"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", probe, path], capture_output=True, text=True, timeout=60
+        )
+        assert out.stdout.strip() == "refused", out
+    for garbage in (
+        b"GET / HTTP/1.0\r\n\r\n",
+        struct.pack("<QIB", 1, 1 << 31, 1),  # a length no peer sends
+        struct.pack("<QIB", 1, 5, 2) + b"\x80\x05junk",  # not a pickle
+    ):
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(path)
+            s.sendall(garbage)
+            s.settimeout(5)
+            try:
+                s.recv(64)
+            except (TimeoutError, ConnectionError):
+                pass
+    assert nbrpc.rpc_sync("worker1", code.echo, args=(9,)) == 9
+
+
+def test_a_worker_that_dies_during_a_lane_call_is_noticed_at_once(cluster, code):
+    t0 = time.monotonic()
+    with pytest.raises(nbrpc.WorkerDiedError, match="worker2"):
+        nbrpc.rpc_sync("worker2", os._exit, args=(3,))
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(nbrpc.WorkerDiedError):
+        nbrpc.rpc_sync("worker2", code.echo, args=(1,))
+    nbrpc.restart("worker2")
+    with nbrpc.record() as rec:
+        assert nbrpc.rpc_sync("worker2", code.echo, args=(torch.ones(2),)).sum() == 2
+    assert [r["route"] for r in rec.calls] == ["lane"]
+
+
+def test_no_fast_calls_keeps_every_call_on_tensorpipe_and_the_stop_button_ends_a_lane_wait():
+    cells = ["%load_ext nbrpc", "%rpc_init -n 1 --no-fast-calls --no-progress"]
+    with running_kernel(*cells) as kernel:
+        kernel.run("def echo(x):\n    return x\nimport time, torch")
+        assert "lanes" not in kernel.run("%rpc_status")
+        kernel.run(
+            "with nbrpc.record() as rec:\n"
+            "    nbrpc.rpc_sync('worker1', echo, args=(torch.ones(2),))\n"
+            "routes = [r['route'] for r in rec.calls]"
+        )
+        assert kernel.value("routes") == ["tensorpipe"]
+        kernel.run("%rpc_shutdown")
+        kernel.run("%rpc_init -n 1 --no-progress")
+        kernel.run(
+            "with nbrpc.record() as rec:\n"
+            "    nbrpc.rpc_sync('worker1', echo, args=(torch.ones(2),))\n"
+            "routes = [r['route'] for r in rec.calls]"
+        )
+        assert kernel.value("routes") == ["lane"]
+        ran_on, errors = kernel.stop_after("nbrpc.rpc_sync('worker1', time.sleep, args=(8,))", 1.5)
+        assert errors and errors[0].startswith("KeyboardInterrupt"), errors
+        assert ran_on < 3, f"the cell ran {ran_on:.1f} s after the stop button"
+        assert kernel.value("nbrpc.rpc_sync('worker1', echo, args=(4,))") == 4
