@@ -87,7 +87,7 @@ class _Boot:
                 self.kernel["host"],
             )
         member = self.start_engines()
-        engine_ids = self.engines.wait(settings.n, self.registered)
+        engine_ids = self.engines.take(settings.n, self.registered)
         phases["engines"] = _since(self.t0)
         self.progress.phase("engines", phases["engines"], "registered")
         names = settings.worker_names(len(engine_ids))
@@ -134,26 +134,27 @@ class _Boot:
         """The engine source starts; without device maps the kernel joins meanwhile.
         Returns the kernel's membership, if it joined."""
         settings, engines, phases = self.settings, self.engines, self.booted.seconds
+        source = engines.source
         if self.members is not None:  # before any socket of the cluster listens
-            self.members.update(engines.hosts())
+            self.members.update(source.hosts())
             _fence.admit(self.members)
-        engines.start()  # local engines start now and import torch while the kernel joins
+        source.start()  # local engines start now and import torch while the kernel joins
         if self.members is not None:  # before engines on other hosts are launched
             engines.fence_controller()
-        if engines.reused:
-            self.progress.phase("controller", 0.0, engines.reused)
+        if source.reused:
+            self.progress.phase("controller", 0.0, source.reused)
         member = None
         if not settings.wants_devices:  # join at once; device maps must wait for the workers
             member = _join_kernel(settings, {}, None)
             _fence.admit(self.members)  # its TensorPipe listeners, once they exist
-        engines.launch(settings.n or 0)
+        source.launch(settings.n or 0)
         engines.connect()
         if self.members is not None:  # it listens now that a client got in: all its sockets
             engines.fence_controller()
-        started = engines.controller_seconds()
+        started = source.controller_seconds()
         if started is not None and not phases.get("controller"):
-            phases["controller"] = 0.0 if engines.reused else min(started, _since(self.t0))
-            if not engines.reused:
+            phases["controller"] = 0.0 if source.reused else min(started, _since(self.t0))
+            if not source.reused:
                 self.progress.phase("controller", phases["controller"])
         return member
 
@@ -197,14 +198,14 @@ class _Boot:
             )
             self.booted.engine_of[name] = eid
         infos = wait_for_joins(pending, self.progress)
-        imported = self.engines.import_seconds()
+        imported = self.engines.source.import_seconds()
         if imported is not None:
             phases["torch import"] = imported
             note = "once, in the process engines fork from"
             self.progress.phase(
                 "torch import",
                 imported,
-                "done before this cluster" if self.engines.reused else note,
+                "done before this cluster" if self.engines.source.reused else note,
             )
         phases["join"] = _since(t_join)
         self.progress.phase("join", phases["join"], "init_rpc")
@@ -227,7 +228,7 @@ class _Boot:
                     f"engine {eid}",
                     info["devices"],
                     eid,
-                    local=not self.engines.remote,
+                    local=not self.engines.source.remote,
                 )
             )
         self.booted.records = records
@@ -240,7 +241,7 @@ def set_up_fast_path(
     host, and ``names`` are then every worker, whose peers are worked out again)."""
     prefix = segment_prefix(os.getpid())
     threshold = settings.shm_threshold
-    if engines.remote:
+    if engines.source.remote:
         booted.shm_peers = shm.set_up_by_host(prefix, threshold, member.name, names)
         booted.fast_path = any(booted.shm_peers.values())
     else:

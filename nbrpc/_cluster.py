@@ -260,7 +260,7 @@ class Cluster:
         record = next((r for r in self.records[1:] if r.name == name), None)
         if record is None:
             return ""
-        return self.engines.last_output(record.pid)
+        return self.engines.source.last_output(record.pid)
 
     def _live_engine_ids(self) -> list[int]:
         if self.engines.client is None or not self.booted.engine_of:

@@ -17,8 +17,9 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from traitlets import Bool
 
-from . import _cells, _cluster, _engines, _options, _process, _stacks, _timeline, _views
+from . import _cells, _cluster, _options, _process, _stacks, _timeline, _views
 from ._debugger import postmortem
+from ._engines import local
 
 #: ``NBRPC_PREWARM=0`` in the environment: ``%load_ext nbrpc`` starts nothing.
 PREWARM_ENV = "NBRPC_PREWARM"
@@ -37,7 +38,7 @@ class RpcMagics(Magics):
         """Warm up for the first ``%rpc_init`` unless switched off; whether it started."""
         if not self.prewarm or os.environ.get(PREWARM_ENV, "1").strip() == "0":
             return False
-        return _engines.prewarm()
+        return local.prewarm()
 
     @magic_arguments()
     @argument(

@@ -177,7 +177,7 @@ def _check(cluster: Cluster, names: list[str], records: dict[str, WorkerRecord])
         )
     if len(set(names)) != len(names):
         raise ConfigError(f"restart {', '.join(names)}: a name is given twice")
-    why = cluster.engines.cannot_replace
+    why = cluster.engines.source.cannot_replace
     if why:
         raise ConfigError(f"cannot restart {', '.join(names)}: {why}")
     pg = cluster.booted.process_group
@@ -192,7 +192,7 @@ def _fast_path(cluster: Cluster, member: Any, names: list[str]) -> None:
     """The shared-memory path with the new processes, where the cluster had it."""
     if not cluster.booted.fast_path:
         return
-    if cluster.engines.remote:  # every worker's peers, worked out again
+    if cluster.engines.source.remote:  # every worker's peers, worked out again
         names = [r.name for r in cluster.records[1:]]
     set_up_fast_path(cluster.booted, cluster.settings, cluster.engines, member, names)
 

@@ -46,7 +46,7 @@ def stacks(*names: str, timeout: float = TIMEOUT_S) -> list[StackRow]:
     workers = [r for r in chosen if r.engine_id is not None]
     started = time.monotonic()
     engine_ids = [r.engine_id for r in workers if r.engine_id is not None]
-    dumps = cluster.engines.dump_stacks(engine_ids, [r.pid for r in workers], timeout)
+    dumps = cluster.engines.source.dump_stacks(engine_ids, [r.pid for r in workers], timeout)
     rows: list[StackRow] = []
     for r in chosen:
         if r.engine_id is None:
