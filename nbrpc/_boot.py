@@ -17,6 +17,10 @@ The order, and why (the phases shown while it runs, in ``Cluster.boot_seconds``)
 
 What it finds and makes goes into a :class:`Booted` the cluster keeps, also when the
 boot fails half way: the cluster then stops what was started (``Cluster._abandon``).
+
+Workers join through :class:`Joining`, the steps a boot and a restart
+(:mod:`nbrpc._restart`) share, in this order: ranks, the joins, each worker's record, the
+fast path, the process group.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from . import _collective, _devices, _fence, _group, _timeline
 from ._engines import JOIN_TIMEOUT_S, Engines, remote_message, worker
 from ._engines.watchdog import segment_prefix
 from ._errors import BootError
+from ._group import KernelMembership
 from ._options import Settings
 from ._placement import validate_names
 from ._progress import BootProgress
@@ -103,23 +108,23 @@ class _Boot:
             member = _join_kernel(settings, maps.get(me, {}), chosen.get(me))
             _fence.admit(self.members)  # the kernel's new listeners too
         assert member is not None
-        ranks = member.allocate_ranks(len(engine_ids))
-        places = {
-            name: (rank, eid) for name, rank, eid in zip(names, ranks, engine_ids, strict=True)
-        }
-        infos = self.join_workers(member, places, maps, chosen)
+        fenced = sorted(self.members) if self.members is not None else None
+        joining = Joining(settings, self.engines, self.booted, member, fenced, self.progress)
+        infos = self.join_workers(joining, joining.places(names, engine_ids), maps, chosen)
         _timeline.measure_clocks(names)  # each worker's clock offset, for recordings
-        self.set_up_fast_path(member, names)
+        joining.set_up_fast_path(names)
         if settings.process_group:
             t_pg = time.monotonic()
             devices = {name: infos[name]["devices"] for name in names}
-            self.booted.process_group = start_process_group(
-                settings.process_group, members, member, ranks[0], devices
-            )
+            joining.start_process_group(settings.process_group, members, devices)
             phases["process group"] = _since(t_pg)
             self.progress.phase("process group", phases["process group"], settings.process_group)
         self.booted.device_maps = maps
-        self.record(member.name, names, infos)
+        kernel, me = self.kernel, member.name
+        self.booted.records = [
+            WorkerRecord(me, 0, kernel["pid"], kernel["host"], "kernel", kernel["devices"]),
+            *(joining.record(name, infos[name]) for name in names),
+        ]
         phases["total"] = _since(self.t0)
 
     def registered(self, count: int, note: str = "") -> None:
@@ -130,7 +135,7 @@ class _Boot:
             for name in self.placeholder[count:]:
                 self.progress.update(name, 0, note)
 
-    def start_engines(self) -> Any:
+    def start_engines(self) -> KernelMembership | None:
         """The engine source starts; without device maps the kernel joins meanwhile.
         Returns the kernel's membership, if it joined."""
         settings, engines, phases = self.settings, self.engines, self.booted.seconds
@@ -143,7 +148,7 @@ class _Boot:
             engines.fence_controller()
         if source.reused:
             self.progress.phase("controller", 0.0, source.reused)
-        member = None
+        member: KernelMembership | None = None
         if not settings.wants_devices:  # join at once; device maps must wait for the workers
             member = _join_kernel(settings, {}, None)
             _fence.admit(self.members)  # its TensorPipe listeners, once they exist
@@ -183,21 +188,13 @@ class _Boot:
         return _devices.plan(described, self.settings.gpus, self.settings.device_maps)
 
     def join_workers(
-        self, member: Any, places: dict[str, tuple[int, int]], maps: dict, chosen: dict
+        self, joining: Joining, places: dict[str, tuple[int, int]], maps: dict, chosen: dict
     ) -> dict[str, dict]:
-        """Every worker joins at once (``places``: name -> (rank, engine id)); their
+        """Every worker joins at once (``places``: name -> (rank, engine id)), timed; their
         descriptions."""
-        settings, phases = self.settings, self.booted.seconds
-        pending = {}
+        phases = self.booted.seconds
         t_join = time.monotonic()
-        for name, (rank, eid) in places.items():
-            self.progress.update(name, 2)
-            members = sorted(self.members) if self.members is not None else None
-            pending[name] = ask_to_join(
-                self.engines, settings, member, name, (rank, eid), maps, chosen, members
-            )
-            self.booted.engine_of[name] = eid
-        infos = wait_for_joins(pending, self.progress)
+        infos = joining.join(places, maps, chosen)
         imported = self.engines.source.import_seconds()
         if imported is not None:
             phases["torch import"] = imported
@@ -211,87 +208,101 @@ class _Boot:
         self.progress.phase("join", phases["join"], "init_rpc")
         return infos
 
-    def set_up_fast_path(self, member: Any, names: list[str]) -> None:
-        set_up_fast_path(self.booted, self.settings, self.engines, member, names)
 
-    def record(self, me: str, names: list[str], infos: dict[str, dict]) -> None:
-        kernel = self.kernel
-        records = [WorkerRecord(me, 0, kernel["pid"], kernel["host"], "kernel", kernel["devices"])]
-        for name in names:
-            info, eid = infos[name], self.booted.engine_of[name]
-            records.append(
-                WorkerRecord(
-                    name,
-                    info["rank"],
-                    info["pid"],
-                    info["host"],
-                    f"engine {eid}",
-                    info["devices"],
-                    eid,
-                    local=not self.engines.source.remote,
-                )
+class Joining:
+    """Workers joining the kernel's group: the steps a boot and a restart share, in order.
+
+    :meth:`places` hands out ranks (never reused: torch caches connections by rank),
+    :meth:`join` asks every engine at once and waits for them, :meth:`record` is a joined
+    worker's row, then :meth:`set_up_fast_path` and :meth:`start_process_group`. What they
+    make goes into ``booted``. ``members``: who may connect, across hosts (None: loopback).
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        engines: Engines,
+        booted: Booted,
+        member: KernelMembership,
+        members: list[str] | None,
+        progress: BootProgress,
+    ) -> None:
+        self.settings, self.engines, self.booted = settings, engines, booted
+        self.member, self.members, self.progress = member, members, progress
+        self.first_rank: int | None = None  # of the ranks this joining handed out
+
+    def places(self, names: list[str], engine_ids: list[int]) -> dict[str, tuple[int, int]]:
+        """Each name's new rank and its engine id."""
+        ranks = self.member.allocate_ranks(len(names))
+        self.first_rank = ranks[0]
+        return {name: (r, eid) for name, r, eid in zip(names, ranks, engine_ids, strict=True)}
+
+    def join(self, places: dict[str, tuple[int, int]], maps: dict, chosen: dict) -> dict[str, dict]:
+        """Every worker in ``places`` joins at once, with its device maps and devices
+        (:func:`nbrpc._engines.worker.join`); what each reported of itself."""
+        pending = {}
+        for name, (rank, eid) in places.items():
+            self.progress.update(name, 2)
+            pending[name] = self.engines.apply(
+                eid,
+                worker.join,
+                name,
+                rank,
+                self.member.spec.to_dict(),
+                self.member.name,
+                self.settings.rpc_timeout,
+                self.settings.num_worker_threads,
+                maps.get(name),
+                chosen.get(name),
+                self.members,
             )
-        self.booted.records = records
+            self.booted.engine_of[name] = eid
+        return wait_for_joins(pending, self.progress)
 
+    def record(self, name: str, info: dict) -> WorkerRecord:
+        """The row of worker ``name``, from what its join reported (``info``)."""
+        eid = self.booted.engine_of[name]
+        return WorkerRecord(
+            name,
+            info["rank"],
+            info["pid"],
+            info["host"],
+            f"engine {eid}",
+            info["devices"],
+            eid,
+            local=not self.engines.source.remote,
+        )
 
-def set_up_fast_path(
-    booted: Booted, settings: Settings, engines: Engines, member: Any, names: list[str]
-) -> None:
-    """Shared memory for large tensors with the workers ``names`` (across hosts: host by
-    host, and ``names`` are then every worker, whose peers are worked out again)."""
-    prefix = segment_prefix(os.getpid())
-    threshold = settings.shm_threshold
-    if engines.source.remote:
-        booted.shm_peers = shm.set_up_by_host(prefix, threshold, member.name, names)
-        booted.fast_path = any(booted.shm_peers.values())
-    else:
-        booted.fast_path = shm.set_up(prefix, threshold, names, member.spec.loopback_only)
+    def set_up_fast_path(self, names: list[str]) -> None:
+        """Shared memory for large tensors with the workers ``names`` (across hosts: host
+        by host, and ``names`` are then every worker, whose peers are worked out again)."""
+        booted, prefix = self.booted, segment_prefix(os.getpid())
+        threshold = self.settings.shm_threshold
+        if self.engines.source.remote:
+            booted.shm_peers = shm.set_up_by_host(prefix, threshold, self.member.name, names)
+            booted.fast_path = any(booted.shm_peers.values())
+        else:
+            loopback = self.member.spec.loopback_only
+            booted.fast_path = shm.set_up(prefix, threshold, names, loopback)
 
-
-def ask_to_join(
-    engines: Engines,
-    settings: Settings,
-    member: Any,
-    name: str,
-    place: tuple[int, int],
-    maps: dict,
-    chosen: dict,
-    members: list[str] | None,
-) -> Any:
-    """Ask an engine to join the kernel's group as ``name`` (``place``: its rank and engine
-    id), with its device maps and devices; ipyparallel's AsyncResult of
-    :func:`nbrpc._engines.worker.join`. ``members``: who may connect, across hosts."""
-    rank, eid = place
-    return engines.apply(
-        eid,
-        worker.join,
-        name,
-        rank,
-        member.spec.to_dict(),
-        member.name,
-        settings.rpc_timeout,
-        settings.num_worker_threads,
-        maps.get(name),
-        chosen.get(name),
-        members,
-    )
-
-
-def start_process_group(
-    backend: str, members: list[str], member: Any, first_rank: int, devices: dict
-) -> _collective.ProcessGroupInfo:
-    """The workers' torch.distributed group among ``members`` (a boot's, or a restart's
-    rebuild), its store keys apart from every earlier group's: ``first_rank`` is the first
-    of the ranks just handed out, and ranks are never reused."""
-    prefix = f"nbrpc-process-group/{os.getpid()}/{first_rank}"
-    return _collective.start(backend, members, member.spec.to_dict(), prefix, devices)
+    def start_process_group(self, backend: str, members: list[str], devices: dict) -> None:
+        """The workers' torch.distributed group among ``members`` (a boot's, or a restart's
+        rebuild), its store keys apart from every earlier group's: the first of the ranks
+        this joining handed out names them."""
+        assert self.first_rank is not None, "places() handed out ranks first"
+        prefix = f"nbrpc-process-group/{os.getpid()}/{self.first_rank}"
+        self.booted.process_group = _collective.start(
+            backend, members, self.member.spec.to_dict(), prefix, devices
+        )
 
 
 def _since(t0: float) -> float:
     return time.monotonic() - t0
 
 
-def _join_kernel(settings: Settings, device_maps: dict, devices: list[str] | None) -> Any:
+def _join_kernel(
+    settings: Settings, device_maps: dict, devices: list[str] | None
+) -> KernelMembership:
     return _group.kernel_membership(
         settings.self_name,
         init_method=settings.init_method,

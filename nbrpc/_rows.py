@@ -179,6 +179,13 @@ class WorkerRecord:
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
+    def rejoin(self, fresh: WorkerRecord) -> None:
+        """A fresh process under this name (a restart): ``fresh``'s rank, process, host,
+        role, devices and engine, and ready again."""
+        self.rank, self.pid, self.host, self.role = fresh.rank, fresh.pid, fresh.host, fresh.role
+        self.devices, self.engine_id = fresh.devices, fresh.engine_id
+        self.move(WorkerState.READY)
+
     def move(self, state: WorkerState) -> None:
         """Change the state (staying where it is is no change)."""
         if state is not self.state and state not in WORKER_NEXT[self.state]:
