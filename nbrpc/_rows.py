@@ -152,7 +152,7 @@ class WorkerState(enum.StrEnum):
         return repr(self.value)  # a list of states prints as it did when they were strings
 
 
-#: The transitions a process's state may take (the cluster's own are ``_cluster._NEXT``).
+#: The transitions a process's state may take (the cluster's own are ``_lifecycle.cluster._NEXT``).
 WORKER_NEXT: dict[WorkerState, frozenset[WorkerState]] = {
     WorkerState.READY: frozenset({WorkerState.DEAD, WorkerState.RESTARTING, WorkerState.STOPPED}),
     WorkerState.DEAD: frozenset({WorkerState.RESTARTING, WorkerState.STOPPED}),

@@ -31,14 +31,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from . import _agent, _collective, _fence, _group, _process
-from ._boot import Booted, Joining
-from ._engines import JOIN_TIMEOUT_S, Engines
-from ._errors import BootError, ConfigError
-from ._options import Settings
-from ._progress import BootProgress
-from ._rows import WorkerRecord, WorkerState
-from ._wire import native_output
+from nbrpc import _agent, _fence, _group, _process
+from nbrpc._engines import JOIN_TIMEOUT_S, Engines
+from nbrpc._errors import BootError, ConfigError
+from nbrpc._options import Settings
+from nbrpc._rows import WorkerRecord, WorkerState
+from nbrpc._wire import native_output
+
+from . import collective
+from .boot import Booted, Joining
+from .progress import BootProgress
 
 
 class Cluster(Protocol):
@@ -115,7 +117,7 @@ def _run(cluster: Cluster, names: list[str]) -> Restarted:
     for name in names:  # calls to them fail at once meanwhile, naming why
         _agent.mark_dead(name, "it is being restarted (nbrpc.restart)")
     if pg:  # every member leaves it: it is rebuilt among all of them below
-        _collective.destroy(pg, others)
+        collective.destroy(pg, others)
         booted.process_group = None
     for name in names:
         records[name].move(WorkerState.RESTARTING)
@@ -171,7 +173,7 @@ def _check(cluster: Cluster, names: list[str], records: dict[str, WorkerRecord])
     if why:
         raise ConfigError(f"cannot restart {', '.join(names)}: {why}")
     pg = cluster.booted.process_group
-    if pg and pg["backend"] not in _collective.REBUILDABLE:
+    if pg and pg["backend"] not in collective.REBUILDABLE:
         raise ConfigError(
             f"cannot restart {', '.join(names)}: the workers' {pg['backend']} process group "
             "cannot be rebuilt in place. Nothing was stopped; run %rpc_shutdown then %rpc_init."

@@ -13,13 +13,13 @@ The order, and why (the phases shown while it runs, in ``Cluster.boot_seconds``)
 4. Every worker joins at once (:func:`nbrpc._engines.worker.join`, by ipyparallel's
    ``apply``): "join". Then the shared-memory fast path is set up over RPC
    (:mod:`nbrpc._wire.shm`) and, if asked, the workers' process group
-   (:mod:`nbrpc._collective`).
+   (:mod:`nbrpc._lifecycle.collective`).
 
 What it finds and makes goes into a :class:`Booted` the cluster keeps, also when the
 boot fails half way: the cluster then stops what was started (``Cluster._abandon``).
 
 Workers join through :class:`Joining`, the steps a boot and a restart
-(:mod:`nbrpc._restart`) share, in this order: ranks, the joins, each worker's record, the
+(:mod:`nbrpc._lifecycle.restart`) share, in this order: ranks, the joins, each worker's record, the
 fast path, the process group.
 """
 
@@ -30,16 +30,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _collective, _devices, _fence, _group, _timeline
-from ._engines import JOIN_TIMEOUT_S, Engines, remote_message, worker
-from ._engines.watchdog import segment_prefix
-from ._errors import BootError
-from ._group import KernelMembership
-from ._options import Settings
-from ._placement import validate_names
-from ._progress import BootProgress
-from ._rows import WorkerRecord
-from ._wire import shm
+from nbrpc import _devices, _fence, _group
+from nbrpc._engines import JOIN_TIMEOUT_S, Engines, remote_message, worker
+from nbrpc._engines.watchdog import segment_prefix
+from nbrpc._errors import BootError
+from nbrpc._gather import timeline
+from nbrpc._group import KernelMembership
+from nbrpc._options import Settings
+from nbrpc._placement import validate_names
+from nbrpc._rows import WorkerRecord
+from nbrpc._wire import shm
+
+from . import collective
+from .progress import BootProgress
 
 
 @dataclass
@@ -58,7 +61,7 @@ class Booted:
     fast_path: bool = False  # large CPU tensors through shared memory
     #: across hosts: each process's peers that see its /dev/shm (the fast path's reach)
     shm_peers: dict[str, list[str]] = field(default_factory=dict)
-    process_group: _collective.ProcessGroupInfo | None = None
+    process_group: collective.ProcessGroupInfo | None = None
 
 
 def boot(settings: Settings, engines: Engines, booted: Booted) -> None:
@@ -99,7 +102,7 @@ class _Boot:
         validate_names(names, settings.self_name)
         self.admit_engines(engine_ids)
         if settings.process_group:  # refuse unknown members before any join
-            members = _collective.members_of(settings.process_group_workers, names)
+            members = collective.members_of(settings.process_group_workers, names)
         maps: dict = {}
         chosen: dict = {}
         if settings.wants_devices:
@@ -111,7 +114,7 @@ class _Boot:
         fenced = sorted(self.members) if self.members is not None else None
         joining = Joining(settings, self.engines, self.booted, member, fenced, self.progress)
         infos = self.join_workers(joining, joining.places(names, engine_ids), maps, chosen)
-        _timeline.measure_clocks(names)  # each worker's clock offset, for recordings
+        timeline.measure_clocks(names)  # each worker's clock offset, for recordings
         joining.set_up_fast_path(names)
         if settings.process_group:
             t_pg = time.monotonic()
@@ -291,7 +294,7 @@ class Joining:
         this joining handed out names them."""
         assert self.first_rank is not None, "places() handed out ranks first"
         prefix = f"nbrpc-process-group/{os.getpid()}/{self.first_rank}"
-        self.booted.process_group = _collective.start(
+        self.booted.process_group = collective.start(
             backend, members, self.member.spec.to_dict(), prefix, devices
         )
 
