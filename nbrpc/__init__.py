@@ -28,8 +28,6 @@ from torch.distributed.rpc import RRef, WorkerInfo
 from . import autograd
 from ._agent import get_worker_info, remote, rpc_async, rpc_sync, workers
 from ._cells import CellResults, RpcCellError, pull, push, worker_namespace
-from ._census import ownership
-from ._cluster import Cluster, ClusterState, current, init, restart, shutdown, status
 from ._debugger.postmortem import post_mortem
 from ._errors import (
     AlreadyInitializedError,
@@ -49,11 +47,13 @@ from ._errors import (
     UnknownWorkerError,
     WorkerDiedError,
 )
+from ._gather.census import ownership
+from ._gather.stacks import stacks
+from ._gather.timeline import Recording, record
+from ._lifecycle.cluster import Cluster, ClusterState, current, init, restart, shutdown, status
+from ._lifecycle.ranks import rank
 from ._options import Slurm
-from ._ranks import rank
 from ._rows import CallRow, OwnershipRow, StackRow, StatusRow, Trace, WorkerRecord
-from ._stacks import stacks
-from ._timeline import Recording, record
 from ._wire.pickling import register_by_value
 from .autograd import trace_backward
 

@@ -153,7 +153,7 @@ GONE = "(gone)"
 
 
 def snapshot(dead: frozenset[str] = frozenset()) -> dict[str, Any]:
-    """This process's handles and how many RRefs it owns (see ``_census.figures``);
+    """This process's handles and how many RRefs it owns (see ``_gather.census.figures``);
     ``dead``: workers known dead, whose RRefs' types are not asked."""
     with _ledger.lock:
         held = list(_ledger.handles.items())

@@ -17,8 +17,11 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from traitlets import Bool
 
-from . import _cells, _cluster, _engines, _options, _process, _stacks, _timeline, _views
+from . import _cells, _options, _process, _views
 from ._debugger import postmortem
+from ._engines import local
+from ._gather import stacks, timeline
+from ._lifecycle import cluster as lifecycle
 
 #: ``NBRPC_PREWARM=0`` in the environment: ``%load_ext nbrpc`` starts nothing.
 PREWARM_ENV = "NBRPC_PREWARM"
@@ -37,7 +40,7 @@ class RpcMagics(Magics):
         """Warm up for the first ``%rpc_init`` unless switched off; whether it started."""
         if not self.prewarm or os.environ.get(PREWARM_ENV, "1").strip() == "0":
             return False
-        return _engines.prewarm()
+        return local.prewarm()
 
     @magic_arguments()
     @argument(
@@ -67,7 +70,7 @@ class RpcMagics(Magics):
         options = _options.from_flags(args)
         if args.quiet:
             options["progress"] = "off"
-        cluster = _cluster.init(**options)
+        cluster = lifecycle.init(**options)
         if not args.quiet:
             print(cluster.summary())
 
@@ -81,14 +84,14 @@ class RpcMagics(Magics):
     def rpc_shutdown(self, line: str) -> None:
         """Workers leave gracefully; engines started by %rpc_init stop."""
         args = _parse(self.rpc_shutdown, line)
-        if _cluster.running() is None:
-            _cluster.shutdown(release=args.release)
+        if lifecycle.running() is None:
+            lifecycle.shutdown(release=args.release)
             print(
                 "nbrpc: no cluster is running"
                 + ("; released the controller and spare engines" if args.release else "")
             )
             return
-        cluster = _cluster.current()
+        cluster = lifecycle.current()
         cluster.shutdown(release=args.release)
         print(
             f"nbrpc: shut down ({', '.join(r.name for r in cluster.records[1:])} left)"
@@ -103,12 +106,12 @@ class RpcMagics(Magics):
         kernel and the other workers keep everything (their RRefs, namespaces, processes)."""
         args = _parse(self.rpc_restart, line)
         names = [n for part in args.names for n in part.split(",") if n]
-        print(_cluster.restart(*names).summary())
+        print(lifecycle.restart(*names).summary())
 
     @line_magic
     def rpc_status(self, line: str) -> None:
         """Show the cluster: a live ClusterView in a notebook, a table elsewhere."""
-        if _cluster.running() is None:
+        if lifecycle.running() is None:
             print("nbrpc: no cluster is running; start one with %rpc_init -n 2")
             return
         if _process.in_notebook():
@@ -118,7 +121,7 @@ class RpcMagics(Magics):
 
             display(ClusterView())
             return
-        print(_cluster.current().summary())
+        print(lifecycle.current().summary())
 
     @magic_arguments()
     @argument("--save", default=None, help="also write the recording as a Chrome trace here")
@@ -134,7 +137,7 @@ class RpcMagics(Magics):
         args = _parse(self.rpc_timeline, line)
         shell = self.shell
         assert shell is not None, "a magic runs in a shell"
-        rec = _timeline.record()
+        rec = timeline.record()
         shell.user_ns[args.name] = rec
         with rec:
             view = shown = None
@@ -167,7 +170,7 @@ class RpcMagics(Magics):
         """Print every thread's Python stack in each process, with the call it serves and
         its caller; read from outside each worker, so busy workers answer too."""
         args = _parse(self.rpc_stacks, line)
-        print(_views.stacks_text(_stacks.stacks(*args.names)))
+        print(_views.stacks_text(stacks.stacks(*args.names)))
 
     @line_magic
     def rpc_debug(self, line: str) -> None:

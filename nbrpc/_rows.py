@@ -153,7 +153,7 @@ class WorkerState(enum.StrEnum):
         return repr(self.value)  # a list of states prints as it did when they were strings
 
 
-#: The transitions a process's state may take (the cluster's own are ``_cluster._NEXT``).
+#: The transitions a process's state may take (the cluster's own are ``_lifecycle.cluster._NEXT``).
 WORKER_NEXT: dict[WorkerState, frozenset[WorkerState]] = {
     WorkerState.READY: frozenset({WorkerState.DEAD, WorkerState.RESTARTING, WorkerState.STOPPED}),
     WorkerState.DEAD: frozenset({WorkerState.RESTARTING, WorkerState.STOPPED}),
@@ -179,6 +179,13 @@ class WorkerRecord:
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+    def rejoin(self, fresh: WorkerRecord) -> None:
+        """A fresh process under this name (a restart): ``fresh``'s rank, process, host,
+        role, devices and engine, and ready again."""
+        self.rank, self.pid, self.host, self.role = fresh.rank, fresh.pid, fresh.host, fresh.role
+        self.devices, self.engine_id = fresh.devices, fresh.engine_id
+        self.move(WorkerState.READY)
 
     def move(self, state: WorkerState) -> None:
         """Change the state (staying where it is is no change)."""

@@ -22,8 +22,10 @@ from typing import Any
 import anywidget
 import traitlets
 
-from . import _agent, _census, _cluster, _timeline, _views
+from . import _agent, _views
 from ._errors import NbrpcError
+from ._gather import census, timeline
+from ._lifecycle import cluster as lifecycle
 from ._rows import Trace
 
 __all__ = ["BackwardView", "ClusterView", "OwnershipView", "TimelineView"]
@@ -128,7 +130,7 @@ class ClusterView(_LiveView):
 
     def _compute(self) -> dict[str, Any]:
         try:
-            cluster = _cluster.current()
+            cluster = lifecycle.current()
         except NbrpcError:
             return {"state": "closed", "workers": []}
         return {
@@ -153,7 +155,7 @@ class OwnershipView(_LiveView):
     def _compute(self) -> dict[str, Any]:
         try:
             workers = _agent.workers()
-            rrefs = _census.ownership(POLL_TIMEOUT_S)
+            rrefs = census.ownership(POLL_TIMEOUT_S)
         except NbrpcError:
             return {"workers": [], "rrefs": []}
         return {"workers": workers, "rrefs": rrefs}
@@ -201,7 +203,7 @@ class TimelineView(_View):
     once more when the recording stops.
     """
 
-    def __init__(self, rec: _timeline.Recording, *, interval: float = 0.5) -> None:
+    def __init__(self, rec: timeline.Recording, *, interval: float = 0.5) -> None:
         super().__init__()
         self.rec = rec
         self.refresh()

@@ -1,22 +1,18 @@
 """nbrpc.record(): every call of the cluster as a row, on one clock; the Chrome trace; the
-TimelineView; %%rpc_timeline; nbrpc.stacks() and %rpc_stacks, also of busy workers."""
+TimelineView; %%rpc_timeline and %rpc_stacks (nbrpc.stacks() itself: tests/test_stacks.py)."""
 
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
-from conftest import running_kernel, wait_until
+from conftest import running_kernel
 
 import nbrpc
 from nbrpc import widgets
-from nbrpc._wire import stacks as dumps
 
 CELL = """
 import time
@@ -46,16 +42,6 @@ class Counter:
     def add(self, k):
         self.n += k
         return self.n
-
-def spin(seconds):
-    t = time.time()
-    while time.time() - t < seconds:
-        pass
-    return seconds
-
-def regex_in_c(n):
-    import re
-    return len(re.findall(r"(a+)+b", "a" * n))
 """
 
 
@@ -207,81 +193,6 @@ def test_recording_needs_a_cluster_and_a_stopped_recording_records_nothing(clust
     assert rec.calls == []
     assert not rec.recording
     assert "0 calls" in repr(rec)
-
-
-# -- stacks ---------------------------------------------------------------------------------
-
-
-def test_stacks_come_within_2_s_when_every_rpc_thread_is_busy_or_holds_the_gil(cluster, code):
-    threads = cluster.settings.num_worker_threads
-    busy = [nbrpc.rpc_async("worker1", code.spin, (10.0,)) for _ in range(threads)]
-    held = nbrpc.rpc_async("worker2", code.regex_in_c, (28,))  # seconds in C, GIL held
-
-    def started() -> bool:  # every call runs (a busy machine starts them late)
-        rows = {r["name"]: r for r in nbrpc.stacks("worker1", "worker2")}
-        return len([t for r in rows.values() for t in r["threads"] if t["serving"]]) == threads + 1
-
-    assert wait_until(started, timeout=8.0), "the calls did not all start"
-    me = nbrpc.get_worker_info().name
-    t0 = time.monotonic()
-    rows = nbrpc.stacks()
-    took = time.monotonic() - t0
-    assert took < 2.0, f"stacks took {took:.2f} s"
-    by_name = {r["name"]: r for r in rows}
-    assert set(by_name) == {me, "worker1", "worker2"}
-    serving = [t for t in by_name["worker1"]["threads"] if t["serving"]]
-    assert len(serving) == threads, by_name["worker1"]["threads"]
-    for t in serving:
-        assert t["serving"].startswith(f"spin from {me}")
-        assert t["frames"][-1]["function"] == "spin"
-    (regex,) = [t for t in by_name["worker2"]["threads"] if t["serving"]]
-    assert regex["serving"].startswith(f"regex_in_c from {me}")
-    assert [f["function"] for f in regex["frames"]][-2:] == ["regex_in_c", "findall"]
-    assert by_name["worker1"]["how"] == "signal"
-    assert by_name[me]["how"] == "this process"
-    main = [t for t in by_name[me]["threads"] if t["name"] == "MainThread"]
-    assert main
-    assert main[0]["frames"][-1]["function"] == "here"
-    for fut in busy:  # nothing was disturbed: every call finishes with its own result
-        assert fut.wait() == 10.0
-    assert held.wait() == 0
-    (only,) = nbrpc.stacks("worker2")
-    assert only["name"] == "worker2"
-    assert not [t for t in only["threads"] if t["serving"]]
-    with pytest.raises(nbrpc.UnknownWorkerError, match="worker9"):
-        nbrpc.stacks("worker9")
-
-
-def test_stacks_never_signal_a_process_that_did_not_set_them_up(tmp_path):
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    try:
-        time.sleep(0.2)
-        found = dumps.collect([other.pid, 2**22 + 12345], timeout=0.5)
-        assert "not set up" in found[other.pid]["error"]
-        assert found[2**22 + 12345]["error"] == "no such process"
-        assert other.poll() is None, "the process was signalled and died"
-    finally:
-        other.kill()
-        other.wait()
-
-
-def test_a_faulthandler_dump_parses_into_threads_innermost_last(tmp_path):
-    script = tmp_path / "dump.py"
-    script.write_text(
-        "import faulthandler, sys, threading, time\n"
-        "def deep():\n    faulthandler.dump_traceback(all_threads=True)\n"
-        "def middle():\n    deep()\n"
-        "t = threading.Thread(target=time.sleep, args=(2,), daemon=True); t.start()\n"
-        "middle()\n"
-    )
-    out = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=30, env=os.environ
-    )
-    threads = dumps.parse(out.stderr)
-    assert len(threads) == 2, out.stderr
-    (current,) = [t for t in threads if t["current"]]
-    assert [f["function"] for f in current["frames"]][-3:] == ["<module>", "middle", "deep"]
-    assert current["frames"][-1]["line"] == 3
 
 
 MAGIC_SETUP = """%load_ext nbrpc

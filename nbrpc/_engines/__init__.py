@@ -17,7 +17,9 @@ preflight of ``--hosts``) and :mod:`.worker` (what runs inside an engine to join
 
 Every source extends :class:`~.base.EngineSource` (in :mod:`.base`), which gives a
 default to everything a source need not do; a test holds every source to its signatures.
-:class:`Engines`, the facade the cluster's lifecycle uses, never asks which source it has.
+:class:`Engines` holds what a cluster adds to its source (the engine ids it took, the
+ipyparallel client, bootstrap code run on them, their leave and stop) and never asks which
+source it has; what the source knows is asked of the source itself (``engines.source``).
 
 **Adding a source** (say, a batch scheduler's):
 
@@ -48,7 +50,6 @@ from nbrpc import _fence, _options
 from .attached import AttachedSource
 from .base import EngineSource
 from .local import LocalSource
-from .local import prewarm as _prewarm_here
 from .slurm import SlurmSource
 from .ssh import SshSource
 from .watchdog import process_alive
@@ -74,12 +75,6 @@ def resolve(settings: _options.Settings) -> _options.Settings:
     return source_for(settings).resolve(settings)
 
 
-def prewarm() -> bool:
-    """Warm up the default source (this host's controller, zygote and spares) in the
-    background for a first cluster soon; False when one is kept or warming already."""
-    return _prewarm_here()
-
-
 def release_kept() -> None:
     """Stop what any source keeps between clusters (controllers, spare engines)."""
     for source in SOURCES:
@@ -93,7 +88,10 @@ def remote_message(exc: BaseException) -> str:
 
 
 class Engines:
-    """The engines of one cluster, from the source its settings ask for."""
+    """The engines one cluster took from its source, and the ipyparallel client it reaches
+    them through: what the source does not know (which ids are this cluster's, bootstrap
+    code run on them, their leave and stop). What the source knows (``remote``,
+    ``reused``, ``start``, ``launch``, ``hosts``, ...) is asked of :attr:`source`."""
 
     def __init__(self, settings: _options.Settings) -> None:
         self.settings = settings
@@ -101,23 +99,14 @@ class Engines:
         self.client: Any = None
         self.taken: list[int] = []  # engine ids handed to this cluster by the source
 
-    @property
-    def remote(self) -> bool:
-        """The engines run on other hosts (their pids are not this host's)."""
-        return self.source.remote
+    def connect(self) -> Any:
+        self.client = self.source.client()
+        return self.client
 
-    @property
-    def reused(self) -> str:
-        """Why the source's controller and engines were already there ("": they were not)."""
-        return self.source.reused
-
-    def start(self) -> None:
-        """Start what the engines need (returns at once: local engines import meanwhile)."""
-        self.source.start()
-
-    def hosts(self) -> list[str]:
-        """The addresses of the engines' hosts known before they start (see the base)."""
-        return self.source.hosts()
+    def take(self, n: int | None, registered: Callable[..., None]) -> list[int]:
+        """Ids of ``n`` registered engines, in worker order, now this cluster's."""
+        self.taken = self.source.take(n, ENGINE_START_TIMEOUT_S, registered)
+        return self.taken
 
     def fence_controller(self) -> None:
         """Filter the sockets of the controller this cluster started, and of the processes
@@ -132,31 +121,8 @@ class Engines:
             with contextlib.suppress(OSError):  # one that exited meanwhile
                 _fence.fence_process(each)
 
-    def launch(self, n: int) -> None:
-        """Ask for ``n`` engines (waits for a new zygote's imports)."""
-        self.source.launch(n)
-
-    def connect(self) -> Any:
-        self.client = self.source.client()
-        return self.client
-
-    def wait(self, n: int | None, registered: Callable[..., None]) -> list[int]:
-        """Ids of ``n`` registered engines, in worker order."""
-        self.taken = self.source.take(n, ENGINE_START_TIMEOUT_S, registered)
-        return self.taken
-
-    def controller_seconds(self) -> float | None:
-        return self.source.controller_seconds()
-
-    def import_seconds(self) -> float | None:
-        return self.source.import_seconds()
-
-    def last_output(self, pid: int) -> str:
-        """What a local engine printed as it crashed (see ``local.last_words``), or why
-        the source lost it."""
-        return self.source.last_output(pid)
-
     def summary_note(self) -> str:
+        """The source's line about where the engines came from, once they connected."""
         return self.source.summary_note() if self.client is not None else ""
 
     # -- run bootstrap code ------------------------------------------------------------
@@ -201,23 +167,12 @@ class Engines:
                 failed[f"engine {eid}"] = remote_message(exc).splitlines()[0][:200]
         return failed if graceful else {}
 
-    @property
-    def cannot_replace(self) -> str:
-        """Why engines of this source cannot be restarted ("": they can)."""
-        return self.source.cannot_replace
-
     def replace(self, engine_ids: list[int], pids: list[int], timeout: float) -> list[int]:
         """New engines in place of ``engine_ids`` (see ``base.EngineSource``); they become this
         cluster's."""
         new = self.source.replace(engine_ids, pids, timeout)
         self.taken = [i for i in self.taken if i not in engine_ids] + new
         return new
-
-    def dump_stacks(
-        self, engine_ids: list[int], pids: list[int], timeout: float
-    ) -> dict[int, dict[str, Any]]:
-        """The engines' stacks, read on their hosts (see ``base.EngineSource``)."""
-        return self.source.dump_stacks(engine_ids, pids, timeout)
 
     def stop(self, pids: list[int], keep_spares: bool) -> None:
         """Stop the engines this cluster used (never reusable: torch joins once per

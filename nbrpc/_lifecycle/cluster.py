@@ -3,7 +3,7 @@
 A cluster is the kernel plus worker processes that joined its torch RPC group. Its pieces
 live in their own modules: what was asked for in :mod:`nbrpc._options` (frozen, checked
 before anything starts), where engines come from in :mod:`nbrpc._engines` (the control
-plane: start, run bootstrap code, stop), the boot's steps in :mod:`nbrpc._boot`, the RPC
+plane: start, run bootstrap code, stop), the boot's steps in :mod:`nbrpc._lifecycle.boot`, the RPC
 group in :mod:`nbrpc._group` (the data plane). This module holds the state machine.
 
 Lifecycle (``Cluster.state``), the one record of whether a cluster is up::
@@ -29,33 +29,23 @@ import time
 from dataclasses import dataclass
 from typing import Any, Unpack
 
-from . import (
-    _agent,
-    _boot,
-    _census,
-    _collective,
-    _devices,
-    _engines,
-    _group,
-    _ledger,
-    _process,
-    _restart,
-    _setup,
-    _torch,
-    _views,
-)
-from ._debugger import prompts
-from ._engines import worker
-from ._engines.watchdog import process_alive, segment_prefix, sweep_segments
-from ._errors import (
+from nbrpc import _agent, _devices, _engines, _group, _ledger, _process, _setup, _torch, _views
+from nbrpc._debugger import prompts
+from nbrpc._engines import worker
+from nbrpc._engines.watchdog import process_alive, segment_prefix, sweep_segments
+from nbrpc._errors import (
     AlreadyInitializedError,
     BootError,
     ClusterClosedError,
     NotInitializedError,
 )
-from ._options import Options, Settings, options_doc
-from ._rows import StatusRow, WorkerRecord, WorkerState
-from ._wire import lanes, native_output, shm
+from nbrpc._gather import census
+from nbrpc._options import Options, Settings, options_doc
+from nbrpc._rows import StatusRow, WorkerRecord, WorkerState
+from nbrpc._wire import lanes, native_output, shm
+
+from . import boot, collective
+from . import restart as restarts
 
 log = logging.getLogger("nbrpc")
 
@@ -112,7 +102,7 @@ class Cluster:
     ) -> None:
         self.settings = settings or _engines.resolve(Settings.make(n, **options))
         self.state = ClusterState.NOT_STARTED
-        self.booted = _boot.Booted()
+        self.booted = boot.Booted()
         self.engines = _engines.Engines(self.settings)
 
     # settings the notebook and tests read from the cluster itself
@@ -163,10 +153,10 @@ class Cluster:
         self._enter(ClusterState.BOOTING)
         try:
             _setup.kernel(_torch_shutdown)  # every step the kernel installs, in order
-            _boot.boot(self.settings, self.engines, self.booted)
+            boot.boot(self.settings, self.engines, self.booted)
             native_output.joined([r.name for r in self.records[1:]])
             if self.settings.restart == "dead":
-                _restart.watch_for_dead(_restart_dead_of_current)
+                restarts.watch_for_dead(_restart_dead_of_current)
         except BaseException as exc:
             # an engine that failed to start: the others were started the same way
             self._abandon(release=isinstance(exc, BootError))
@@ -226,15 +216,16 @@ class Cluster:
                 prompts.forget_worker(record.name)
         return [r.name for r in self.records[1:] if r.state == "dead"]
 
-    def restart(self, *names: str) -> _restart.Restarted:
+    def restart(self, *names: str) -> restarts.Restarted:
         """Replace workers ``names``, dead or alive, with fresh processes under the same
-        names; the kernel and the other workers keep everything (see :mod:`nbrpc._restart`)."""
+        names; the kernel and the other workers keep everything (see
+        :mod:`nbrpc._lifecycle.restart`)."""
         if self.state is not ClusterState.READY:
             raise ClusterClosedError(
                 f"this cluster is {self.state.value}: restart works on a running cluster. "
                 "Start one with %rpc_init."
             )
-        return _restart.run(self, list(names))
+        return restarts.run(self, list(names))
 
     def restart_dead(self) -> None:
         """``restart='dead'``: replace the workers that died, saying which and why (before
@@ -260,7 +251,7 @@ class Cluster:
         record = next((r for r in self.records[1:] if r.name == name), None)
         if record is None:
             return ""
-        return self.engines.last_output(record.pid)
+        return self.engines.source.last_output(record.pid)
 
     def _live_engine_ids(self) -> list[int]:
         if self.engines.client is None or not self.booted.engine_of:
@@ -306,7 +297,7 @@ class Cluster:
         """The workers leave the RPC group (the dead ones are removed on their behalf)."""
         if graceful:  # a worker that died on another host is known by its heartbeats only
             # after seconds: one that refuses a call now is dead, and must not be waited on
-            _census.probe([r.name for r in self.records[1:] if r.state == "ready"])
+            census.probe([r.name for r in self.records[1:] if r.state == "ready"])
         dead = self.dead_workers()
         if graceful:
             self._wait_for_calls_in_flight(timeout)
@@ -326,7 +317,7 @@ class Cluster:
             self._release_rrefs(self._release_timeout(timeout, bool(dead)))
             if self.process_group:
                 live = [r.name for r in self.records[1:] if r.state == "ready"]
-                _collective.destroy(self.process_group, live)
+                collective.destroy(self.process_group, live)
             failed = self.engines.leave(self._live_engine_ids(), graceful, timeout)
             if failed:
                 # torch keeps the group's join/leave token when a leave fails: the next
@@ -403,7 +394,7 @@ class Cluster:
         return list(self.records)
 
     def status(
-        self, timeout: float = _census.SNAPSHOT_TIMEOUT_S, ask_ipyparallel: bool = True
+        self, timeout: float = census.SNAPSHOT_TIMEOUT_S, ask_ipyparallel: bool = True
     ) -> list[StatusRow]:
         """Live figures per process: the record (state, pid, host, devices, role) plus
         ``calls_in_flight``, ``calls_done`` (Python calls it served), ``rrefs_owned`` and
@@ -416,7 +407,7 @@ class Cluster:
         snaps: dict[str, dict] = {}
         if self.state is ClusterState.READY:
             dead = set(self.dead_workers(ask_ipyparallel))
-            snaps = _census.snapshots(timeout, skip=dead)
+            snaps = census.snapshots(timeout, skip=dead)
         rows: list[StatusRow] = []
         for r in self.records:
             snap = snaps.get(r.name) if r.state == "ready" else None
@@ -461,7 +452,7 @@ class Cluster:
             self.state.value,
             self.boot_seconds.get("total"),
             tensors,
-            _collective.describe(self.process_group),
+            collective.describe(self.process_group),
             _devices.describe(self.device_maps),
             self.engines.summary_note(),
         )
@@ -513,7 +504,7 @@ def shutdown(
         _engines.release_kept()
 
 
-def restart(*names: str) -> _restart.Restarted:
+def restart(*names: str) -> restarts.Restarted:
     """Replace workers ``names`` (dead or alive) with fresh processes under the same names,
     where they ran; the kernel and the other workers keep their state
     (``%rpc_restart worker2``). What the old processes owned is gone: their RRefs raise
@@ -526,7 +517,7 @@ def restart(*names: str) -> _restart.Restarted:
     return current().restart(*names)
 
 
-def status(timeout: float = _census.SNAPSHOT_TIMEOUT_S) -> list[StatusRow]:
+def status(timeout: float = census.SNAPSHOT_TIMEOUT_S) -> list[StatusRow]:
     """Live figures for each process of the current cluster (see :meth:`Cluster.status`)."""
     return current().status(timeout)
 

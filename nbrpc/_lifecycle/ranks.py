@@ -7,10 +7,11 @@ cluster's workers take new ids (docs/architecture.md, "Ranks").
 
 from __future__ import annotations
 
-from . import _group, _process, _torch
-from ._cluster import running
-from ._errors import UnknownWorkerError
-from ._wire import output
+from nbrpc import _group, _process, _torch
+from nbrpc._errors import UnknownWorkerError
+from nbrpc._wire import output
+
+from .cluster import running
 
 
 def rank(name: str | None = None) -> int:

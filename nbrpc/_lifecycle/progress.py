@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 
-from ._views import widget_bundle
+from nbrpc._views import widget_bundle
 
 STEPS = ("waiting", "engine started", "joining RPC", "ready")
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch.distributed.rpc as rpc
 
-from . import _agent, _group, _ledger, _process
-from ._errors import NbrpcError, RpcTimeoutError, UnknownWorkerError, WorkerDiedError
-from ._rows import OwnershipRow
-from ._wire import callee
+from nbrpc import _agent, _group, _ledger, _process
+from nbrpc._errors import NbrpcError, RpcTimeoutError, UnknownWorkerError, WorkerDiedError
+from nbrpc._rows import OwnershipRow
+from nbrpc._wire import callee
 
 SNAPSHOT_TIMEOUT_S = 5.0
 PROBE_TIMEOUT_S = 3.0

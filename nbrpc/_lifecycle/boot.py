@@ -13,10 +13,14 @@ The order, and why (the phases shown while it runs, in ``Cluster.boot_seconds``)
 4. Every worker joins at once (:func:`nbrpc._engines.worker.join`, by ipyparallel's
    ``apply``): "join". Then the shared-memory fast path is set up over RPC
    (:mod:`nbrpc._wire.shm`) and, if asked, the workers' process group
-   (:mod:`nbrpc._collective`).
+   (:mod:`nbrpc._lifecycle.collective`).
 
 What it finds and makes goes into a :class:`Booted` the cluster keeps, also when the
 boot fails half way: the cluster then stops what was started (``Cluster._abandon``).
+
+Workers join through :class:`Joining`, the steps a boot and a restart
+(:mod:`nbrpc._lifecycle.restart`) share, in this order: ranks, the joins, each worker's record, the
+fast path, the process group.
 """
 
 from __future__ import annotations
@@ -26,15 +30,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _collective, _devices, _fence, _group, _timeline
-from ._engines import JOIN_TIMEOUT_S, Engines, remote_message, worker
-from ._engines.watchdog import segment_prefix
-from ._errors import BootError
-from ._options import Settings
-from ._placement import validate_names
-from ._progress import BootProgress
-from ._rows import WorkerRecord
-from ._wire import lanes, shm
+from nbrpc import _devices, _fence, _group
+from nbrpc._engines import JOIN_TIMEOUT_S, Engines, remote_message, worker
+from nbrpc._engines.watchdog import segment_prefix
+from nbrpc._errors import BootError
+from nbrpc._gather import timeline
+from nbrpc._group import KernelMembership
+from nbrpc._options import Settings
+from nbrpc._placement import validate_names
+from nbrpc._rows import WorkerRecord
+from nbrpc._wire import lanes, shm
+
+from . import collective
+from .progress import BootProgress
 
 
 @dataclass
@@ -54,7 +62,7 @@ class Booted:
     lanes: bool = False  # small calls through Unix sockets (nbrpc._wire.lanes)
     #: across hosts: each process's peers that see its /dev/shm (the fast path's reach)
     shm_peers: dict[str, list[str]] = field(default_factory=dict)
-    process_group: _collective.ProcessGroupInfo | None = None
+    process_group: collective.ProcessGroupInfo | None = None
 
 
 def boot(settings: Settings, engines: Engines, booted: Booted) -> None:
@@ -88,14 +96,14 @@ class _Boot:
                 self.kernel["host"],
             )
         member = self.start_engines()
-        engine_ids = self.engines.wait(settings.n, self.registered)
+        engine_ids = self.engines.take(settings.n, self.registered)
         phases["engines"] = _since(self.t0)
         self.progress.phase("engines", phases["engines"], "registered")
         names = settings.worker_names(len(engine_ids))
         validate_names(names, settings.self_name)
         self.admit_engines(engine_ids)
         if settings.process_group:  # refuse unknown members before any join
-            members = _collective.members_of(settings.process_group_workers, names)
+            members = collective.members_of(settings.process_group_workers, names)
         maps: dict = {}
         chosen: dict = {}
         if settings.wants_devices:
@@ -104,23 +112,23 @@ class _Boot:
             member = _join_kernel(settings, maps.get(me, {}), chosen.get(me))
             _fence.admit(self.members)  # the kernel's new listeners too
         assert member is not None
-        ranks = member.allocate_ranks(len(engine_ids))
-        places = {
-            name: (rank, eid) for name, rank, eid in zip(names, ranks, engine_ids, strict=True)
-        }
-        infos = self.join_workers(member, places, maps, chosen)
-        _timeline.measure_clocks(names)  # each worker's clock offset, for recordings
-        self.set_up_fast_path(member, names)
+        fenced = sorted(self.members) if self.members is not None else None
+        joining = Joining(settings, self.engines, self.booted, member, fenced, self.progress)
+        infos = self.join_workers(joining, joining.places(names, engine_ids), maps, chosen)
+        timeline.measure_clocks(names)  # each worker's clock offset, for recordings
+        joining.set_up_fast_path(names)
         if settings.process_group:
             t_pg = time.monotonic()
             devices = {name: infos[name]["devices"] for name in names}
-            self.booted.process_group = start_process_group(
-                settings.process_group, members, member, ranks[0], devices
-            )
+            joining.start_process_group(settings.process_group, members, devices)
             phases["process group"] = _since(t_pg)
             self.progress.phase("process group", phases["process group"], settings.process_group)
         self.booted.device_maps = maps
-        self.record(member.name, names, infos)
+        kernel, me = self.kernel, member.name
+        self.booted.records = [
+            WorkerRecord(me, 0, kernel["pid"], kernel["host"], "kernel", kernel["devices"]),
+            *(joining.record(name, infos[name]) for name in names),
+        ]
         phases["total"] = _since(self.t0)
 
     def registered(self, count: int, note: str = "") -> None:
@@ -131,30 +139,31 @@ class _Boot:
             for name in self.placeholder[count:]:
                 self.progress.update(name, 0, note)
 
-    def start_engines(self) -> Any:
+    def start_engines(self) -> KernelMembership | None:
         """The engine source starts; without device maps the kernel joins meanwhile.
         Returns the kernel's membership, if it joined."""
         settings, engines, phases = self.settings, self.engines, self.booted.seconds
+        source = engines.source
         if self.members is not None:  # before any socket of the cluster listens
-            self.members.update(engines.hosts())
+            self.members.update(source.hosts())
             _fence.admit(self.members)
-        engines.start()  # local engines start now and import torch while the kernel joins
+        source.start()  # local engines start now and import torch while the kernel joins
         if self.members is not None:  # before engines on other hosts are launched
             engines.fence_controller()
-        if engines.reused:
-            self.progress.phase("controller", 0.0, engines.reused)
-        member = None
+        if source.reused:
+            self.progress.phase("controller", 0.0, source.reused)
+        member: KernelMembership | None = None
         if not settings.wants_devices:  # join at once; device maps must wait for the workers
             member = _join_kernel(settings, {}, None)
             _fence.admit(self.members)  # its TensorPipe listeners, once they exist
-        engines.launch(settings.n or 0)
+        source.launch(settings.n or 0)
         engines.connect()
         if self.members is not None:  # it listens now that a client got in: all its sockets
             engines.fence_controller()
-        started = engines.controller_seconds()
+        started = source.controller_seconds()
         if started is not None and not phases.get("controller"):
-            phases["controller"] = 0.0 if engines.reused else min(started, _since(self.t0))
-            if not engines.reused:
+            phases["controller"] = 0.0 if source.reused else min(started, _since(self.t0))
+            if not source.reused:
                 self.progress.phase("controller", phases["controller"])
         return member
 
@@ -183,119 +192,126 @@ class _Boot:
         return _devices.plan(described, self.settings.gpus, self.settings.device_maps)
 
     def join_workers(
-        self, member: Any, places: dict[str, tuple[int, int]], maps: dict, chosen: dict
+        self, joining: Joining, places: dict[str, tuple[int, int]], maps: dict, chosen: dict
     ) -> dict[str, dict]:
-        """Every worker joins at once (``places``: name -> (rank, engine id)); their
+        """Every worker joins at once (``places``: name -> (rank, engine id)), timed; their
         descriptions."""
-        settings, phases = self.settings, self.booted.seconds
-        pending = {}
+        phases = self.booted.seconds
         t_join = time.monotonic()
-        for name, (rank, eid) in places.items():
-            self.progress.update(name, 2)
-            members = sorted(self.members) if self.members is not None else None
-            pending[name] = ask_to_join(
-                self.engines, settings, member, name, (rank, eid), maps, chosen, members
-            )
-            self.booted.engine_of[name] = eid
-        infos = wait_for_joins(pending, self.progress)
-        imported = self.engines.import_seconds()
+        infos = joining.join(places, maps, chosen)
+        imported = self.engines.source.import_seconds()
         if imported is not None:
             phases["torch import"] = imported
             note = "once, in the process engines fork from"
             self.progress.phase(
                 "torch import",
                 imported,
-                "done before this cluster" if self.engines.reused else note,
+                "done before this cluster" if self.engines.source.reused else note,
             )
         phases["join"] = _since(t_join)
         self.progress.phase("join", phases["join"], "init_rpc")
         return infos
 
-    def set_up_fast_path(self, member: Any, names: list[str]) -> None:
-        set_up_fast_path(self.booted, self.settings, self.engines, member, names)
 
-    def record(self, me: str, names: list[str], infos: dict[str, dict]) -> None:
-        kernel = self.kernel
-        records = [WorkerRecord(me, 0, kernel["pid"], kernel["host"], "kernel", kernel["devices"])]
-        for name in names:
-            info, eid = infos[name], self.booted.engine_of[name]
-            records.append(
-                WorkerRecord(
-                    name,
-                    info["rank"],
-                    info["pid"],
-                    info["host"],
-                    f"engine {eid}",
-                    info["devices"],
-                    eid,
-                    local=not self.engines.remote,
-                )
+class Joining:
+    """Workers joining the kernel's group: the steps a boot and a restart share, in order.
+
+    :meth:`places` hands out ranks (never reused: torch caches connections by rank),
+    :meth:`join` asks every engine at once and waits for them, :meth:`record` is a joined
+    worker's row, then :meth:`set_up_fast_path` and :meth:`start_process_group`. What they
+    make goes into ``booted``. ``members``: who may connect, across hosts (None: loopback).
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        engines: Engines,
+        booted: Booted,
+        member: KernelMembership,
+        members: list[str] | None,
+        progress: BootProgress,
+    ) -> None:
+        self.settings, self.engines, self.booted = settings, engines, booted
+        self.member, self.members, self.progress = member, members, progress
+        self.first_rank: int | None = None  # of the ranks this joining handed out
+
+    def places(self, names: list[str], engine_ids: list[int]) -> dict[str, tuple[int, int]]:
+        """Each name's new rank and its engine id."""
+        ranks = self.member.allocate_ranks(len(names))
+        self.first_rank = ranks[0]
+        return {name: (r, eid) for name, r, eid in zip(names, ranks, engine_ids, strict=True)}
+
+    def join(self, places: dict[str, tuple[int, int]], maps: dict, chosen: dict) -> dict[str, dict]:
+        """Every worker in ``places`` joins at once, with its device maps and devices
+        (:func:`nbrpc._engines.worker.join`); what each reported of itself."""
+        pending = {}
+        for name, (rank, eid) in places.items():
+            self.progress.update(name, 2)
+            pending[name] = self.engines.apply(
+                eid,
+                worker.join,
+                name,
+                rank,
+                self.member.spec.to_dict(),
+                self.member.name,
+                self.settings.rpc_timeout,
+                self.settings.num_worker_threads,
+                maps.get(name),
+                chosen.get(name),
+                self.members,
             )
-        self.booted.records = records
+            self.booted.engine_of[name] = eid
+        return wait_for_joins(pending, self.progress)
 
+    def record(self, name: str, info: dict) -> WorkerRecord:
+        """The row of worker ``name``, from what its join reported (``info``)."""
+        eid = self.booted.engine_of[name]
+        return WorkerRecord(
+            name,
+            info["rank"],
+            info["pid"],
+            info["host"],
+            f"engine {eid}",
+            info["devices"],
+            eid,
+            local=not self.engines.source.remote,
+        )
 
-def set_up_fast_path(
-    booted: Booted, settings: Settings, engines: Engines, member: Any, names: list[str]
-) -> None:
-    """Shared memory for large tensors with the workers ``names`` (across hosts: host by
-    host, and ``names`` are then every worker, whose peers are worked out again); in a
-    local cluster, lanes for small calls (not with device maps: CUDA calls need torch's)."""
-    prefix = segment_prefix(os.getpid())
-    threshold = settings.shm_threshold
-    if engines.remote:
-        booted.shm_peers = shm.set_up_by_host(prefix, threshold, member.name, names)
-        booted.fast_path = any(booted.shm_peers.values())
-    else:
-        booted.fast_path = shm.set_up(prefix, threshold, names, member.spec.loopback_only)
-    local = not engines.remote and member.spec.loopback_only
-    if settings.fast_calls and local and not settings.wants_devices:
-        booted.lanes = lanes.set_up(prefix, names, settings.num_worker_threads)
+    def set_up_fast_path(self, names: list[str]) -> None:
+        """Shared memory for large tensors with the workers ``names`` (across hosts: host
+        by host, and ``names`` are then every worker, whose peers are worked out again); in
+        a local cluster, lanes for small calls (not with device maps: CUDA calls need torch's)."""
+        booted, prefix = self.booted, segment_prefix(os.getpid())
+        threshold = self.settings.shm_threshold
+        if self.engines.source.remote:
+            booted.shm_peers = shm.set_up_by_host(prefix, threshold, self.member.name, names)
+            booted.fast_path = any(booted.shm_peers.values())
+        else:
+            loopback = self.member.spec.loopback_only
+            booted.fast_path = shm.set_up(prefix, threshold, names, loopback)
+        local = not self.engines.source.remote and self.member.spec.loopback_only
+        if self.settings.fast_calls and local and not self.settings.wants_devices:
+            threads = self.settings.num_worker_threads
+            booted.lanes = lanes.set_up(prefix, names, threads)
 
-
-def ask_to_join(
-    engines: Engines,
-    settings: Settings,
-    member: Any,
-    name: str,
-    place: tuple[int, int],
-    maps: dict,
-    chosen: dict,
-    members: list[str] | None,
-) -> Any:
-    """Ask an engine to join the kernel's group as ``name`` (``place``: its rank and engine
-    id), with its device maps and devices; ipyparallel's AsyncResult of
-    :func:`nbrpc._engines.worker.join`. ``members``: who may connect, across hosts."""
-    rank, eid = place
-    return engines.apply(
-        eid,
-        worker.join,
-        name,
-        rank,
-        member.spec.to_dict(),
-        member.name,
-        settings.rpc_timeout,
-        settings.num_worker_threads,
-        maps.get(name),
-        chosen.get(name),
-        members,
-    )
-
-
-def start_process_group(
-    backend: str, members: list[str], member: Any, first_rank: int, devices: dict
-) -> _collective.ProcessGroupInfo:
-    """The workers' torch.distributed group among ``members`` (a boot's, or a restart's
-    rebuild), its store keys apart from every earlier group's: ``first_rank`` is the first
-    of the ranks just handed out, and ranks are never reused."""
-    prefix = f"nbrpc-process-group/{os.getpid()}/{first_rank}"
-    return _collective.start(backend, members, member.spec.to_dict(), prefix, devices)
+    def start_process_group(self, backend: str, members: list[str], devices: dict) -> None:
+        """The workers' torch.distributed group among ``members`` (a boot's, or a restart's
+        rebuild), its store keys apart from every earlier group's: the first of the ranks
+        this joining handed out names them."""
+        assert self.first_rank is not None, "places() handed out ranks first"
+        prefix = f"nbrpc-process-group/{os.getpid()}/{self.first_rank}"
+        self.booted.process_group = collective.start(
+            backend, members, self.member.spec.to_dict(), prefix, devices
+        )
 
 
 def _since(t0: float) -> float:
     return time.monotonic() - t0
 
 
-def _join_kernel(settings: Settings, device_maps: dict, devices: list[str] | None) -> Any:
+def _join_kernel(
+    settings: Settings, device_maps: dict, devices: list[str] | None
+) -> KernelMembership:
     return _group.kernel_membership(
         settings.self_name,
         init_method=settings.init_method,

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _fence, _group, _torch
-from ._errors import ConfigError
-from ._wire import failures
+from nbrpc import _fence, _group, _torch
+from nbrpc._errors import ConfigError
+from nbrpc._wire import failures
 
 log = logging.getLogger("nbrpc")
 

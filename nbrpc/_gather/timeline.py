@@ -27,11 +27,13 @@ import threading
 import uuid
 from typing import Any
 
-from . import _agent, _census, _group, _process, _torch
-from ._errors import NbrpcError
-from ._rows import CallRow
-from ._views import timeline_text
-from ._wire import recording
+from nbrpc import _agent, _group, _process, _torch
+from nbrpc._errors import NbrpcError
+from nbrpc._rows import CallRow
+from nbrpc._views import timeline_text
+from nbrpc._wire import recording
+
+from . import census
 
 _ROUNDS = 5
 _ASK_TIMEOUT_S = 10.0
@@ -135,7 +137,7 @@ class Recording:
         """``func(token)`` here, then on every worker of the recording at once; answers by
         name (a worker that does not answer is left out)."""
         here = {self.processes[0]: func(self.token)}
-        return {**here, **_census.ask_all(self.processes[1:], func, (self.token,), _ASK_TIMEOUT_S)}
+        return {**here, **census.ask_all(self.processes[1:], func, (self.token,), _ASK_TIMEOUT_S)}
 
     def _take(self, parts: dict[str, dict[str, Any]]) -> None:
         """Keep the rows and request sizes each process (by name) handed out."""

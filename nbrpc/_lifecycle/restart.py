@@ -27,17 +27,20 @@ next cell runs, with a line naming it and why it died (:func:`watch_for_dead`).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
-from . import _agent, _collective, _fence, _group, _process
-from ._boot import Booted, ask_to_join, set_up_fast_path, start_process_group, wait_for_joins
-from ._engines import JOIN_TIMEOUT_S, Engines
-from ._errors import BootError, ConfigError
-from ._options import Settings
-from ._progress import BootProgress
-from ._rows import WorkerRecord, WorkerState
-from ._wire import native_output
+from nbrpc import _agent, _fence, _group, _process
+from nbrpc._engines import JOIN_TIMEOUT_S, Engines
+from nbrpc._errors import BootError, ConfigError
+from nbrpc._options import Settings
+from nbrpc._rows import WorkerRecord, WorkerState
+from nbrpc._wire import native_output
+
+from . import collective
+from .boot import Booted, Joining
+from .progress import BootProgress
 
 
 class Cluster(Protocol):
@@ -114,7 +117,7 @@ def _run(cluster: Cluster, names: list[str]) -> Restarted:
     for name in names:  # calls to them fail at once meanwhile, naming why
         _agent.mark_dead(name, "it is being restarted (nbrpc.restart)")
     if pg:  # every member leaves it: it is rebuilt among all of them below
-        _collective.destroy(pg, others)
+        collective.destroy(pg, others)
         booted.process_group = None
     for name in names:
         records[name].move(WorkerState.RESTARTING)
@@ -130,36 +133,25 @@ def _run(cluster: Cluster, names: list[str]) -> Restarted:
 
     member = _group.current_kernel_membership()
     assert member is not None, "the kernel joined at the boot"
-    ranks = member.allocate_ranks(len(names))
     admitted = _fence.members()  # across hosts: who may connect to the new process
     fenced = sorted(admitted) if admitted is not None else None
-    pending = {}
-    for name, rank, eid in zip(names, ranks, new_ids, strict=True):
-        pending[name] = ask_to_join(
-            engines, settings, member, name, (rank, eid), booted.device_maps, {}, fenced
-        )
-        booted.engine_of[name] = eid
+    joining = Joining(settings, engines, booted, member, fenced, BootProgress(names, "off"))
     try:
-        infos = wait_for_joins(pending, BootProgress(names, "off"))
+        infos = joining.join(joining.places(names, new_ids), booted.device_maps, {})
     except BootError:
         _group.forget_names(names)  # half joined: neither its name nor torch's token stay
         raise
     _agent.revived(names)
     for name in names:
-        info, record = infos[name], records[name]
-        record.pid, record.rank, record.host = info["pid"], info["rank"], info["host"]
-        record.engine_id = booted.engine_of[name]
-        record.move(WorkerState.READY)
-        record.role = f"engine {record.engine_id}"
-        record.devices = info["devices"]
+        records[name].rejoin(joining.record(name, infos[name]))
     native_output.joined(names)
-    _fast_path(cluster, member, names)
+    if booted.fast_path:  # across hosts: every worker's peers, worked out again
+        remote = engines.source.remote
+        joining.set_up_fast_path([r.name for r in cluster.records[1:]] if remote else names)
     result = Restarted(list(names), old, {n: (records[n].pid, records[n].rank) for n in names})
     if pg:
         devices = {r.name: r.devices for r in cluster.records[1:]}
-        booted.process_group = start_process_group(
-            pg["backend"], list(pg["ranks"]), member, ranks[0], devices
-        )
+        joining.start_process_group(pg["backend"], list(pg["ranks"]), devices)
         result.process_group = True
     result.seconds = time.monotonic() - t0
     return result
@@ -177,24 +169,15 @@ def _check(cluster: Cluster, names: list[str], records: dict[str, WorkerRecord])
         )
     if len(set(names)) != len(names):
         raise ConfigError(f"restart {', '.join(names)}: a name is given twice")
-    why = cluster.engines.cannot_replace
+    why = cluster.engines.source.cannot_replace
     if why:
         raise ConfigError(f"cannot restart {', '.join(names)}: {why}")
     pg = cluster.booted.process_group
-    if pg and pg["backend"] not in _collective.REBUILDABLE:
+    if pg and pg["backend"] not in collective.REBUILDABLE:
         raise ConfigError(
             f"cannot restart {', '.join(names)}: the workers' {pg['backend']} process group "
             "cannot be rebuilt in place. Nothing was stopped; run %rpc_shutdown then %rpc_init."
         )
-
-
-def _fast_path(cluster: Cluster, member: Any, names: list[str]) -> None:
-    """The shared-memory path with the new processes, where the cluster had it."""
-    if not cluster.booted.fast_path:
-        return
-    if cluster.engines.remote:  # every worker's peers, worked out again
-        names = [r.name for r in cluster.records[1:]]
-    set_up_fast_path(cluster.booted, cluster.settings, cluster.engines, member, names)
 
 
 # -- restart="dead": before each cell, a worker that died is replaced ----------------------
@@ -208,7 +191,7 @@ class _Watching:
 _watching = _Watching()
 
 
-def watch_for_dead(restart_dead: Any) -> None:
+def watch_for_dead(restart_dead: Callable[[], None]) -> None:
     """In IPython, once: ``restart_dead()`` before each cell (the running cluster replaces
     the workers that died, if it asked to)."""
     ipython = _process.shell()

@@ -19,10 +19,11 @@ import time
 import traceback
 from typing import Any
 
-from . import _agent, _cluster
-from ._errors import NbrpcError, UnknownWorkerError
-from ._rows import StackRow, ThreadStack
-from ._wire import stacks as _dumps
+from nbrpc import _agent
+from nbrpc._errors import NbrpcError, UnknownWorkerError
+from nbrpc._lifecycle import cluster as lifecycle
+from nbrpc._rows import StackRow, ThreadStack
+from nbrpc._wire import stacks as _dumps
 
 TIMEOUT_S = 2.0
 
@@ -35,7 +36,7 @@ def stacks(*names: str, timeout: float = TIMEOUT_S) -> list[StackRow]:
     seconds also when all its RPC threads are busy or a thread holds the GIL in C++, and
     the running code goes on undisturbed.
     """
-    cluster = _cluster.current()
+    cluster = lifecycle.current()
     records = [r for r in cluster.records if r.state != "stopped"]
     known = [r.name for r in records]
     wanted = [n for part in names for n in part.replace(",", " ").split() if n] or known
@@ -46,7 +47,7 @@ def stacks(*names: str, timeout: float = TIMEOUT_S) -> list[StackRow]:
     workers = [r for r in chosen if r.engine_id is not None]
     started = time.monotonic()
     engine_ids = [r.engine_id for r in workers if r.engine_id is not None]
-    dumps = cluster.engines.dump_stacks(engine_ids, [r.pid for r in workers], timeout)
+    dumps = cluster.engines.source.dump_stacks(engine_ids, [r.pid for r in workers], timeout)
     rows: list[StackRow] = []
     for r in chosen:
         if r.engine_id is None:

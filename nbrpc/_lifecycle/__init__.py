@@ -1,0 +1,12 @@
+"""A cluster's life, as the kernel runs it: one family of modules.
+
+* :mod:`.cluster` -- ``nbrpc.Cluster``: its states and their one transition table, the
+  current cluster, ``init`` / ``shutdown`` / ``status`` / ``restart``;
+* :mod:`.boot` -- the boot's steps in order, and :class:`~.boot.Joining`, the steps a boot
+  and a restart share (ranks, joins, records, fast path, process group);
+* :mod:`.restart` -- a fresh process for a worker, the rest untouched (``%rpc_restart``);
+* :mod:`.collective` -- the workers' ``torch.distributed`` process group (``--process-group``),
+  started at the boot, rebuilt at a restart, destroyed at the shutdown;
+* :mod:`.progress` -- the boot's progress, shown while it runs;
+* :mod:`.ranks` -- ``nbrpc.rank()``: ranks as a script has them.
+"""
