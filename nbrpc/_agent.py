@@ -320,7 +320,7 @@ def start_call(
     sent = (func, tuple(args), kwargs)
     payload = lanes.request(dest, func, sent[1], kwargs)
     lane = lanes.lane_to(dest, main=False) if payload is not None else None
-    if lane is None:
+    if lane is None or payload is None:
         raw = _send_to(dest, *sent)
         raw.add_done_callback(lambda done: failures.settle(done, out, call.translate))
     else:

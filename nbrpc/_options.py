@@ -485,7 +485,7 @@ class Settings:
     hosts: tuple[str, ...] | None = None
     ssh_args: tuple[str, ...] = ()
     remote_python: str | None = None
-    #: "dead": replace workers that died before the next cell (nbrpc._restart)
+    #: "dead": replace workers that died before the next cell (nbrpc._lifecycle.restart)
     restart: str | None = None
     #: workers from Slurm (see nbrpc._engines.slurm): the job asked for, all in one;
     #: the fields after it are its parts, as given by flags or keywords

@@ -109,7 +109,7 @@ def _reduce_tensor(t: torch.Tensor) -> Any:
     _pickled.bytes = counted
     if storage.nbytes():
         _pickled.storages.add(storage.data_ptr())
-    data = bytes(memoryview(torch.empty(0, dtype=torch.uint8).set_(storage).numpy()))
+    data = torch.empty(0, dtype=torch.uint8).set_(storage).numpy().tobytes()
     return _tensor, (t.dtype, data, t.storage_offset(), tuple(t.shape), t.stride())
 
 

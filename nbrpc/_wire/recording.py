@@ -8,7 +8,7 @@ sent, on the caller's clock. The callee makes the row: when the function ran, wh
 raised, and, once the reply was pickled on the same thread right after, the reply's bytes
 and the path its tensors took. The caller keeps the request's own bytes and path under the
 call id. The kernel joins both halves and puts every time on its own clock with the
-offset it measured per process (``nbrpc._timeline``).
+offset it measured per process (``nbrpc._gather.timeline``).
 
 The header travels with every user call, recording or not: its caller's name says whom a
 thread serves in a stack dump (:mod:`nbrpc._wire.stacks`), and, where only some peers
