@@ -114,7 +114,7 @@ def test_a_small_call_takes_the_lane_and_gives_what_tensorpipe_gives(cluster, co
         torch.zeros(0),
         torch.tensor([True, False]),
         {"a": torch.arange(3), "b": [1, 2.5, "x"]},
-        code.Point(1, torch.ones(2)),
+        code.Point(1, 2.5),
         (None, 3, b"bytes"),
     ]
     with nbrpc.record() as rec:
@@ -242,9 +242,9 @@ def test_a_worker_that_dies_during_a_lane_call_is_noticed_at_once(cluster, code)
 
 
 def test_no_fast_calls_keeps_every_call_on_tensorpipe_and_the_stop_button_ends_a_lane_wait():
-    cells = ["%load_ext nbrpc", "%rpc_init -n 1 --no-fast-calls --no-progress"]
+    cells = ["%load_ext nbrpc", "%rpc_init -n 1 --no-fast-calls --quiet"]
     with running_kernel(*cells) as kernel:
-        kernel.run("def echo(x):\n    return x\nimport time, torch")
+        kernel.run("def echo(x):\n    return x\nimport time, torch, nbrpc")
         assert "lanes" not in kernel.run("%rpc_status")
         kernel.run(
             "with nbrpc.record() as rec:\n"
@@ -253,7 +253,7 @@ def test_no_fast_calls_keeps_every_call_on_tensorpipe_and_the_stop_button_ends_a
         )
         assert kernel.value("routes") == ["tensorpipe"]
         kernel.run("%rpc_shutdown")
-        kernel.run("%rpc_init -n 1 --no-progress")
+        assert "lanes" in kernel.run("%rpc_init -n 1")  # the summary says how calls travel
         kernel.run(
             "with nbrpc.record() as rec:\n"
             "    nbrpc.rpc_sync('worker1', echo, args=(torch.ones(2),))\n"
