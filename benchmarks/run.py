@@ -3,10 +3,15 @@
     python benchmarks/run.py [--quick]      (make bench)
 
 Figures (medians and p90 over interleaved repeats):
-- small call: round trip of a 1-element tensor. nbrpc with a notebook-defined function;
-  torch RPC with an importable function and with a builtin (``torch.add``), in the same
-  processes; ipyparallel ``apply_sync`` to the same engine; the floor, a pipe ping-pong
-  between two processes; torch RPC between bare processes (``raw_torch.py``).
+- small call: round trip of a 1-element tensor, in blocks of 20 calls per peer. nbrpc
+  with a notebook-defined function, on its lane (the default) and through TensorPipe
+  (lanes paused in the kernel: the route ``--no-fast-calls`` takes); torch RPC with an
+  importable function and with a builtin (``torch.add``), in the same processes;
+  ipyparallel ``apply_sync`` to the same engine; the floor, a pipe ping-pong between two
+  processes; torch RPC between bare processes (``raw_torch.py``). Rows name their route.
+- 1000 concurrent small calls: ``rpc_async`` 1000 times to one worker, then wait for all;
+  nbrpc on its lane and through TensorPipe, torch RPC in the same processes.
+- idle CPU: what the cluster's 3 processes use together, idle for 5 s, lanes open.
 - tensor round trips of 4, 64 and 256 MB float32: nbrpc (its shared-memory fast path on,
   the default) and nbrpc with TensorPipe only, torch RPC, ipyparallel, bare torch; the
   floor is one in-process copy (``clone``) of that size. The fast path is switched per
@@ -45,7 +50,12 @@ import torch.distributed.rpc as rpc  # noqa: E402
 import nbrpc  # noqa: E402
 from benchmarks.peers import Shard, echo  # noqa: E402
 from benchmarks.stats import stats  # noqa: E402
-from nbrpc._wire import recording, shm  # noqa: E402
+from nbrpc import _torch  # noqa: E402
+from nbrpc._wire import lanes, recording, shm  # noqa: E402
+
+#: torch's own rpc_sync / rpc_async: nbrpc routes ``torch.distributed.rpc.rpc_sync`` & co.
+#: to its own calls in every process it runs in, so the baseline calls torch's originals
+TORCH_SYNC, TORCH_ASYNC = _torch.rpc_sync, _torch.rpc_async
 
 SIZES_MB = (4, 64, 256)
 
@@ -57,9 +67,13 @@ def notebook_echo():
     return namespace["echo"]
 
 
-def interleaved(calls: dict, repeats: int, modes: dict | None = None, switch=None) -> dict:
+def interleaved(
+    calls: dict, repeats: int, modes: dict | None = None, switch=None, block: int = 1
+) -> dict:
     """Every peer once per round, in a fresh random order each round: no peer always runs
     right after a noisy one (an ipyparallel apply leaves its engine busy for a moment).
+    ``block``: calls per peer in a row within a round (a loop of calls in a notebook runs
+    back to back; one call right after another peer's pays for that peer's leftovers).
     ``modes``: the mode a peer runs in (others: None), set by ``switch(mode)`` outside the
     timed call when it changes."""
     times: dict[str, list[float]] = {name: [] for name in calls}
@@ -67,15 +81,16 @@ def interleaved(calls: dict, repeats: int, modes: dict | None = None, switch=Non
     shuffle = random.Random(0).shuffle
     modes = modes or {}
     mode = None
-    for _ in range(repeats):
+    for _ in range(max(repeats // block, 1)):
         shuffle(order)
         for name, call in order:
             if modes.get(name) != mode:
                 mode = modes.get(name)
                 switch(mode)
-            t0 = time.perf_counter()
-            call()
-            times[name].append(time.perf_counter() - t0)
+            for _ in range(block):
+                t0 = time.perf_counter()
+                call()
+                times[name].append(time.perf_counter() - t0)
     return {name: stats(samples) for name, samples in times.items()}
 
 
@@ -159,7 +174,7 @@ def bench_calls(small_n: int, big_n: dict[int, int]) -> dict:
     tiny = torch.ones(1)
     for _ in range(50):  # warm up pipes and caches
         nbrpc.rpc_sync("worker1", nb_echo, args=(tiny,))
-        rpc.rpc_sync("worker1", echo, args=(tiny,))
+        TORCH_SYNC("worker1", echo, args=(tiny,))
         engine.apply_sync(echo, tiny)
 
     def recording_on(mode: str | None) -> None:  # what nbrpc.record() turns on, in both
@@ -168,20 +183,37 @@ def bench_calls(small_n: int, big_n: dict[int, int]) -> dict:
         rpc.rpc_sync("worker1", switch, args=("bench",))
 
     small_nbrpc = lambda: nbrpc.rpc_sync("worker1", nb_echo, args=(tiny,))  # noqa: E731
+    modes = {
+        "nbrpc, recording a timeline": "recording",
+        "nbrpc, TensorPipe only": "tensorpipe",
+    }
+
+    def switch(mode: str | None) -> None:
+        recording_on(mode)
+        lanes.pause(mode == "tensorpipe")
+
     results = {
         "small": interleaved(
             {
                 "nbrpc": small_nbrpc,
                 "nbrpc, recording a timeline": small_nbrpc,
-                "torch rpc": lambda: rpc.rpc_sync("worker1", echo, args=(tiny,)),
-                "torch rpc builtin": lambda: rpc.rpc_sync("worker1", torch.add, args=(tiny, 0)),
+                "nbrpc, TensorPipe only": small_nbrpc,
+                "torch rpc": lambda: TORCH_SYNC("worker1", echo, args=(tiny,)),
+                "torch rpc builtin": lambda: TORCH_SYNC("worker1", torch.add, args=(tiny, 0)),
                 "ipyparallel apply": lambda: engine.apply_sync(echo, tiny),
             },
             small_n,
-            modes={"nbrpc, recording a timeline": "recording"},
-            switch=recording_on,
+            modes=modes,
+            switch=switch,
+            block=20,
         )
     }
+    for mode in (None, "tensorpipe"):
+        switch(mode)
+        name = "nbrpc, TensorPipe only" if mode else "nbrpc"
+        results["small"][name]["route"] = route_of(small_nbrpc)
+    switch(None)
+    results["1000 concurrent"] = concurrent_calls(nb_echo, tiny, 5 if small_n < 1000 else 15)
     prefix, threshold = shm.prefix(), cluster.shm_threshold
 
     def fast_path(on: bool) -> None:  # every process: shared memory on, or TensorPipe only
@@ -198,7 +230,7 @@ def bench_calls(small_n: int, big_n: dict[int, int]) -> dict:
                 False,
                 lambda big=big: nbrpc.rpc_sync("worker1", nb_echo, args=(big,)),
             ),
-            "torch rpc": (False, lambda big=big: rpc.rpc_sync("worker1", echo, args=(big,))),
+            "torch rpc": (False, lambda big=big: TORCH_SYNC("worker1", echo, args=(big,))),
             "ipyparallel apply": (False, lambda big=big: engine.apply_sync(echo, big)),
             "floor": (False, lambda big=big: big.clone()),
             "copy into mapped memory": (False, lambda big=big, warm=warm: warm.copy_(big)),
@@ -213,10 +245,65 @@ def bench_calls(small_n: int, big_n: dict[int, int]) -> dict:
                 call()
                 if i:
                     times[name].append(time.perf_counter() - t0)
-        fast_path(True)
         results[f"{mb}MB"] = {name: stats(v) for name, v in times.items()}
+        for name in ("nbrpc", "nbrpc, TensorPipe only"):
+            fast_path(peers[name][0])
+            results[f"{mb}MB"][name]["route"] = route_of(peers[name][1])
+        fast_path(True)
         del big, warm
     return results
+
+
+def concurrent_calls(nb_echo, tiny, repeats: int) -> dict:
+    """1000 ``rpc_async`` calls to worker1 in flight at once, then waited for (each peer
+    interleaved, ``repeats`` times)."""
+
+    def burst(start) -> None:
+        futures = [start() for _ in range(1000)]
+        for fut in futures:
+            fut.wait()
+
+    peers = {
+        "nbrpc": (False, lambda: nbrpc.rpc_async("worker1", nb_echo, args=(tiny,))),
+        "nbrpc, TensorPipe only": (
+            True,
+            lambda: nbrpc.rpc_async("worker1", nb_echo, args=(tiny,)),
+        ),
+        "torch rpc": (False, lambda: TORCH_ASYNC("worker1", echo, args=(tiny,))),
+    }
+    times: dict[str, list[float]] = {name: [] for name in peers}
+    order = list(peers.items())
+    for i in range(repeats + 1):  # the first round warms up (the pool's threads start)
+        random.Random(i).shuffle(order)
+        for name, (paused, start) in order:
+            lanes.pause(paused)
+            t0 = time.perf_counter()
+            burst(start)
+            if i:
+                times[name].append(time.perf_counter() - t0)
+    lanes.pause(False)
+    return {name: stats(v) for name, v in times.items()}
+
+
+def route_of(call) -> str:
+    """The way one call of ``call`` went, as the timeline records it: its route and its
+    tensors' path (``lane``, ``arena+tensorpipe``, ...)."""
+    with nbrpc.record() as rec:
+        call()
+    row = rec.calls[0]
+    return "+".join(sorted({p for p in (row["path_in"], row["path_out"], row["route"]) if p}))
+
+
+def idle_cpu(cluster, seconds: float = 5.0) -> float:
+    """Percent of one core the cluster's processes (the kernel included) use together
+    while idle, lanes open."""
+    import psutil
+
+    procs = [psutil.Process(r.pid) for r in cluster.records]
+    before = [sum(p.cpu_times()[:2]) for p in procs]
+    time.sleep(seconds)
+    after = [sum(p.cpu_times()[:2]) for p in procs]
+    return 100 * (sum(after) - sum(before)) / seconds
 
 
 def bench_cuda(quick: bool) -> dict:
@@ -240,14 +327,22 @@ def report(results: dict) -> None:
 
     for figure, rows in results["calls"].items():
         base = rows["torch rpc"]["median"]
-        floor = rows["floor"]["median"]
-        print(f"{figure} round trip               median        p90   vs torch rpc   vs floor")
+        floor = rows["floor"]["median"] if "floor" in rows else None
+        what = "calls, all done" if figure == "1000 concurrent" else "round trip"
+        print(f"{figure} {what:<26} median        p90   vs torch rpc   vs floor   route")
         for name, row in rows.items():
+            versus = f"{row['median'] / floor:8.1f}x" if floor else " " * 9
             print(
-                f"  {name:<28}{fmt(row['median'])} {fmt(row['p90'])}   "
-                f"{row['median'] / base:8.2f}x   {row['median'] / floor:8.1f}x"
+                f"  {name:<34}{fmt(row['median'])} {fmt(row['p90'])}   "
+                f"{row['median'] / base:8.2f}x  {versus}   {row.get('route', '')}"
             )
     small = results["calls"]["small"]
+    bare = small["torch rpc, bare processes"]["median"]
+    print(
+        f"  nbrpc's small call is {small['nbrpc']['median'] / bare:.2f}x a plain torch script's "
+        "(goal: at most 0.35x)"
+    )
+    print(f"  idle, the cluster's 3 processes use {results['idle CPU %']:.2f} % of one core")
     print(
         "  recording a timeline (nbrpc.record()) costs a small call "
         f"{small['nbrpc, recording a timeline']['median'] / small['nbrpc']['median']:.2f}x "
@@ -365,8 +460,9 @@ def main() -> int:
     )
     raw = json.loads(bare.stdout.strip().splitlines()[-1])
     results: dict = {"boot": bench_boot(boots)}
-    nbrpc.init(n=2, progress=False)
+    cluster = nbrpc.init(n=2, progress=False)
     results["calls"] = bench_calls(small_n, big_n)
+    results["idle CPU %"] = idle_cpu(cluster)
     results["model_split_step_s"] = bench_model_split(10 if args.quick else 50)
     nbrpc.shutdown()
 

@@ -172,6 +172,7 @@ class _Lanes:
     held_ids: Any = field(default_factory=lambda: itertools.count(1))
     pool: _Pool | None = None
     made_directory: bool = False  # the kernel's: it removes it at close
+    paused: bool = False  # this process sends its calls through TensorPipe for now
 
 
 _lanes = _Lanes()
@@ -247,11 +248,18 @@ def enabled() -> bool:
     return _lanes.directory is not None
 
 
+def pause(paused: bool) -> None:
+    """Send this process's calls through TensorPipe (``True``) or on lanes again; its
+    lanes stay open (a benchmark compares the two routes in the same processes)."""
+    _lanes.paused = paused
+
+
 def close() -> None:
     """Lanes off in this process: the listener, every lane and connection closed (a
     caller waiting on one gets :class:`LaneLost`), the socket file removed."""
     listener, directory = _lanes.listener, _lanes.directory
     _lanes.directory = _lanes.listener = None
+    _lanes.paused = False
     if listener is not None:
         _shut(listener)
         if directory is not None:
@@ -299,6 +307,7 @@ def request(dest: Any, func: Any, args: tuple, kwargs: dict | None) -> bytes | N
     goes through TensorPipe (see the module's docstring for why a call would)."""
     if (
         _lanes.directory is None
+        or _lanes.paused
         or dest.id in _lanes.unreachable
         or callee.serving()
         or getattr(func, "_wrapped_async_rpc_function", None) is not None
