@@ -42,6 +42,7 @@ listener admits a peer only if ``SO_PEERCRED`` says it runs as the same user.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
 import itertools
 import os
@@ -93,23 +94,23 @@ def _reduce_tensor(t: torch.Tensor) -> Any:
     """A small dense CPU tensor, in the pickle: its whole storage, offset, size and stride
     (what TensorPipe sends too, so a view arrives as the same view)."""
     if (
-        t.device.type != "cpu"
+        not t.is_cpu
         or t.requires_grad
         or t.layout != torch.strided
         or t.is_quantized
         or t.is_conj()
         or t.is_neg()
-        or type(t) is not torch.Tensor
     ):
         raise NotLane
     storage = t.untyped_storage()
-    counted = _pickled.bytes + storage.nbytes()
-    if counted > MAX_TENSOR_BYTES or storage.data_ptr() in _pickled.storages:
+    nbytes, address = storage.nbytes(), storage.data_ptr()
+    counted = _pickled.bytes + nbytes
+    if counted > MAX_TENSOR_BYTES or (nbytes and address in _pickled.storages):
         raise NotLane  # too large, or two tensors share it (TensorPipe keeps them sharing)
     _pickled.bytes = counted
-    if storage.nbytes():
-        _pickled.storages.add(storage.data_ptr())
-    data = torch.empty(0, dtype=torch.uint8).set_(storage).numpy().tobytes()
+    if nbytes:
+        _pickled.storages.add(address)
+    data = ctypes.string_at(address, nbytes) if nbytes else b""
     return _tensor, (t.dtype, data, t.storage_offset(), tuple(t.shape), t.stride())
 
 
