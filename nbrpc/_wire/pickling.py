@@ -264,7 +264,7 @@ class LanePickler(RpcPickler):
 
     #: what the C pickler reads while it is made (the real table is set right after): a
     #: plain attribute, not :class:`RpcPickler`'s property (2 µs a message, measured)
-    dispatch_table = _BASE_TABLE  # type: ignore[assignment]
+    dispatch_table = _BASE_TABLE
 
     def __init__(self, file: Any, table: dict) -> None:
         cloudpickle.Pickler.__init__(self, file, protocol=5)
