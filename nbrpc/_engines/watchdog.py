@@ -75,9 +75,14 @@ def reap(pids: list[int]) -> None:
 
 
 def sweep_segments(prefix: str) -> int:
-    """Remove ``/dev/shm/PREFIX-*``: fast-path segments whose message never arrived."""
+    """Remove ``/dev/shm/PREFIX-*``: fast-path segments whose message never arrived, and
+    the directory of the cluster's lane sockets (``_wire.lanes``)."""
     removed = 0
     for path in glob.glob(os.path.join("/dev/shm", f"{glob.escape(prefix)}-*")):
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed += 1
+            continue
         with contextlib.suppress(OSError):
             os.unlink(path)
             removed += 1
