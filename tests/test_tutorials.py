@@ -8,10 +8,11 @@ and a comment says what the tutorial had.
   on ``ps``, the LSTM in the kernel, distributed autograd and the DistributedOptimizer),
   then in the same kernel its RL part (an agent in the kernel, observers on workers, RPCs
   both ways through RRef proxies). The kernel joined as ``trainer``; the RL part's
-  ``--self agent`` is refused as docs/errors.md says, and without ``--self`` it runs.
+  ``--self agent`` is refused as docs/errors.md says, and without ``--self`` it runs, its
+  "Ctrl+C to exit" the stop button.
 - ``dist_pipeline_parallel_tutorial``: a ResNet in two shards on two workers, micro-batches
   pipelined with ``remote``/``rpc_async``, one step compared with the same model run whole
-  in the kernel.
+  in the kernel; and its CUDA shards as printed, on a host without CUDA.
 """
 
 from __future__ import annotations
@@ -854,6 +855,27 @@ class TestPipelineTutorial:
         assert report["loss"][0] == pytest.approx(report["loss"][1], rel=1e-5), report
         assert report["grads"], report
         assert report["weights"], report
+
+    def test_its_cuda_shards_on_a_host_without_cuda_say_why(self, kernel):
+        """The tutorial as printed puts its shards on "cuda:0" and "cuda:1": without CUDA
+        the shard's constructor raises on the worker, and parameter_rrefs() (an RRef proxy
+        on that shard) shows that error, its type and where it was raised."""
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this host has CUDA: the tutorial's cuda:0 shard may well start")
+        _, errors = kernel.execute(
+            'p1_rref = rpc.remote("worker1", ResNetShard1, args=("cuda:0",))\n'
+            "p1_rref.remote().parameter_rrefs().to_here()"
+        )
+        assert errors == ["AssertionError: Torch not compiled with CUDA enabled"], errors
+        text = "\n".join(line for tb in kernel.tracebacks for line in tb)
+        assert text.count("Remote traceback (most recent call last), on worker1:") == 1, text
+        hop = text.split("on worker1:", 1)[1]
+        assert "in __init__" in hop.split("\n")[1], text  # the shard's line in its cell
+        assert "Cell In[" in hop.split("\n")[1], text
+        for hidden in ("RuntimeError", "nbrpc #", "failures.py", "rref_proxy.py"):
+            assert hidden not in text, text
 
     def test_the_comparison_sees_batch_norm_over_micro_batches(self, kernel):
         """The tutorial's BatchNorm normalizes each micro-batch by its own statistics: one
