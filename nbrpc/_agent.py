@@ -15,6 +15,7 @@ main thread waits on a call it also serves those debuggers' prompts (:mod:`nbrpc
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -478,12 +479,47 @@ def _await_creation(rref: Any, timeout: float) -> None:
         raise _timeout_error(None, "to_here() of an RRef", rref.owner().name, given)
 
 
+def _get_type(rref: Any, timeout: float = _torch.UNSET_RPC_TIMEOUT, blocking: bool = True) -> Any:
+    """``RRef._get_type``, which torch's RRef proxies ask before every call, with
+    :func:`rpc_sync`'s errors: where the value's creation failed (its constructor raised),
+    the owner's exception as it was raised there, not torch's RuntimeError carrying its
+    text; a timeout or a lost owner as nbrpc's. With ``blocking=False`` a :class:`Future`,
+    the same one for each call that torch answers with its one cached future."""
+    owner = _torch.owner_name(rref) or "the owner"
+    what = "the type query of an RRef"
+    try:
+        got = _torch.original_get_type(rref, timeout, blocking)
+    except Exception as exc:
+        error = failures.received(exc, lambda e: _translate(e, what, owner, _given(timeout)))
+        if error is exc:
+            raise
+        raise error from None
+    if isinstance(got, type):  # the answer itself (torch's future is its C++ type)
+        return got
+    known = _type_futures.get(rref)
+    if known is not None and known[0] is got:
+        return known[1]
+    out = Future()
+    out.dest = owner
+    _type_futures[rref] = (got, out)
+    call = _Sent(owner, what, 0.0, _given(timeout))
+    got.add_done_callback(lambda done: failures.settle(done, out, call.translate))
+    return out
+
+
+#: What :func:`_get_type` answered each handle with: torch's future (the handle keeps it)
+#: and nbrpc's, settled from it.
+_type_futures: weakref.WeakKeyDictionary[Any, tuple[Any, Future]] = weakref.WeakKeyDictionary()
+
+
 def install() -> None:
-    """Give every RRef's ``to_here`` and ``owner`` nbrpc's error translation, and its
-    proxies (``rref.rpc_sync().f()``, ``rpc_async()``, ``remote()``) nbrpc's calls, so a
-    method's exception keeps its type as a call's does (idempotent)."""
+    """Give every RRef's ``to_here``, ``owner`` and ``_get_type`` nbrpc's error
+    translation, and its proxies (``rref.rpc_sync().f()``, ``rpc_async()``, ``remote()``)
+    nbrpc's calls, so a method's exception keeps its type as a call's does, and so does
+    the failed creation of the value they call (idempotent)."""
     _torch.patch_rref_method("to_here", _to_here)
     _torch.patch_rref_method("owner", _owner)
+    _torch.patch_rref_method("_get_type", _get_type)
     for name, call in _torchs_spelling().items():
         _torch.patch_rref_method(name, _proxy(call))
 

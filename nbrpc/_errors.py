@@ -37,6 +37,7 @@ there is one; not the frames of nbrpc, IPython and torch between them.
 
 from __future__ import annotations
 
+import linecache
 import os
 import re
 import traceback
@@ -102,8 +103,28 @@ def short_traceback(exc: BaseException) -> list[str]:
     if module not in ("builtins", "__main__") and not module.startswith("nbrpc"):
         name = f"{module}.{name}"
     lines.append(f"{name}: {exc}" if str(exc) else name)
-    lines.extend(note.strip("\n") for note in getattr(exc, "__notes__", ()))
+    lines.extend(_cells_named(note.strip("\n")) for note in getattr(exc, "__notes__", ()))
     return lines
+
+
+def _cells_named(note: str) -> str:
+    """A remote traceback another worker formatted (an exception passed back through a
+    nested call) names this kernel's cells by their files, which only the kernel can name:
+    named here as IPython names them, each with its line of source."""
+    lines = note.split("\n")
+    named = []
+    for i, line in enumerate(lines):
+        match = _FILE_LINE.match(line)
+        cell = cell_name(match.group(1)) if match else None
+        if not match or not cell:
+            named.append(line)
+            continue
+        named.append(f"  {cell}, line {match.group(2)}, in {match.group(3)}")
+        has_source = i + 1 < len(lines) and lines[i + 1].startswith("    ")
+        source = "" if has_source else linecache.getline(match.group(1), int(match.group(2)))
+        if source.strip():
+            named.append(f"    {source.strip()}")
+    return "\n".join(named)
 
 
 class NbrpcError(Exception):

@@ -13,7 +13,7 @@ What is here, by topic:
 
 * the current agent and its store (``agent``, ``agent_is_set``, ``set_rpc_timeout``);
 * RRef internals (``PyRRef``, ``rref_fork``, ``rref_from_fork``, ``rref_type_future``,
-  ``rref_id``, ``owned_rref_count``, ``delete_user_rrefs``);
+  ``original_get_type``, ``rref_id``, ``owned_rref_count``, ``delete_user_rrefs``);
 * the dynamic group's membership (``GROUP_TOKEN_KEY``, ``MEMBER_LIST_KEY``,
   ``update_group_membership``, ``forget_locally``);
 * the hooks nbrpc installs into ``torch.distributed.rpc.internal`` and the two patches of
@@ -98,7 +98,17 @@ def rref_from_fork(fork_data: tuple) -> PyRRef:
 
 def rref_type_future(rref: PyRRef) -> Any:
     """A future of the value's type; a user RRef asks its owner once and caches it."""
-    return rref._get_type(blocking=False)  # type: ignore[call-arg]  # torch's stub lacks it
+    return original_get_type(rref, blocking=False)
+
+
+def original_get_type(
+    rref: PyRRef, timeout: float = UNSET_RPC_TIMEOUT, blocking: bool = True
+) -> Any:
+    """torch's own ``RRef._get_type`` (the value's type, or with ``blocking=False`` a future
+    of it; a handle keeps the first answer), also after :func:`patch_rref_method` replaced
+    it. torch's RRef proxies (``rref.rpc_sync().f()`` & co.) ask it before every call."""
+    get_type = _patched.rref_methods.get("_get_type", PyRRef._get_type)
+    return get_type(rref, timeout=timeout, blocking=blocking)
 
 
 #: The creation futures of the user RRefs this process's ``remote()`` made, by handle.

@@ -19,6 +19,13 @@ class C:
     def f(self):
         return [][1]
 
+class Broken:  # its constructor raises: the RRef remote() gives holds the error
+    def __init__(self):
+        [][1]
+
+    def f(self):
+        return 1
+
 def my_rank():
     return nbrpc.rank(), rpc.get_worker_info().id
 
@@ -53,6 +60,12 @@ def kernel():
         "rpc.remote('ps', C).rpc_sync().f()",
         "rpc.remote('ps', C).rpc_async().f().wait()",
         "rpc.remote('ps', C).remote().f().to_here()",
+        # the value's creation failed: what the pipeline tutorial run as printed does on a
+        # host without CUDA (its shards' .to("cuda:0")), through the proxies it calls
+        "rpc.remote('ps', Broken).to_here()",
+        "rpc.remote('ps', Broken).rpc_sync().f()",
+        "rpc.remote('ps', Broken).rpc_async().f().wait()",
+        "rpc.remote('ps', Broken).remote().f().to_here()",
     ],
 )
 def test_an_error_keeps_its_type_and_shows_once_per_hop(kernel, call):
@@ -63,11 +76,14 @@ def test_an_error_keeps_its_type_and_shows_once_per_hop(kernel, call):
         "Remote traceback"
     ), text
     assert "nbrpc #" not in text
+    assert "ipykernel_" not in text  # the cells as the notebook names them, on every hop
     assert "failures.py" not in text
     assert "rref_proxy.py" not in text
     assert "RuntimeError" not in text
     hops = 2 if "relay" in call else 1
     assert text.count("Remote traceback (most recent call last), on ") == hops, text
+    if "Broken" in call:  # where it was raised, as the notebook names the cell
+        assert "Cell In[" in text.split("on ps:", 1)[1].split("\n")[1], text
 
 
 def test_ranks_and_the_kernels_name_after_a_re_init(kernel):

@@ -137,6 +137,12 @@ def test_live_group_internals(cluster):
     rref = nbrpc.remote("worker1", torch.ones, args=(2,))
     _pin(re.fullmatch(r"\d+:\d+", _torch.rref_id(rref)) is not None, "RRef repr", "rref_id")
     _pin(_torch.rref_type_future(rref).wait() is torch.Tensor, "RRef._get_type", "same")
+    fresh = nbrpc.remote("worker1", torch.ones, args=(2,))  # a handle keeps its first answer
+    _pin(
+        _torch.original_get_type(fresh, blocking=True) is torch.Tensor,
+        "RRef._get_type(timeout, blocking)",
+        "original_get_type",
+    )
     created = _torch.rref_creation_future(rref)
     _pin(created is not None, "RRef._get_future is gone", "rref_creation_future")
     created.wait()

@@ -114,12 +114,24 @@ def forget_failures() -> None:
 
 def failure(exc: BaseException, keep: bool = False) -> RemoteException:
     """What a call that raised ``exc`` returns to its caller; ``keep``: keep ``exc`` (and
-    its frames' locals) for a post-mortem, releasing the one kept before."""
+    its frames' locals) for a post-mortem, releasing the one kept before.
+
+    An exception this process received from a call (:func:`rebuild`) and passed on through
+    nbrpc's and torch's frames only goes on as it arrived: this process added no frame of
+    the user's, so its hop would show nothing but theirs, and the receiver formats the
+    origin's frames with its own cells. (An RRef whose value's creation failed raises that
+    failure in its owner, to a proxy's type query: torch's ``_rref_typeof_on_owner``.)
+    """
+    everything = traceback.extract_tb(exc.__traceback__)
+    frames = _users_frames(everything)
+    arrived = getattr(exc, "_nbrpc_arrived", None)
+    if not frames and isinstance(arrived, _Arrived) and arrived.result is not None:
+        return arrived.result
     failure_id = None
     if keep:
         failure_id = f"{_process.token()}.{next(_state.ids)}"
         _state.kept_id, _state.kept = failure_id, exc
-    frames = _users_frames(traceback.extract_tb(exc.__traceback__))
+    frames = frames or _users_frames(everything, everyones=True)
     try:
         exc_bytes: bytes | None = cloudpickle.dumps(exc)
     except Exception:
@@ -139,13 +151,16 @@ _OWN = (
 )  # the second: torch's waits and RRef proxies (``_local_invoke``)
 
 
-def _users_frames(tb: traceback.StackSummary) -> list[tuple[str, int, str, str | None]]:
+def _users_frames(
+    tb: traceback.StackSummary, everyones: bool = False
+) -> list[tuple[str, int, str, str | None]]:
     """The frames of a failed call worth showing: the user's, not nbrpc's or torch RPC's
     around them (``run_function``, the call facade's waits, an RRef proxy's
-    ``_local_invoke``); all of them if nothing else is left."""
+    ``_local_invoke``); with ``everyones``, all of them."""
     frames = [(f.filename, f.lineno or 0, f.name, f.line) for f in tb]
-    users = [f for f in frames if not os.path.abspath(f[0]).startswith(_OWN)]
-    return users or frames[1:]  # the first frame is run_function itself
+    if everyones:
+        return frames[1:]  # the first frame is run_function itself
+    return [f for f in frames if not os.path.abspath(f[0]).startswith(_OWN)]
 
 
 def format_remote_traceback(failure: _FailureText) -> str:
@@ -185,6 +200,17 @@ class _ShortTraceback:
 
     def __reduce__(self) -> tuple:
         return (_ShortTraceback, (None,))
+
+
+class _Arrived:
+    """The RemoteException a rebuilt exception came as, for :func:`failure` to pass on.
+    Not sent along: the next receiver keeps its own."""
+
+    def __init__(self, result: RemoteException | None) -> None:
+        self.result = result
+
+    def __reduce__(self) -> tuple:
+        return (_Arrived, (None,))
 
 
 def show_short(exc: BaseException) -> None:
@@ -232,6 +258,7 @@ def rebuild(result: RemoteException) -> BaseException:
         exc.worker = failure.worker  # type: ignore[attr-defined]
         exc.remote_traceback = remote_tb  # type: ignore[attr-defined]
         exc._render_traceback_ = _ShortTraceback(exc)  # type: ignore[attr-defined]
+        exc._nbrpc_arrived = _Arrived(result)  # type: ignore[attr-defined]
     except Exception:
         pass  # an exception type with __slots__: the note below still carries it
     _add_hop(exc, "\n" + remote_tb.rstrip("\n"))
@@ -338,11 +365,20 @@ def outcome(raw: Any, translate: Any) -> tuple[Any, BaseException | None]:
     try:
         return raw.wait(), None
     except BaseException as exc:
-        original = unwrap(exc)
-        if original is None:
-            return None, translate(exc)
-        original.__notes__ = [n for n in original.__notes__ if not _KEY.fullmatch(n)]
-        return None, original
+        return None, received(exc, translate)
+
+
+def received(exc: BaseException, translate: Any) -> BaseException:
+    """The error to raise for ``exc``, which torch raised for a call: the worker's own
+    exception as it was raised there (behind torch's RuntimeError, or as it is), torch's
+    own errors as ``translate(exc)`` makes them."""
+    if is_rebuilt(exc):
+        return delivered(exc)
+    original = unwrap(exc)
+    if original is None:
+        return translate(exc)
+    original.__notes__ = [n for n in original.__notes__ if not _KEY.fullmatch(n)]
+    return original
 
 
 def returned(value: Any) -> tuple[Any, BaseException | None]:
