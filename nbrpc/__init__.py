@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from torch.distributed.rpc import RRef, WorkerInfo
 
 from . import autograd
-from ._agent import get_worker_info, remote, rpc_async, rpc_sync, workers
+from ._calls.agent import get_worker_info, remote, rpc_async, rpc_sync, workers
 from ._cells import CellResults, RpcCellError, pull, push, worker_namespace
 from ._debugger.postmortem import post_mortem
 from ._errors import (
@@ -141,7 +141,7 @@ def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext nbrpc``: register the magics (the only place they are registered), and
     route the notebook's torch-style RPC calls through nbrpc (``rpc.rpc_sync`` before
     ``%rpc_init`` then says to run it)."""
-    from ._agent import route_torch_calls
+    from ._calls.spelling import route_torch_calls
     from ._magics import RpcMagics
 
     magics = RpcMagics(shell=ipython)

@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from . import _agent
+from ._calls import agent as calls
 from ._errors import ConfigError, NbrpcError, short_traceback
 from ._wire import namespace
 
@@ -170,7 +170,7 @@ _cell_ids = itertools.count(1)
 def _targets(spec: str | Iterable[str] | None, what: str = "%%rpc") -> list[str]:
     """The workers ``spec`` names ("all", "worker1,worker2" or a list); ``what`` names the
     caller in the error for a name that is not a worker."""
-    live = _agent.workers()  # NotInitializedError before %rpc_init
+    live = calls.workers()  # NotInitializedError before %rpc_init
     workers = live[1:]
     if spec is None or spec == "all" or spec == ["all"]:
         return workers
@@ -201,7 +201,7 @@ def run(source: str, targets: str | Iterable[str] | None = "all") -> CellResults
     # the kernel formats the workers' tracebacks with its own linecache
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     futures = {
-        w: _agent.rpc_async(w, run_cell, args=(cell_id, filename, source), timeout=0)
+        w: calls.rpc_async(w, run_cell, args=(cell_id, filename, source), timeout=0)
         for w in workers
     }
     try:
@@ -217,7 +217,7 @@ def run(source: str, targets: str | Iterable[str] | None = "all") -> CellResults
 def _interrupt_all(cell_id: int, futures: dict[str, Any]) -> None:
     for worker in futures:
         with contextlib.suppress(Exception):  # a worker that died or finished meanwhile
-            _agent.rpc_sync(worker, interrupt, args=(cell_id,), timeout=5)
+            calls.rpc_sync(worker, interrupt, args=(cell_id,), timeout=5)
     deadline = time.monotonic() + INTERRUPT_GRACE_S
     while time.monotonic() < deadline and not all(f.done() for f in futures.values()):
         time.sleep(0.02)
@@ -248,7 +248,7 @@ def push(values: dict[str, Any], workers: str | Iterable[str] | None = "all") ->
     """Set names in each worker's namespace (what ``%%rpc`` cells and
     :func:`worker_namespace` see): ``nbrpc.push({"lr": 0.1, "data": tensor})``."""
     names = _targets(workers, "nbrpc.push")
-    futures = [_agent.rpc_async(w, push_values, args=(dict(values),)) for w in names]
+    futures = [calls.rpc_async(w, push_values, args=(dict(values),)) for w in names]
     for fut in futures:
         fut.wait()
 
@@ -256,5 +256,5 @@ def push(values: dict[str, Any], workers: str | Iterable[str] | None = "all") ->
 def pull(name: str, workers: str | Iterable[str] | None = "all") -> dict[str, Any]:
     """``{worker: value}`` of ``name`` in each worker's namespace."""
     names = _targets(workers, "nbrpc.pull")
-    futures = {w: _agent.rpc_async(w, pull_value, args=(name,)) for w in names}
+    futures = {w: calls.rpc_async(w, pull_value, args=(name,)) for w in names}
     return {w: fut.wait() for w, fut in futures.items()}

@@ -224,7 +224,7 @@ class WorkerDiedError(NbrpcError, ConnectionError, RuntimeError):
 
 class ThreadsExhaustedError(NbrpcError, RuntimeError):
     """Calls made inside calls hold every RPC thread of the workers involved, waiting on
-    each other: none can finish (:mod:`nbrpc._deadlock` notices it and says why)."""
+    each other: none can finish (:mod:`nbrpc._calls.deadlock` notices it and says why)."""
 
 
 class DebuggerQuitError(NbrpcError, RuntimeError):

@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import _agent, _group, _process, _torch, autograd
+from . import _group, _process, _torch, autograd
+from ._calls import rrefs, spelling
 from ._debugger import remote_pdb
 from ._wire import bars, namespace, native_output, output, pickling, stacks
 
@@ -24,8 +25,8 @@ def _both() -> None:
     """The steps of every process, in order."""
     _torch.quiet_internal_deprecations()  # the optimizer's TorchScript notice, see there
     pickling.install()  # notebook code by value, tensors out of band; RRef handles recorded
-    _agent.install()  # RRefs: to_here, owner and proxies with nbrpc's errors
-    _agent.route_torch_calls()  # torch's spelling (rpc.rpc_sync & co.) is nbrpc's
+    rrefs.install()  # RRefs: to_here, owner and proxies with nbrpc's errors
+    spelling.route_torch_calls()  # torch's spelling (rpc.rpc_sync & co.) is nbrpc's
     _torch.route_all_gather(_group.member_names)  # torch's barriers span the cluster
     autograd.install()  # loss.backward() inside a context says what to use instead
     stacks.install()  # RPC threads say what they serve, for nbrpc.stacks()

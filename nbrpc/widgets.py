@@ -22,7 +22,8 @@ from typing import Any
 import anywidget
 import traitlets
 
-from . import _agent, _views
+from . import _views
+from ._calls import agent as calls
 from ._errors import NbrpcError
 from ._gather import census, timeline
 from ._lifecycle import cluster as lifecycle
@@ -154,7 +155,7 @@ class OwnershipView(_LiveView):
 
     def _compute(self) -> dict[str, Any]:
         try:
-            workers = _agent.workers()
+            workers = calls.workers()
             rrefs = census.ownership(POLL_TIMEOUT_S)
         except NbrpcError:
             return {"workers": [], "rrefs": []}

@@ -107,7 +107,7 @@ def test_the_stop_button_ends_torch_style_waits(kernel, cell):
     assert ran_on < 5, f"the cell ran {ran_on:.1f} s after the stop button (the call: 10 s)"
     text = _traceback(kernel)
     assert "Cell In[" in text, text  # the cell's own line, as IPython names it
-    for hidden in ("_agent.py", "prompts.py", "torch/futures", "ipykernel_"):
+    for hidden in ("calls.py", "prompts.py", "torch/futures", "ipykernel_"):
         assert hidden not in text, text
 
 
@@ -273,7 +273,7 @@ def test_tracebacks_show_the_users_lines_not_nbrpcs(kernel):
     text = _traceback(kernel)
     assert "%%rpc failed on worker1, worker2" in text
     assert "_cells.py" not in text
-    assert "_agent.py" not in text
+    assert "calls.py" not in text
     assert len(text.splitlines()) < 30, text
     _, errors = kernel.execute(
         "x = torch.ones(3, requires_grad=True)\n"

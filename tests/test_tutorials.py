@@ -506,7 +506,7 @@ class TestRpcTutorial:
         assert ran_on < 5, f"the cell ran {ran_on:.1f} s after the stop button"
         text = "\n".join(line for tb in kernel.tracebacks for line in tb)
         assert "fut.wait()" in text, text  # the cell's line, not nbrpc's nor torch's
-        assert "_agent.py" not in text, text
+        assert "calls.py" not in text, text
         assert kernel.value("i_episode") > 1
         # the episode the button cut short ends on the observers; the next ones run
         kernel.run("agent.run_episode(); agent.finish_episode()")

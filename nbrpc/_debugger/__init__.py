@@ -12,7 +12,7 @@ kernel's ``linecache`` (the worker has no file for a cell), so ``l`` and ``->`` 
 **Kernel side.** Prompts arrive on torch's RPC threads, but input can only be read on the
 main thread: ipykernel ties an input request to the cell being run, and a terminal belongs
 to the main thread. The main thread waits for nbrpc calls in short slices
-(``_agent.Future.wait``); a prompt wakes it and :func:`serve` runs ``input(prompt)``
+(``calls.Future.wait``); a prompt wakes it and :func:`serve` runs ``input(prompt)``
 there. One session at a time: a second worker's breakpoint waits until the first session
 continues or quits, and each session opens with a line naming its worker. The stop button
 (KeyboardInterrupt in ``input``) quits the open session and the waiting ones, then

@@ -43,7 +43,8 @@ def join(
 
     ``members``: the cluster's addresses, when it listens beyond loopback: then this
     process's listening sockets admit those alone (:mod:`nbrpc._fence`)."""
-    from nbrpc import _agent, _fence, _group, _process, _setup
+    from nbrpc import _fence, _group, _process, _setup
+    from nbrpc._calls import agent as calls
     from nbrpc._errors import BootError
 
     spec = _group.StoreSpec(**store)
@@ -65,7 +66,7 @@ def join(
         devices=devices,
     )
     _fence.admit(members)  # before the first call reaches this worker's listeners
-    _agent.set_active(True)  # code running here may call nbrpc.rpc_sync & co. too
+    calls.set_active(True)  # code running here may call nbrpc.rpc_sync & co. too
     _process.resources()  # the first %rpc_status's CPU figure counts from the join
     info = describe_process()
     info.update(name=name, rank=rank)

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch.distributed.rpc as rpc
 
-from nbrpc import _agent, _group, _ledger, _process
+from nbrpc import _group, _ledger, _process
+from nbrpc._calls import agent as calls
 from nbrpc._errors import NbrpcError, RpcTimeoutError, UnknownWorkerError, WorkerDiedError
 from nbrpc._rows import OwnershipRow
 from nbrpc._wire import callee
@@ -28,11 +29,11 @@ def _pong() -> None:
 
 def probe(names: list[str], timeout: float = PROBE_TIMEOUT_S) -> None:
     """Ask ``names`` for an answer at once: a worker whose process is gone refuses the
-    connection and is marked dead (``_agent.known_dead``), a live one answers at once."""
+    connection and is marked dead (``calls.known_dead``), a live one answers at once."""
     asked = []
     for name in names:
         with contextlib.suppress(NbrpcError):
-            asked.append(_agent.start_call("probe", name, _pong, (), None, timeout))
+            asked.append(calls.start_call("probe", name, _pong, (), None, timeout))
     for fut in asked:
         with contextlib.suppress(Exception):
             fut.wait()
@@ -62,7 +63,7 @@ def snapshots(
     """
     _group.require_active("nbrpc.ownership()")
     me = rpc.get_worker_info().name
-    skip = frozenset({*skip, *_agent.known_dead()})
+    skip = frozenset({*skip, *calls.known_dead()})
     others = [name for name in _group.member_names() if name != me and name not in skip]
     return {me: figures(skip), **ask_all(others, figures, (skip,), timeout)}
 
@@ -73,7 +74,7 @@ def ask_all(names: list[str], func: Callable[..., Any], args: tuple, timeout: fl
     asked = {}
     for name in names:
         try:
-            asked[name] = _agent.start_call("ask", name, func, args, None, timeout)
+            asked[name] = calls.start_call("ask", name, func, args, None, timeout)
         except (WorkerDiedError, UnknownWorkerError):  # it left since the list was read
             continue
     found = {}

@@ -19,7 +19,7 @@ import time
 import traceback
 from typing import Any
 
-from nbrpc import _agent
+from nbrpc._calls import agent as calls
 from nbrpc._errors import NbrpcError, UnknownWorkerError
 from nbrpc._lifecycle import cluster as lifecycle
 from nbrpc._rows import StackRow, ThreadStack
@@ -102,7 +102,7 @@ def here() -> dict[str, Any]:
 
 def _by_rpc(name: str, pid: int, host: str, timeout: float) -> StackRow:
     try:
-        part = _agent.rpc_sync(name, here, timeout=timeout)
+        part = calls.rpc_sync(name, here, timeout=timeout)
     except (NbrpcError, RuntimeError) as exc:
         return StackRow(
             name=name,

@@ -27,7 +27,8 @@ import threading
 import uuid
 from typing import Any
 
-from nbrpc import _agent, _group, _process, _torch
+from nbrpc import _group, _process, _torch
+from nbrpc._calls import agent as calls
 from nbrpc._errors import NbrpcError
 from nbrpc._rows import CallRow
 from nbrpc._views import timeline_text
@@ -59,7 +60,7 @@ def measure_clocks(names: list[str]) -> None:
         for _ in range(_ROUNDS):
             t0 = recording.clock()
             try:
-                theirs = _agent.rpc_sync(name, recording.clock, timeout=_ASK_TIMEOUT_S)
+                theirs = calls.rpc_sync(name, recording.clock, timeout=_ASK_TIMEOUT_S)
             except (NbrpcError, RuntimeError):
                 break
             t1 = recording.clock()

@@ -29,7 +29,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Unpack
 
-from nbrpc import _agent, _devices, _engines, _group, _ledger, _process, _setup, _torch, _views
+from nbrpc import _devices, _engines, _group, _ledger, _process, _setup, _torch, _views
+from nbrpc._calls import agent as calls
 from nbrpc._debugger import prompts
 from nbrpc._engines import worker
 from nbrpc._engines.watchdog import process_alive, segment_prefix, sweep_segments
@@ -128,7 +129,7 @@ class Cluster:
                 f"a cluster that is {self.state.value} cannot become {state.value}"
             )
         self.state = state
-        _agent.set_active(state is ClusterState.READY, last_output=self.last_output)
+        calls.set_active(state is ClusterState.READY, last_output=self.last_output)
         if state in (ClusterState.SHUTTING_DOWN, ClusterState.CLOSED):
             prompts.reset()  # a prompt waiting for the kernel must not hold shutdown up
         if state is ClusterState.CLOSED and _current.cluster is self:
@@ -202,7 +203,7 @@ class Cluster:
         if self.engines.client is None:
             return [r.name for r in self.records[1:] if r.state == "dead"]
         engines = self.engines.alive() if ask_ipyparallel else None
-        seen_dead = _agent.known_dead()
+        seen_dead = calls.known_dead()
         for record in self.records[1:]:
             if record.state != "ready":
                 continue
@@ -212,7 +213,7 @@ class Cluster:
                 gone = not process_alive(record.pid)
             if gone:
                 record.move(WorkerState.DEAD)
-                _agent.mark_dead(record.name)
+                calls.mark_dead(record.name)
                 prompts.forget_worker(record.name)
         return [r.name for r in self.records[1:] if r.state == "dead"]
 
@@ -302,7 +303,7 @@ class Cluster:
         if graceful:
             self._wait_for_calls_in_flight(timeout)
         else:  # nobody leaves by themselves: the kernel forgets them all
-            _agent.cancel_calls_in_flight()
+            calls.cancel_calls_in_flight()
             dead = [r.name for r in self.records[1:]]
             for record in self.records[1:]:
                 record.move(WorkerState.STOPPED)
@@ -370,7 +371,7 @@ class Cluster:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                if _agent.calls_in_flight() == 0:
+                if calls.calls_in_flight() == 0:
                     return
             except Exception:
                 return

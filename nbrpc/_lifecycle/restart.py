@@ -31,7 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from nbrpc import _agent, _fence, _group, _process
+from nbrpc import _fence, _group, _process
+from nbrpc._calls import agent as calls
 from nbrpc._engines import JOIN_TIMEOUT_S, Engines
 from nbrpc._errors import BootError, ConfigError
 from nbrpc._options import Settings
@@ -94,9 +95,9 @@ def run(cluster: Cluster, names: list[str]) -> Restarted:
         failed = [n for n in names if records.get(n) and records[n].state == "restarting"]
         for name in failed:
             records[name].move(WorkerState.DEAD)
-        _agent.revived(failed)
+        calls.revived(failed)
         for name in failed:
-            _agent.mark_dead(name, f"its restart failed: {str(exc).splitlines()[0]}")
+            calls.mark_dead(name, f"its restart failed: {str(exc).splitlines()[0]}")
         raise BootError(
             f"{', '.join(failed or names)} could not be restarted: {exc}\nThe rest of the "
             f"cluster works without {'them' if len(failed) > 1 else 'it'}; "
@@ -115,7 +116,7 @@ def _run(cluster: Cluster, names: list[str]) -> Restarted:
 
     native_output.expect_leaving(names)  # torch's "EOF" lines about them are expected
     for name in names:  # calls to them fail at once meanwhile, naming why
-        _agent.mark_dead(name, "it is being restarted (nbrpc.restart)")
+        calls.mark_dead(name, "it is being restarted (nbrpc.restart)")
     if pg:  # every member leaves it: it is rebuilt among all of them below
         collective.destroy(pg, others)
         booted.process_group = None
@@ -128,7 +129,7 @@ def _run(cluster: Cluster, names: list[str]) -> Restarted:
     finally:  # the old processes are gone either way: out of the group, on their behalf
         _group.forget(names, others)
         _group.release_stale_token()
-        _agent.restarted(names, [old[n][1] for n in names])
+        calls.restarted(names, [old[n][1] for n in names])
         native_output.expect_gone([old[n][1] for n in names])
 
     member = _group.current_kernel_membership()
@@ -141,7 +142,7 @@ def _run(cluster: Cluster, names: list[str]) -> Restarted:
     except BootError:
         _group.forget_names(names)  # half joined: neither its name nor torch's token stay
         raise
-    _agent.revived(names)
+    calls.revived(names)
     for name in names:
         records[name].rejoin(joining.record(name, infos[name]))
     native_output.joined(names)

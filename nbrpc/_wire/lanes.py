@@ -17,7 +17,7 @@ through TensorPipe as before, unchanged):
 * not made inside a distributed autograd context (torch records the send and receive
   functions of the backward pass on each RPC), not while torch's profiler records (it
   records the RPC), not from a thread that serves a call (a nested call holds one of
-  torch's RPC threads, which :mod:`nbrpc._deadlock` watches), and not of a function
+  torch's RPC threads, which :mod:`nbrpc._calls.deadlock` watches), and not of a function
   decorated ``@rpc.functions.async_execution`` (torch completes its future).
 
 The callee runs the call in :func:`nbrpc._wire.callee.run_function`, as TensorPipe's
@@ -130,7 +130,7 @@ _pickled = _Pickled()
 _tables: dict[bool, dict] = {}
 
 
-def _table(recording_on: bool) -> dict:
+def reducers(recording_on: bool) -> dict:
     """The lane pickler's reducers: tensors in the pickle, RRefs and torch's special
     classes refused (``recording_on``: tensor bytes counted for the timeline)."""
     table = _tables.get(recording_on)
@@ -146,7 +146,7 @@ def dumps(obj: Any) -> bytes:
     """``obj`` pickled for a lane (nbrpc's pickler: notebook code by value, the call's
     header); raises when it cannot take one (:class:`NotLane`, or any pickling error)."""
     out = io.BytesIO()
-    pickler = pickling.LanePickler(out, _table(recording.active() is not None))
+    pickler = pickling.LanePickler(out, reducers(recording.active() is not None))
     _pickled.bytes = 0
     _pickled.storages.clear()
     pickler.dump(obj)

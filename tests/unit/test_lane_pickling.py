@@ -82,9 +82,9 @@ def test_two_tensors_sharing_a_storage_are_left_to_torch_which_keeps_them_sharin
 def test_an_rref_is_refused_before_torch_forks_it():
     from torch.distributed.rpc import RRef
 
-    assert RRef in lanes._table(False)
+    assert RRef in lanes.reducers(False)
     with pytest.raises(lanes.NotLane):
-        lanes._table(False)[RRef](object())
+        lanes.reducers(False)[RRef](object())
 
 
 def test_a_small_message_is_small():

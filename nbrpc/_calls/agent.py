@@ -15,7 +15,6 @@ main thread waits on a call it also serves those debuggers' prompts (:mod:`nbrpc
 from __future__ import annotations
 
 import threading
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -24,16 +23,18 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.distributed.rpc import RRef, WorkerInfo
 
-from . import _deadlock, _group, _ledger, _torch
-from ._debugger import deadlines, prompts
-from ._errors import (
+from nbrpc import _group, _ledger, _torch
+from nbrpc._debugger import deadlines, prompts
+from nbrpc._errors import (
     ClusterClosedError,
     RpcTimeoutError,
     SerializationError,
     UnknownWorkerError,
     WorkerDiedError,
 )
-from ._wire import callee, failures, lanes, recording, shm
+from nbrpc._wire import callee, failures, lanes, recording, shm
+
+from . import deadlock
 
 T = TypeVar("T")
 
@@ -75,7 +76,7 @@ class Future(torch.futures.Future):
                 if threading.current_thread() is threading.main_thread():
                     prompts.wait_on_main_thread(self)
                 elif callee.serving():  # a call made inside a call: it holds this RPC thread
-                    with _deadlock.waiting(self.dest, self):
+                    with deadlock.waiting(self.dest, self):
                         return super().wait()
             return super().wait()
         except BaseException as kept:
@@ -110,23 +111,11 @@ def revived(names: list[str]) -> None:
         _calls.dead.pop(name, None)
 
 
-def _replaced_error(rank: int) -> WorkerDiedError | None:
+def replaced_error(rank: int) -> WorkerDiedError | None:
     name = _calls.replaced.get(rank)
     if name is None:
         return None
     return WorkerDiedError(name, restarted=rank)
-
-
-def _owner(rref: Any) -> WorkerInfo:
-    """``RRef.owner`` (and so every proxy call, ``rref.rpc_sync().f()``): an owner that a
-    restart replaced is a WorkerDiedError naming the restart (installed by :func:`install`)."""
-    try:
-        return _torch.original_owner(rref)
-    except RuntimeError:
-        replaced = _replaced_error(_ledger.owner_rank(rref))
-        if replaced is not None:
-            raise replaced from None
-        raise
 
 
 def known_dead() -> set[str]:
@@ -156,7 +145,7 @@ def _destination(to: str | WorkerInfo | int, what: str) -> WorkerInfo:
     """The worker ``to`` names, as torch takes it: a name, a rank or a ``WorkerInfo``."""
     _group.require_active(what)
     if isinstance(to, WorkerInfo):
-        replaced = _replaced_error(to.id)
+        replaced = replaced_error(to.id)
         if replaced is not None:
             raise replaced
         return to
@@ -182,7 +171,7 @@ def get_worker_info(worker_name: str | int | None = None) -> WorkerInfo:
     return _destination(worker_name, "nbrpc.get_worker_info()")
 
 
-def _limit(timeout: float | None) -> float:
+def limit_of(timeout: float | None) -> float:
     """A call's timeout in seconds (0: none), the cluster's default for None."""
     return rpc.get_rpc_timeout() if timeout is None else max(float(timeout), 0.0)
 
@@ -191,7 +180,7 @@ def _name_of(func: Any) -> str:
     return getattr(func, "__qualname__", None) or type(func).__name__
 
 
-def _timeout_error(
+def timeout_error(
     exc: BaseException | None, what: str, dest: str, timeout: float | None
 ) -> RpcTimeoutError:
     seconds = rpc.get_rpc_timeout() if timeout is None else timeout
@@ -220,7 +209,7 @@ def rpc_sync(
     # The notebook's case, without the future rpc_async returns (measured ~40 µs a call):
     # the main thread waits on torch's future, or on its lane, itself and settles it here.
     dest = _destination(to, "rpc_sync")
-    call = _Sent(dest.name, f"call of {_name_of(func)}", _limit(timeout), timeout)
+    call = Sent(dest.name, f"call of {_name_of(func)}", limit_of(timeout), timeout)
     payload = lanes.request(dest, func, tuple(args), kwargs)
     answer = _on_main_lane(dest, payload, call) if payload is not None else None
     sent = (func, args, kwargs)
@@ -237,7 +226,7 @@ def rpc_sync(
     return value
 
 
-def _sync_through_torch(dest: WorkerInfo, sent: tuple, call: _Sent) -> tuple[Any, Any]:
+def _sync_through_torch(dest: WorkerInfo, sent: tuple, call: Sent) -> tuple[Any, Any]:
     raw = _send_to(dest, *sent)
     if not prompts.wait_on_main_thread(raw, call.limit):
         return None, call.expired()
@@ -250,7 +239,7 @@ def _fetch_or_resend(kind: int, got: Any, sent: tuple) -> tuple:
     return (lanes.take, (got,), None) if kind == lanes.FETCH else sent
 
 
-def _on_main_lane(dest: WorkerInfo, payload: bytes, call: _Sent) -> tuple[int, Any] | None:
+def _on_main_lane(dest: WorkerInfo, payload: bytes, call: Sent) -> tuple[int, Any] | None:
     """The call on the main thread's lane to ``dest``: ``(kind, value)`` of its answer,
     ``(LOST, error)`` for a lost lane or a timeout, or None (no lane: TensorPipe)."""
     lane = lanes.lane_to(dest, main=True)
@@ -285,7 +274,7 @@ def rpc_async(
     return fut
 
 
-class _Sent:
+class Sent:
     """A call torch has started: the limit in seconds nbrpc keeps, and the errors that
     name the call and its worker. Not its future: a deadline holds ``expired`` for the
     length of the timeout, and must not keep a finished call's result alive."""
@@ -296,10 +285,10 @@ class _Sent:
         self.dest, self.what, self.limit, self.timeout = dest, what, limit, timeout
 
     def translate(self, exc: BaseException) -> Any:
-        return _translate(exc, self.what, self.dest, self.timeout)
+        return translate(exc, self.what, self.dest, self.timeout)
 
     def expired(self) -> RpcTimeoutError:
-        return _timeout_error(None, self.what, self.dest, self.timeout)
+        return timeout_error(None, self.what, self.dest, self.timeout)
 
 
 def _send_to(dest: WorkerInfo, func: Any, args: tuple, kwargs: dict | None) -> torch.futures.Future:
@@ -315,7 +304,7 @@ def start_call(
     """Start a call, on a lane if it takes one (:mod:`nbrpc._wire.lanes`), else with
     torch; its future, settled with nbrpc's errors. Bad input fails before anything is sent."""
     dest = _destination(to, what)
-    call = _Sent(dest.name, f"call of {_name_of(func)}", _limit(timeout), timeout)
+    call = Sent(dest.name, f"call of {_name_of(func)}", limit_of(timeout), timeout)
     out = Future()
     out.dest = call.dest
     sent = (func, tuple(args), kwargs)
@@ -337,7 +326,7 @@ def start_call(
 
 
 def _settle_from_lane(
-    kind: int, got: Any, dest: WorkerInfo, sent: tuple, call: _Sent, out: Future
+    kind: int, got: Any, dest: WorkerInfo, sent: tuple, call: Sent, out: Future
 ) -> None:
     """Finish ``out`` with a lane's answer (on the lane's reader thread)."""
     if kind == lanes.VALUE:
@@ -349,11 +338,11 @@ def _settle_from_lane(
         raw.add_done_callback(lambda done: failures.settle(done, out, call.translate))
 
 
-def _translate(exc: BaseException, what: str, dest: str, timeout: float | None) -> Any:
+def translate(exc: BaseException, what: str, dest: str, timeout: float | None) -> Any:
     """torch's error for ``what`` (``"call of f"``) on worker ``dest``, as the nbrpc error
     that names the problem and the fix; other errors are returned as they are."""
     if _torch.is_timeout(exc):
-        return _timeout_error(exc, what, dest, timeout)
+        return timeout_error(exc, what, dest, timeout)
     missing = _torch.missing_module(exc)
     if missing:
         return SerializationError(
@@ -427,12 +416,12 @@ def remote(
     """
     dest = _destination(to, "remote")
     sent, args, kwargs = _as_python_call(func, tuple(args), kwargs)
-    limit = 0 if timeout is None else _limit(timeout)
+    limit = 0 if timeout is None else limit_of(timeout)
     try:
         with shm.sending_to(dest.name, "remote"):
             rref = _torch.remote(dest, sent, args=args, kwargs=kwargs, timeout=limit)
     except Exception as exc:  # a lost connection at send time
-        error = _translate(exc, f"remote call of {_name_of(func)}", dest.name, timeout)
+        error = translate(exc, f"remote call of {_name_of(func)}", dest.name, timeout)
         if error is exc:
             raise
         raise error from None
@@ -441,183 +430,6 @@ def remote(
     return rref
 
 
-def _to_here(rref: Any, timeout: float = _torch.UNSET_RPC_TIMEOUT) -> Any:
-    """``RRef.to_here`` with :func:`rpc_sync`'s errors (installed by :func:`install`).
-
-    The worker's own exception (the call behind the RRef failed) arrives as it is; torch's
-    errors (a timeout, the owner's death) become nbrpc's. On the main thread it first waits
-    for the value's creation as :class:`Future` waits: interruptible, serving a worker's
-    debugger, on nbrpc's clock.
-    """
-    try:
-        if threading.current_thread() is threading.main_thread() and not rref.is_owner():
-            _await_creation(rref, timeout)
-        return _torch.original_to_here(rref, timeout)
-    except Exception as exc:
-        if failures.is_rebuilt(exc):
-            raise failures.delivered(exc)  # noqa: B904 (the worker's own, as raised there)
-        owner = _torch.owner_name(rref)
-        if owner is None:
-            replaced = _replaced_error(_ledger.owner_rank(rref))
-            if replaced is not None:
-                raise replaced from None
-            # it left the group (died, or belonged to a cluster since shut down)
-            raise WorkerDiedError("the worker that owned this RRef", str(exc)) from None
-        limit = None if timeout == _torch.UNSET_RPC_TIMEOUT else timeout
-        error = _translate(exc, "to_here() of an RRef", owner, limit)
-        if error is exc:
-            raise
-        raise error from None
-
-
-def _await_creation(rref: Any, timeout: float) -> None:
-    created = _torch.rref_creation_future(rref)
-    if created is None or created.done():
-        return
-    given = None if timeout == _torch.UNSET_RPC_TIMEOUT else timeout
-    if not prompts.wait_on_main_thread(created, _limit(given)):
-        raise _timeout_error(None, "to_here() of an RRef", rref.owner().name, given)
-
-
-def _get_type(rref: Any, timeout: float = _torch.UNSET_RPC_TIMEOUT, blocking: bool = True) -> Any:
-    """``RRef._get_type``, which torch's RRef proxies ask before every call, with
-    :func:`rpc_sync`'s errors: where the value's creation failed (its constructor raised),
-    the owner's exception as it was raised there, not torch's RuntimeError carrying its
-    text; a timeout or a lost owner as nbrpc's. With ``blocking=False`` a :class:`Future`,
-    the same one for each call that torch answers with its one cached future."""
-    owner = _torch.owner_name(rref) or "the owner"
-    what = "the type query of an RRef"
-    try:
-        got = _torch.original_get_type(rref, timeout, blocking)
-    except Exception as exc:
-        error = failures.received(exc, lambda e: _translate(e, what, owner, _given(timeout)))
-        if error is exc:
-            raise
-        raise error from None
-    if isinstance(got, type):  # the answer itself (torch's future is its C++ type)
-        return got
-    known = _type_futures.get(rref)
-    if known is not None and known[0] is got:
-        return known[1]
-    out = Future()
-    out.dest = owner
-    _type_futures[rref] = (got, out)
-    call = _Sent(owner, what, 0.0, _given(timeout))
-    got.add_done_callback(lambda done: failures.settle(done, out, call.translate))
-    return out
-
-
-#: What :func:`_get_type` answered each handle with: torch's future (the handle keeps it)
-#: and nbrpc's, settled from it.
-_type_futures: weakref.WeakKeyDictionary[Any, tuple[Any, Future]] = weakref.WeakKeyDictionary()
-
-
-def install() -> None:
-    """Give every RRef's ``to_here``, ``owner`` and ``_get_type`` nbrpc's error
-    translation, and its proxies (``rref.rpc_sync().f()``, ``rpc_async()``, ``remote()``)
-    nbrpc's calls, so a method's exception keeps its type as a call's does, and so does
-    the failed creation of the value they call (idempotent)."""
-    _torch.patch_rref_method("to_here", _to_here)
-    _torch.patch_rref_method("owner", _owner)
-    _torch.patch_rref_method("_get_type", _get_type)
-    for name, call in _torchs_spelling().items():
-        _torch.patch_rref_method(name, _proxy(call))
-
-
-def _proxy(call: Callable[..., Any]) -> Callable[..., Any]:
-    """``RRef.rpc_sync`` & co.: torch's own proxy (``RRefProxy``), calling through nbrpc's
-    ``call`` (torch's C++ made it call ``torch.distributed.rpc.api``'s, whose errors come
-    as a ``RuntimeError`` wrapping the method's)."""
-
-    def proxy(rref: Any, timeout: float = _torch.UNSET_RPC_TIMEOUT) -> Any:
-        return _torch.RRefProxy(rref, call, timeout)
-
-    proxy.__name__ = proxy.__qualname__ = call.__name__
-    return proxy
-
-
-# -- torch's API, as a notebook calls it ------------------------------------------------------
-
-
-def _given(timeout: float) -> float | None:
+def given(timeout: float) -> float | None:
     """torch's "the default timeout" (``UNSET_RPC_TIMEOUT``) is nbrpc's ``None``."""
     return None if timeout == _torch.UNSET_RPC_TIMEOUT else timeout
-
-
-def _in_torchs_spelling(call: Callable[..., Any]) -> Callable[..., Any]:
-    """``call`` (:func:`rpc_sync`, :func:`rpc_async` or :func:`remote`) with torch's
-    signature and defaults: ``args=None``, ``timeout=UNSET_RPC_TIMEOUT``."""
-
-    def routed(
-        to: Any,
-        func: Callable[..., Any],
-        args: tuple | None = None,
-        kwargs: dict | None = None,
-        timeout: float = _torch.UNSET_RPC_TIMEOUT,
-    ) -> Any:
-        return call(to, func, tuple(args or ()), kwargs, _given(timeout))
-
-    routed.__name__ = routed.__qualname__ = call.__name__
-    routed.__doc__ = f"``torch.distributed.rpc.{call.__name__}``, routed to nbrpc's."
-    return routed
-
-
-def wait_all(futures: list) -> list:
-    """``torch.futures.wait_all``, routed: every future's value, or the first error as soon
-    as one fails (torch's documented behaviour; its ``collect_all`` waits for them all).
-    On the main thread the wait can be interrupted (the stop button) and serves a worker's
-    debugger, as :class:`Future` waits do."""
-    if not futures:
-        return []
-    settled: torch.futures.Future[None] = torch.futures.Future()
-    state: dict[str, Any] = {"left": len(futures), "failed": None}
-    lock = threading.Lock()
-
-    def one_settled(fut: Any) -> None:
-        try:
-            fut.value()
-            failed = False
-        except BaseException:
-            failed = True
-        with lock:
-            if settled.done():
-                return
-            state["left"] -= 1
-            if failed:
-                state["failed"] = fut
-            if failed or state["left"] == 0:
-                settled.set_result(None)
-
-    for fut in futures:
-        fut.add_done_callback(one_settled)
-    if threading.current_thread() is threading.main_thread():
-        prompts.wait_on_main_thread(settled)
-    else:
-        settled.wait()
-    if state["failed"] is not None:
-        state["failed"].wait()  # raises its error, as the future itself would
-    return [fut.wait() for fut in futures]
-
-
-def route_torch_calls() -> None:
-    """Make the calls a notebook writes in torch's spelling nbrpc's (idempotent).
-
-    Published tutorials and seed code call ``torch.distributed.rpc.rpc_sync``,
-    ``rpc_async``, ``remote`` and ``torch.futures.wait_all``. Routed here (in the kernel at
-    ``%load_ext nbrpc``, and in a script's process at ``nbrpc.init``) they behave as
-    ``nbrpc.rpc_sync`` & co.: a clear error before ``%rpc_init`` and for an unknown worker,
-    builtins that give the local result, a worker's exception with its own type, and waits
-    the stop button interrupts. nbrpc's own modules send with torch's functions
-    (``_torch.rpc_sync`` & co.), which this leaves alone.
-    """
-    _torch.route_user_calls(_torchs_spelling(), wait_all)
-
-
-def _torchs_spelling() -> dict[str, Callable[..., Any]]:
-    """nbrpc's ``rpc_sync``, ``rpc_async`` and ``remote`` with torch's signatures, made once."""
-    if not _spelled:
-        _spelled.update({f.__name__: _in_torchs_spelling(f) for f in (rpc_sync, rpc_async, remote)})
-    return _spelled
-
-
-_spelled: dict[str, Callable[..., Any]] = {}

@@ -40,8 +40,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _process, _torch
-from ._errors import ThreadsExhaustedError
+from nbrpc import _process, _torch
+from nbrpc._errors import ThreadsExhaustedError
 
 POLL_S = 0.25  # how often a worker with nested waits reads its pool's figures
 STUCK_S = 1.0  # how long a worker must be stuck before it says so (a passing peak is not)
