@@ -75,7 +75,7 @@ class Future(torch.futures.Future):
             if not self.done():
                 if threading.current_thread() is threading.main_thread():
                     prompts.wait_on_main_thread(self)
-                elif callee.serving():  # a call made inside a call: it holds this RPC thread
+                elif callee.holds_rpc_thread():  # a call made inside a call, on torch's pool
                     with deadlock.waiting(self.dest, self):
                         return super().wait()
             return super().wait()

@@ -49,6 +49,17 @@ def serving() -> bool:
     return getattr(_thread, "depth", 0) > 0
 
 
+def holds_rpc_thread() -> bool:
+    """Whether this thread serves a call on one of torch's RPC threads (whose pool a wait
+    here can use up), not on one of the lanes' own threads (:mod:`.lanes`)."""
+    return getattr(_thread, "depth", 0) > 0 and not getattr(_thread, "lane", False)
+
+
+def serve_lanes_here() -> None:
+    """This thread is one of the lanes' own: its calls hold none of torch's RPC threads."""
+    _thread.lane = True
+
+
 class BuiltinArgumentError(TypeError, RuntimeError):
     """A torch operator called with arguments it does not take: the ``TypeError`` it raises
     locally, and the ``RuntimeError`` torch's RPC raises ("failed to match any schema")."""

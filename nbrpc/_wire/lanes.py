@@ -16,8 +16,8 @@ through TensorPipe as before, unchanged):
   :data:`MAX_TENSOR_BYTES` together at most (larger ones take the shared-memory arena);
 * not made inside a distributed autograd context (torch records the send and receive
   functions of the backward pass on each RPC), not while torch's profiler records (it
-  records the RPC), not from a thread that serves a call (a nested call holds one of
-  torch's RPC threads, which :mod:`nbrpc._calls.deadlock` watches), and not of a function
+  records the RPC), not from a thread that serves a call (a nested call waits holding its
+  thread: on torch's pool :mod:`nbrpc._calls.deadlock` watches such waits), and not of a function
   decorated ``@rpc.functions.async_execution`` (torch completes its future).
 
 The callee runs the call in :func:`nbrpc._wire.callee.run_function`, as TensorPipe's
@@ -455,6 +455,7 @@ def _accept(listener: socket.socket) -> None:
 
 def _serve(conn: socket.socket) -> None:
     """Read a peer's calls: the main thread's run here, the others on the pool."""
+    callee.serve_lanes_here()
     reader = conn.makefile("rb", buffering=1 << 16)
     write_lock = threading.Lock()
     try:
@@ -542,6 +543,7 @@ class _Pool:
         self.work.put(item)
 
     def _work(self) -> None:
+        callee.serve_lanes_here()
         while True:
             item = self.work.get()
             if item is None:
