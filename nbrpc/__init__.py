@@ -52,7 +52,7 @@ from ._gather.stacks import stacks
 from ._gather.timeline import Recording, record
 from ._lifecycle.cluster import Cluster, ClusterState, current, init, restart, shutdown, status
 from ._lifecycle.ranks import rank
-from ._options import Slurm
+from ._placement import Slurm
 from ._rows import CallRow, OwnershipRow, StackRow, StatusRow, Trace, WorkerRecord
 from ._wire.pickling import register_by_value
 from .autograd import trace_backward

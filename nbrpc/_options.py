@@ -7,17 +7,22 @@ the flag's text becomes the value. From it come:
 * the keyword arguments of :func:`nbrpc.init` and :class:`nbrpc.Cluster`, typed
   (``**options: Unpack[Options]``), and the options part of their docstrings;
 * ``%rpc_init``'s arguments and ``--help`` (:func:`magic_arguments`);
-* ``docs/options.md`` (:func:`options_doc`, checked by ``tests/test_options.py``).
+* ``docs/options.md`` (:func:`options_doc`, checked by ``tests/unit/test_options.py``).
 
 :class:`Settings` is what a cluster was asked for once checked: one frozen object whose
 fields are the options' names (the test holds the two together), with defaults worked out
 and every bad value refused with a :class:`~nbrpc.ConfigError` before a process starts
-(:meth:`Settings.make`). What only the engine source can work out (``--hosts`` asks ssh
-for the route to the first host, to pick ``--listen``) it completes itself
-(:func:`nbrpc._engines.resolve`).
+(:meth:`Settings.make`). An engine source's own options are one value of its own type
+(``slurm``: an :class:`nbrpc.Slurm`, whose fields are declared there, in
+:mod:`nbrpc._placement`): the flags that give its fields one by one (``--nodes``,
+``--partition``, ...) are options marked ``part_of`` the field they give, folded into that
+value, and no field of :class:`Settings`. What only the engine source can work out
+(``--hosts`` asks ssh for the route to the first host, to pick ``--listen``) it completes
+itself (:func:`nbrpc._engines.resolve`).
 
 Adding an option: one entry in :class:`Options` (its ``doc`` is its documentation), its
-field in :class:`Settings`, and its use.
+field in :class:`Settings` (none for a ``part_of`` option: its field is in the value it is
+part of), and its use.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import Annotated, Any, TypedDict, get_type_hints
 
 from . import _devices, _group, _process
 from ._errors import ConfigError
-from ._placement import Slurm, slurm_fields, slurm_job, where
+from ._placement import Slurm, slurm_job, where
 from ._wire import shm
 
 DEFAULT_RPC_TIMEOUT_S = 60.0
@@ -46,6 +51,9 @@ class Opt:
     ``--help``; ``doc``: more, for the docstring and docs/options.md. ``parse``: the flag's
     text (a list of texts for a ``repeat`` flag) to the option's value. ``switch``: the flag
     takes no value and sets the option to ``switch[1]`` (``switch[0]`` when absent).
+    ``part_of``: ``"slurm.args"``: the option is the ``args`` field of the value option
+    ``slurm`` takes (an :class:`nbrpc.Slurm`), given flat (``--sbatch-args``,
+    ``slurm=True, sbatch_args=...``); :class:`Settings` holds that value, not this option.
     """
 
     flag: str | None
@@ -56,6 +64,7 @@ class Opt:
     parse: Callable[[Any], Any] | None = None
     switch: tuple[Any, Any] | None = None
     repeat: bool = False
+    part_of: str | None = None
 
 
 def _comma_list(text: str) -> list[str]:
@@ -295,15 +304,19 @@ class Options(TypedDict, total=False):
     ]
     nodes: Annotated[
         int | None,
-        Opt("--nodes", "with --slurm: how many nodes", parse=int),
+        Opt("--nodes", "with --slurm: how many nodes", parse=int, part_of="slurm.nodes"),
     ]
     partition: Annotated[
         str | None,
-        Opt("--partition", "with --slurm: the partition"),
+        Opt("--partition", "with --slurm: the partition", part_of="slurm.partition"),
     ]
     time: Annotated[
         str | None,
-        Opt("--time", "with --slurm: the job's time limit, as sbatch --time takes it"),
+        Opt(
+            "--time",
+            "with --slurm: the job's time limit, as sbatch --time takes it",
+            part_of="slurm.time",
+        ),
     ]
     gpus_per_node: Annotated[
         int | None,
@@ -311,6 +324,7 @@ class Options(TypedDict, total=False):
             "--gpus-per-node",
             "with --slurm: GPUs per node, one per worker by its rank on the node",
             parse=int,
+            part_of="slurm.gpus_per_node",
         ),
     ]
     sbatch_args: Annotated[
@@ -320,6 +334,7 @@ class Options(TypedDict, total=False):
             "with --slurm: more sbatch options, quoted, e.g. --sbatch-args '--account=ml'",
             metavar="ARGS",
             parse=_unquote,
+            part_of="slurm.args",
         ),
     ]
     queue_timeout: Annotated[
@@ -328,6 +343,7 @@ class Options(TypedDict, total=False):
             "--queue-timeout",
             "with --slurm: seconds to wait for the job to start, then cancel it",
             parse=float,
+            part_of="slurm.queue_timeout",
         ),
     ]
 
@@ -336,6 +352,17 @@ def declared() -> dict[str, Opt]:
     """Every option's :class:`Opt`, in declaration order."""
     hints = get_type_hints(Options, include_extras=True)
     return {name: hint.__metadata__[0] for name, hint in hints.items()}
+
+
+def parts(v: dict[str, Any], whole: str) -> dict[str, tuple[str, Any]]:
+    """The options that are fields of option ``whole``'s value, as given in ``v``:
+    ``{option: (field, value)}`` in declaration order (``{"sbatch_args": ("args", ...)}``)."""
+    found = {}
+    for name, opt in declared().items():
+        owner, _, part = (opt.part_of or "").partition(".")
+        if opt.part_of is not None and owner == whole:
+            found[name] = (part, v[name])
+    return found
 
 
 def annotation(name: str) -> str:
@@ -487,15 +514,9 @@ class Settings:
     remote_python: str | None = None
     #: "dead": replace workers that died before the next cell (nbrpc._lifecycle.restart)
     restart: str | None = None
-    #: workers from Slurm (see nbrpc._engines.slurm): the job asked for, all in one;
-    #: the fields after it are its parts, as given by flags or keywords
+    #: workers from Slurm (see nbrpc._engines.slurm): the job asked for, whether given as
+    #: nbrpc.Slurm(...) or as its flags/keywords (--nodes, ...: the options part_of it)
     slurm: Slurm | None = None
-    nodes: int | None = None
-    partition: str | None = None
-    time: str | None = None
-    gpus_per_node: int | None = None
-    sbatch_args: tuple[str, ...] = ()
-    queue_timeout: float | None = None
 
     @classmethod
     def make(cls, n: int | None = None, /, **options: Any) -> Settings:
@@ -533,7 +554,7 @@ class Settings:
             )
         process_group, members = _process_group(v)
         threads, timeout = v["num_worker_threads"], v["rpc_timeout"]
-        slurm = slurm_job(v)
+        slurm = slurm_job(v, parts(v, "slurm"))
         if slurm is not None and slurm.gpus_per_node and gpus is None:
             gpus = "auto"  # a GPU per worker, by its rank on the node, maps for all pairs
         return cls(
@@ -558,7 +579,7 @@ class Settings:
             ssh_args=ssh_args,
             remote_python=v["remote_python"],
             restart=_restart_mode(v["restart"]),
-            **slurm_fields(slurm),
+            slurm=slurm,
         )
 
     @property

@@ -3,11 +3,13 @@ the Slurm job (``--slurm``); each checked before anything starts.
 
 :func:`where` works out how many workers, named what, on which hosts, with the kernel
 listening where, and refuses combinations that cannot work. :class:`Slurm` is what
-``nbrpc.init(slurm=nbrpc.Slurm(...))`` takes; the same job can be given as flat options
-(``%rpc_init --slurm --nodes 2 --time 10``, ``nbrpc.init(slurm=True, nodes=2)``),
-declared with the others in :mod:`nbrpc._options`. :func:`slurm_job` makes one ``Slurm``
-of either form; what only Slurm can judge (a partition, a time over its limit) it judges
-with ``sbatch --test-only`` (:mod:`nbrpc._engines.slurm`).
+``nbrpc.init(slurm=nbrpc.Slurm(...))`` takes, and the one declaration of the job's
+fields; the same job can be given as flat options (``%rpc_init --slurm --nodes 2 --time
+10``, ``nbrpc.init(slurm=True, nodes=2)``), whose flags are declared with the others in
+:mod:`nbrpc._options`, each marked as the ``Slurm`` field it gives. :func:`slurm_job` makes
+one ``Slurm`` of either form, the only form the settings keep; what only Slurm can judge
+(a partition, a time over its limit) it judges with ``sbatch --test-only``
+(:mod:`nbrpc._engines.slurm`).
 """
 
 from __future__ import annotations
@@ -57,12 +59,13 @@ class Slurm:
         return [*opts, *self.args]
 
 
-_SLURM_FLAT = ("nodes", "partition", "time", "gpus_per_node", "sbatch_args", "queue_timeout")
+def slurm_job(v: dict[str, Any], flat: dict[str, tuple[str, Any]]) -> Slurm | None:
+    """The Slurm job asked for (``slurm=``, or ``slurm=True`` and the flat options), checked.
 
-
-def slurm_job(v: dict[str, Any]) -> Slurm | None:
-    """The Slurm job asked for (``slurm=`` and the flat options), checked."""
-    given = {k: v[k] for k in _SLURM_FLAT if v[k] not in (None, "", [], ())}
+    ``v``: every option as given; ``flat``: the options that are ``Slurm`` fields,
+    ``{option: (field, value)}`` (:func:`nbrpc._options.parts`).
+    """
+    given = [k for k, (_, value) in flat.items() if value not in (None, "", [], ())]
     asked = v["slurm"]
     if not asked:
         if given:
@@ -82,13 +85,23 @@ def slurm_job(v: dict[str, Any]) -> Slurm | None:
             )
         plan = asked
     elif asked is True:
-        extra = v["sbatch_args"]
-        args = tuple(shlex.split(extra) if isinstance(extra, str) else extra or ())
-        plan = Slurm(
-            v["nodes"], v["partition"], v["time"], v["gpus_per_node"], args, v["queue_timeout"]
-        )
+        fields = dict(flat.values())
+        extra = fields.get("args")
+        fields["args"] = tuple(shlex.split(extra) if isinstance(extra, str) else extra or ())
+        plan = Slurm(**fields)
     else:
         raise ConfigError(f"slurm={asked!r}: use True or nbrpc.Slurm(...)")
+    _check_slurm(plan)
+    if (v["listen"] or "") and _group.is_loopback(v["listen"]):
+        raise ConfigError(
+            f"--listen {v['listen']} with --slurm: workers on the cluster's nodes cannot "
+            "reach this host's loopback. Give an address they reach (or leave --listen "
+            "out: it is worked out from the route towards Slurm's controller)."
+        )
+    return plan
+
+
+def _check_slurm(plan: Slurm) -> None:
     if plan.nodes is not None and plan.nodes < 1:
         raise ConfigError(f"--nodes must be at least 1, got {plan.nodes}")
     if plan.gpus_per_node is not None and plan.gpus_per_node < 0:
@@ -100,27 +113,6 @@ def slurm_job(v: dict[str, Any]) -> Slurm | None:
             f"--time {plan.time!r}: Slurm takes minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or "
             "D-HH:MM:SS"
         )
-    if (v["listen"] or "") and _group.is_loopback(v["listen"]):
-        raise ConfigError(
-            f"--listen {v['listen']} with --slurm: workers on the cluster's nodes cannot "
-            "reach this host's loopback. Give an address they reach (or leave --listen "
-            "out: it is worked out from the route towards Slurm's controller)."
-        )
-    return plan
-
-
-def slurm_fields(plan: Slurm | None) -> dict[str, Any]:
-    if plan is None:
-        return {"slurm": None}
-    return {
-        "slurm": plan,
-        "nodes": plan.nodes,
-        "partition": plan.partition,
-        "time": plan.time,
-        "gpus_per_node": plan.gpus_per_node,
-        "sbatch_args": plan.args,
-        "queue_timeout": plan.queue_timeout,
-    }
 
 
 def validate_names(names: list[str] | tuple[str, ...], self_name: str) -> None:

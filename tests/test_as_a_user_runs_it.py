@@ -9,7 +9,6 @@ called differently from a user can no longer pass while the user's path fails.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -26,11 +25,6 @@ import nbrpc
 def sleepy(seconds):
     time.sleep(seconds)
     return seconds
-
-def ping(n, me, other):   # a call made inside a call, n deep
-    if n == 0:
-        return "done"
-    return nbrpc.rpc_sync(other, ping, args=(n - 1, other, me))
 
 def make_generator():
     return (i for i in range(3))
@@ -109,32 +103,6 @@ def test_the_stop_button_ends_torch_style_waits(kernel, cell):
     assert "Cell In[" in text, text  # the cell's own line, as IPython names it
     for hidden in ("calls.py", "prompts.py", "torch/futures", "ipykernel_"):
         assert hidden not in text, text
-
-
-def _idle(kernel: Kernel) -> bool:
-    """No call runs on any worker (the stop button ends the wait, not the remote call)."""
-    return kernel.value("sum(r['calls_in_flight'] or 0 for r in nbrpc.status())") == 0
-
-
-def test_nested_calls_that_use_up_the_threads_say_why_and_free_the_cluster(kernel):
-    assert wait_until(lambda: _idle(kernel), timeout=30)  # a thread still computing is progress
-    t0 = time.monotonic()
-    _, errors = kernel.execute(
-        "nbrpc.rpc_sync('worker1', ping, args=(40, 'worker1', 'worker2'), timeout=20)"
-    )
-    took = time.monotonic() - t0
-    assert errors
-    assert errors[0].startswith("ThreadsExhaustedError")
-    text = _traceback(kernel)
-    for words in ("RPC threads of worker1, worker2", "--threads", "async_execution"):
-        assert words in text
-    assert took < 15, f"the jam was noticed after {took:.1f} s (the timeout: 20 s)"
-    t0 = time.monotonic()
-    assert kernel.value("nbrpc.rpc_sync('worker2', min, args=(1, 2))") == 1
-    assert time.monotonic() - t0 < 5, "the cluster stayed jammed after the error"
-    assert (
-        kernel.value("nbrpc.rpc_sync('worker1', ping, args=(10, 'worker1', 'worker2'))") == "done"
-    )
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,6 @@ import pytest
 from conftest import load_fakehosts, load_fakeslurm, running_kernel
 
 import nbrpc
-from nbrpc import _options
 from nbrpc._options import Settings
 
 fakehosts = load_fakehosts()
@@ -35,8 +34,7 @@ def test_slurm_options_are_checked_before_anything_runs():
     assert gpus.gpus == "auto"  # a GPU per worker by its place on the node, maps for all
     assert "--gpus-per-node=2" in gpus.slurm.sbatch_options(4)
     typed = Settings.make(2, slurm=nbrpc.Slurm(partition="debug", queue_timeout=5))
-    assert typed.partition == "debug"
-    assert typed.queue_timeout == 5
+    assert typed.slurm == nbrpc.Slurm(partition="debug", queue_timeout=5)
     for bad, says in (
         ({"slurm": True, "hosts": "h1,h2"}, "--hosts starts them over ssh"),
         ({"nodes": 2}, "add --slurm"),
@@ -56,7 +54,7 @@ def test_without_sbatch_on_path_the_error_says_what_is_missing(monkeypatch, tmp_
     monkeypatch.setenv("PATH", str(tmp_path))  # nothing there
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     with pytest.raises(nbrpc.ConfigError, match="needs Slurm's sbatch on PATH"):
-        slurm.check(_options.Slurm(), 2)
+        slurm.check(nbrpc.Slurm(), 2)
 
 
 # -- against a real Slurm -------------------------------------------------------------------

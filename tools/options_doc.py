@@ -1,7 +1,7 @@
 """Write docs/options.md from nbrpc's one declaration of the cluster's options.
 
 python tools/options_doc.py          # rewrite docs/options.md
-python tools/options_doc.py --check  # exit 1 if it is stale (tests/test_options.py)
+python tools/options_doc.py --check  # exit 1 if it is stale (tests/unit/test_options.py)
 """
 
 from __future__ import annotations

@@ -44,6 +44,7 @@ from ipyparallel.cluster.launcher import MPIEngineSetLauncher, SlurmEngineSetLau
 
 from nbrpc import _fence, _options
 from nbrpc._errors import BootError, ConfigError
+from nbrpc._placement import Slurm
 from nbrpc._wire import stacks
 
 from . import worker
@@ -105,7 +106,7 @@ def in_allocation() -> str | None:
     return os.environ.get("SLURM_JOB_ID") or None
 
 
-def check(plan: _options.Slurm, n: int) -> None:
+def check(plan: Slurm, n: int) -> None:
     """Ask Slurm whether it would run the job (``sbatch --test-only``); a refusal is a
     ConfigError with Slurm's answer. Inside an allocation the step's options are checked
     when it starts."""
@@ -186,7 +187,7 @@ class _Job(SlurmEngineSetLauncher):
 class SlurmController(Controller):
     """A controller on ``listen`` and one Slurm job (or step) of engines."""
 
-    def __init__(self, listen: str, plan: _options.Slurm, python: str) -> None:
+    def __init__(self, listen: str, plan: Slurm, python: str) -> None:
         self.listen = listen
         self.plan = plan
         self.python = python

@@ -25,9 +25,26 @@ OPTIONS = _options.declared()
 
 def test_settings_has_a_field_for_every_option_and_no_other():
     fields = [f.name for f in dataclasses.fields(_options.Settings)]
-    assert fields == list(OPTIONS), (
-        "nbrpc._options.Settings must have one field per declared option, in the same order"
+    whole = [name for name, opt in OPTIONS.items() if opt.part_of is None]
+    assert fields == whole, (
+        "nbrpc._options.Settings must have one field per declared option, in the same order, "
+        "and none for an option that is part of another's value (part_of)"
     )
+
+
+def test_an_option_part_of_a_value_names_one_of_its_fields():
+    """``--nodes`` is ``Slurm.nodes``: the flag is declared in Options, the field only in the
+    value's own class (the type of the Settings field it is part of)."""
+    hints = typing.get_type_hints(_options.Settings)
+    parts = {name: opt.part_of for name, opt in OPTIONS.items() if opt.part_of}
+    assert set(parts) >= {"nodes", "partition", "time", "gpus_per_node", "sbatch_args"}
+    for name, part_of in parts.items():
+        whole, _, field = part_of.partition(".")
+        assert whole in OPTIONS, (name, part_of)
+        assert OPTIONS[whole].part_of is None, (name, part_of)
+        value_types = [t for t in typing.get_args(hints[whole]) if dataclasses.is_dataclass(t)]
+        assert value_types, f"Settings.{whole} holds no dataclass for {name} to be part of"
+        assert field in {f.name for f in dataclasses.fields(value_types[0])}, (name, part_of)
 
 
 @pytest.mark.parametrize("func", [nbrpc.init, nbrpc.Cluster.__init__])
@@ -84,6 +101,24 @@ def test_an_unknown_option_is_refused_with_the_nearest_name():
         (
             "--process-group gloo --process-group-workers worker2,worker1",
             {"process_group": "gloo", "process_group_workers": ["worker2", "worker1"]},
+        ),
+        (
+            "--slurm --nodes 2 --partition gpu --time 10 --gpus-per-node 2 "
+            "--sbatch-args '--account=ml --qos=high' --queue-timeout 30",
+            {
+                "slurm": nbrpc.Slurm(
+                    nodes=2,
+                    partition="gpu",
+                    time="10",
+                    gpus_per_node=2,
+                    args=("--account=ml", "--qos=high"),
+                    queue_timeout=30,
+                )
+            },
+        ),
+        (
+            "--slurm --nodes 2 --sbatch-args '--exclusive'",
+            {"slurm": True, "nodes": 2, "sbatch_args": ["--exclusive"]},
         ),
         (
             "--hosts h1,h1,h2 --listen 127.0.0.1 --ssh-args '-F cfg' --remote-python /p",
