@@ -1,4 +1,4 @@
-"""Calls made inside calls, nested deeper than the RPC threads (``nbrpc._deadlock``).
+"""Calls made inside calls, nested deeper than the RPC threads (``nbrpc._calls.deadlock``).
 
 A 40-deep ping-pong between two workers of 16 threads each holds every thread of both in
 a call waiting on the other. torch alone waits out the calls' timeouts and the workers
