@@ -9,6 +9,8 @@ Figures (medians and p90 over interleaved repeats):
   importable function and with a builtin (``torch.add``), in the same processes;
   ipyparallel ``apply_sync`` to the same engine; the floor, a pipe ping-pong between two
   processes; torch RPC between bare processes (``raw_torch.py``). Rows name their route.
+  nbrpc with the importable ``echo`` torch's rows call shows what sending a notebook
+  function by value costs.
 - 1000 concurrent small calls: ``rpc_async`` 1000 times to one worker, then wait for all;
   nbrpc on its lane and through TensorPipe, torch RPC in the same processes.
 - idle CPU: what the cluster's 3 processes use together, idle for 5 s, lanes open.
@@ -196,6 +198,7 @@ def bench_calls(small_n: int, big_n: dict[int, int]) -> dict:
         "small": interleaved(
             {
                 "nbrpc": small_nbrpc,
+                "nbrpc, importable function": lambda: nbrpc.rpc_sync("worker1", echo, (tiny,)),
                 "nbrpc, recording a timeline": small_nbrpc,
                 "nbrpc, TensorPipe only": small_nbrpc,
                 "torch rpc": lambda: TORCH_SYNC("worker1", echo, args=(tiny,)),
