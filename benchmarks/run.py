@@ -9,8 +9,8 @@ Figures (medians and p90 over interleaved repeats):
   importable function and with a builtin (``torch.add``), in the same processes;
   ipyparallel ``apply_sync`` to the same engine; the floor, a pipe ping-pong between two
   processes; torch RPC between bare processes (``raw_torch.py``). Rows name their route.
-  nbrpc with the importable ``echo`` torch's rows call shows what sending a notebook
-  function by value costs.
+  The row with the importable ``echo`` (the function torch's rows call) shows what
+  sending a notebook function by value costs.
 - 1000 concurrent small calls: ``rpc_async`` 1000 times to one worker, then wait for all;
   nbrpc on its lane and through TensorPipe, torch RPC in the same processes.
 - idle CPU: what the cluster's 3 processes use together, idle for 5 s, lanes open.
