@@ -355,12 +355,15 @@ class _Lane:
 
     def receive(self) -> tuple[int, Any]:
         """The next reply on this lane: ``(kind, value)``; raises :class:`LaneLost`."""
-        head = self.reader.read(_FRAME.size)
-        if len(head) < _FRAME.size:
-            raise LaneLost(f"{self.dest} closed its end of the lane (its process exited)")
-        call, size, kind = _FRAME.unpack(head)
-        payload = self.reader.read(size)
-        if len(payload) < size:
+        try:
+            head = self.reader.read(_FRAME.size)
+            call, size, kind = _FRAME.unpack(head) if len(head) == _FRAME.size else (0, 0, 0)
+            payload = self.reader.read(size) if kind else b""
+        except OSError as exc:  # ECONNRESET: the peer died with bytes unread
+            self.close()
+            raise LaneLost(f"{self.dest} closed its end of the lane ({exc})") from None
+        if not kind or len(payload) < size:
+            self.close()
             raise LaneLost(f"{self.dest} closed its end of the lane (its process exited)")
         return call, _reply(kind, payload)
 
