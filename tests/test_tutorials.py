@@ -505,8 +505,11 @@ class TestRpcTutorial:
         assert errors == ["KeyboardInterrupt: "], errors
         assert ran_on < 5, f"the cell ran {ran_on:.1f} s after the stop button"
         text = "\n".join(line for tb in kernel.tracebacks for line in tb)
-        assert "fut.wait()" in text, text  # the cell's line, not nbrpc's nor torch's
-        assert "calls.py" not in text, text
+        # the cell's lines, wherever the button landed (in fut.wait() or between calls:
+        # small calls take a lane, so most of an episode is the kernel's own work now)
+        assert "Cell In[" in text, text
+        for hidden in ("nbrpc/", "torch/futures", "torch/distributed"):
+            assert hidden not in text, text
         assert kernel.value("i_episode") > 1
         # the episode the button cut short ends on the observers; the next ones run
         kernel.run("agent.run_episode(); agent.finish_episode()")
