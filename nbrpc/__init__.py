@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from torch.distributed.rpc import RRef, WorkerInfo
 
 from . import autograd
-from ._calls.agent import get_worker_info, remote, rpc_async, rpc_sync, workers
+from ._calls.facade import get_worker_info, remote, rpc_async, rpc_sync, workers
 from ._cells import CellResults, RpcCellError, pull, push, worker_namespace
 from ._debugger.postmortem import post_mortem
 from ._errors import (

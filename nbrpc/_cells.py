@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ._calls import agent as calls
+from ._calls import facade as calls
 from ._errors import ConfigError, NbrpcError, short_traceback
 from ._wire import namespace
 

@@ -23,7 +23,7 @@ import anywidget
 import traitlets
 
 from . import _views
-from ._calls import agent as calls
+from ._calls import facade as calls
 from ._errors import NbrpcError
 from ._gather import census, timeline
 from ._lifecycle import cluster as lifecycle

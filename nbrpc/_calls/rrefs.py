@@ -4,7 +4,7 @@
 nbrpc's clock) and gives nbrpc's errors; ``owner`` names a restart that replaced the owner;
 ``_get_type``, which torch's proxies ask first, keeps the owner's exception type; the
 proxies (``rref.rpc_sync().f()``, ``rpc_async()``, ``remote()``) call through
-:mod:`.agent`, so a method's exception keeps its type as a call's does.
+:mod:`.facade`, so a method's exception keeps its type as a call's does.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from nbrpc._debugger import prompts
 from nbrpc._errors import WorkerDiedError
 from nbrpc._wire import failures
 
-from . import agent, spelling
+from . import facade, spelling
 
 
 def _owner(rref: Any) -> WorkerInfo:
@@ -30,7 +30,7 @@ def _owner(rref: Any) -> WorkerInfo:
     try:
         return _torch.original_owner(rref)
     except RuntimeError:
-        replaced = agent.replaced_error(_ledger.owner_rank(rref))
+        replaced = facade.replaced_error(_ledger.owner_rank(rref))
         if replaced is not None:
             raise replaced from None
         raise
@@ -41,7 +41,7 @@ def _to_here(rref: Any, timeout: float = _torch.UNSET_RPC_TIMEOUT) -> Any:
 
     The worker's own exception (the call behind the RRef failed) arrives as it is; torch's
     errors (a timeout, the owner's death) become nbrpc's. On the main thread it first waits
-    for the value's creation as :class:`agent.Future` waits: interruptible, serving a worker's
+    for the value's creation as :class:`facade.Future` waits: interruptible, serving a worker's
     debugger, on nbrpc's clock.
     """
     try:
@@ -53,13 +53,13 @@ def _to_here(rref: Any, timeout: float = _torch.UNSET_RPC_TIMEOUT) -> Any:
             raise failures.delivered(exc)  # noqa: B904 (the worker's own, as raised there)
         owner = _torch.owner_name(rref)
         if owner is None:
-            replaced = agent.replaced_error(_ledger.owner_rank(rref))
+            replaced = facade.replaced_error(_ledger.owner_rank(rref))
             if replaced is not None:
                 raise replaced from None
             # it left the group (died, or belonged to a cluster since shut down)
             raise WorkerDiedError("the worker that owned this RRef", str(exc)) from None
         limit = None if timeout == _torch.UNSET_RPC_TIMEOUT else timeout
-        error = agent.translate(exc, "to_here() of an RRef", owner, limit)
+        error = facade.translate(exc, "to_here() of an RRef", owner, limit)
         if error is exc:
             raise
         raise error from None
@@ -69,16 +69,16 @@ def _await_creation(rref: Any, timeout: float) -> None:
     created = _torch.rref_creation_future(rref)
     if created is None or created.done():
         return
-    limit = agent.given(timeout)
-    if not prompts.wait_on_main_thread(created, agent.limit_of(limit)):
-        raise agent.timeout_error(None, "to_here() of an RRef", rref.owner().name, limit)
+    limit = facade.given(timeout)
+    if not prompts.wait_on_main_thread(created, facade.limit_of(limit)):
+        raise facade.timeout_error(None, "to_here() of an RRef", rref.owner().name, limit)
 
 
 def _get_type(rref: Any, timeout: float = _torch.UNSET_RPC_TIMEOUT, blocking: bool = True) -> Any:
     """``RRef._get_type``, which torch's RRef proxies ask before every call, with
     :func:`rpc_sync`'s errors: where the value's creation failed (its constructor raised),
     the owner's exception as it was raised there, not torch's RuntimeError carrying its
-    text; a timeout or a lost owner as nbrpc's. With ``blocking=False`` a :class:`agent.Future`,
+    text; a timeout or a lost owner as nbrpc's. With ``blocking=False`` a :class:`facade.Future`,
     the same one for each call that torch answers with its one cached future."""
     owner = _torch.owner_name(rref) or "the owner"
     what = "the type query of an RRef"
@@ -86,7 +86,7 @@ def _get_type(rref: Any, timeout: float = _torch.UNSET_RPC_TIMEOUT, blocking: bo
         got = _torch.original_get_type(rref, timeout, blocking)
     except Exception as exc:
         error = failures.received(
-            exc, lambda e: agent.translate(e, what, owner, agent.given(timeout))
+            exc, lambda e: facade.translate(e, what, owner, facade.given(timeout))
         )
         if error is exc:
             raise
@@ -96,17 +96,17 @@ def _get_type(rref: Any, timeout: float = _torch.UNSET_RPC_TIMEOUT, blocking: bo
     known = _type_futures.get(rref)
     if known is not None and known[0] is got:
         return known[1]
-    out = agent.Future()
+    out = facade.Future()
     out.dest = owner
     _type_futures[rref] = (got, out)
-    call = agent.Sent(owner, what, 0.0, agent.given(timeout))
+    call = facade.Sent(owner, what, 0.0, facade.given(timeout))
     got.add_done_callback(lambda done: failures.settle(done, out, call.translate))
     return out
 
 
 #: What :func:`_get_type` answered each handle with: torch's future (the handle keeps it)
 #: and nbrpc's, settled from it.
-_type_futures: weakref.WeakKeyDictionary[Any, tuple[Any, agent.Future]] = (
+_type_futures: weakref.WeakKeyDictionary[Any, tuple[Any, facade.Future]] = (
     weakref.WeakKeyDictionary()
 )
 

@@ -12,7 +12,7 @@ import torch
 from nbrpc import _torch
 from nbrpc._debugger import prompts
 
-from . import agent
+from . import facade
 
 
 def _in_torchs_spelling(call: Callable[..., Any]) -> Callable[..., Any]:
@@ -26,7 +26,7 @@ def _in_torchs_spelling(call: Callable[..., Any]) -> Callable[..., Any]:
         kwargs: dict | None = None,
         timeout: float = _torch.UNSET_RPC_TIMEOUT,
     ) -> Any:
-        return call(to, func, tuple(args or ()), kwargs, agent.given(timeout))
+        return call(to, func, tuple(args or ()), kwargs, facade.given(timeout))
 
     routed.__name__ = routed.__qualname__ = call.__name__
     routed.__doc__ = f"``torch.distributed.rpc.{call.__name__}``, routed to nbrpc's."
@@ -90,7 +90,7 @@ def torchs_spelling() -> dict[str, Callable[..., Any]]:
         _spelled.update(
             {
                 f.__name__: _in_torchs_spelling(f)
-                for f in (agent.rpc_sync, agent.rpc_async, agent.remote)
+                for f in (facade.rpc_sync, facade.rpc_async, facade.remote)
             }
         )
     return _spelled

@@ -44,7 +44,7 @@ def join(
     ``members``: the cluster's addresses, when it listens beyond loopback: then this
     process's listening sockets admit those alone (:mod:`nbrpc._fence`)."""
     from nbrpc import _fence, _group, _process, _setup
-    from nbrpc._calls import agent as calls
+    from nbrpc._calls import facade as calls
     from nbrpc._errors import BootError
 
     spec = _group.StoreSpec(**store)

@@ -14,7 +14,7 @@ from typing import Any
 import torch.distributed.rpc as rpc
 
 from nbrpc import _group, _ledger, _process
-from nbrpc._calls import agent as calls
+from nbrpc._calls import facade as calls
 from nbrpc._errors import NbrpcError, RpcTimeoutError, UnknownWorkerError, WorkerDiedError
 from nbrpc._rows import OwnershipRow
 from nbrpc._wire import callee

@@ -19,7 +19,7 @@ import time
 import traceback
 from typing import Any
 
-from nbrpc._calls import agent as calls
+from nbrpc._calls import facade as calls
 from nbrpc._errors import NbrpcError, UnknownWorkerError
 from nbrpc._lifecycle import cluster as lifecycle
 from nbrpc._rows import StackRow, ThreadStack

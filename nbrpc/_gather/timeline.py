@@ -28,7 +28,7 @@ import uuid
 from typing import Any
 
 from nbrpc import _group, _process, _torch
-from nbrpc._calls import agent as calls
+from nbrpc._calls import facade as calls
 from nbrpc._errors import NbrpcError
 from nbrpc._rows import CallRow
 from nbrpc._views import timeline_text

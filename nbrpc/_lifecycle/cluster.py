@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Unpack
 
 from nbrpc import _devices, _engines, _group, _ledger, _process, _setup, _torch, _views
-from nbrpc._calls import agent as calls
+from nbrpc._calls import facade as calls
 from nbrpc._debugger import prompts
 from nbrpc._engines import worker
 from nbrpc._engines.watchdog import process_alive, segment_prefix, sweep_segments

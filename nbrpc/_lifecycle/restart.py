@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from nbrpc import _fence, _group, _process
-from nbrpc._calls import agent as calls
+from nbrpc._calls import facade as calls
 from nbrpc._engines import JOIN_TIMEOUT_S, Engines
 from nbrpc._errors import BootError, ConfigError
 from nbrpc._options import Settings
