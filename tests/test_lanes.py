@@ -197,6 +197,19 @@ def test_concurrent_calls_on_one_lane_run_at_once_as_on_torchs_thread_pool(clust
     assert [f.wait() for f in waiting] == [4, 4, 4, 4]
 
 
+def test_a_callback_of_a_lane_call_may_call_and_wait(cluster, code):
+    """torch runs ``fut.then(cb)`` on the thread that completes the future: for a lane call,
+    the lane's reader. A call ``cb`` makes and waits for there goes through TensorPipe
+    (torch's suite, ``test_callback_with_ret``: before, it waited for its own reader)."""
+
+    def callback(done):
+        inner = nbrpc.rpc_async("worker1", torch.add, args=(done.wait(), 1), timeout=10)
+        return inner.then(lambda f: f.wait() + 1).wait()
+
+    first = nbrpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 1), timeout=10)
+    assert torch.equal(first.then(callback).wait(), torch.ones(2) + 3)
+
+
 def test_lane_sockets_admit_only_this_user_and_survive_garbage(cluster, code):
     directory = lanes.directory()
     assert directory is not None

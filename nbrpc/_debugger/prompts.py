@@ -262,8 +262,10 @@ def wait_on_main_thread(fut: Any, limit: float = 0) -> bool:
 def wait_readable_on_main_thread(sock: Any, limit: float = 0) -> bool:
     """:func:`wait_on_main_thread` for an answer on socket ``sock`` (a lane,
     :mod:`nbrpc._wire.lanes`); a prompt is served within a slice of it arriving."""
-    woke = threading.Event()
-    return _wait(lambda: bool(select.select([sock], [], [], SIGNAL_CHECK_S)[0]), woke, limit)
+    poller = select.poll()  # not select(): a kernel past 1024 descriptors has lanes there too
+    poller.register(sock, select.POLLIN)
+    slice_ms = SIGNAL_CHECK_S * 1000
+    return _wait(lambda: bool(poller.poll(slice_ms)), threading.Event(), limit)
 
 
 def _wait(one_slice: Any, woke: threading.Event, limit: float) -> bool:

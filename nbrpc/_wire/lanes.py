@@ -177,6 +177,10 @@ class _Lanes:
 
 
 _lanes = _Lanes()
+#: .lane: set on a lane's reader thread. A call a future's callback makes there (torch's
+#: ``fut.then(...)`` runs it on the thread that completes the future) goes through
+#: TensorPipe: waiting for its answer on a lane would wait for this very thread to read it
+_reading = threading.local()
 
 
 def socket_path(directory: str, name: str) -> str:
@@ -311,6 +315,7 @@ def request(dest: Any, func: Any, args: tuple, kwargs: dict | None) -> bytes | N
         or _lanes.paused
         or dest.id in _lanes.unreachable
         or callee.serving()
+        or getattr(_reading, "lane", None) is not None
         or getattr(func, "_wrapped_async_rpc_function", None) is not None
         or _torch.profiler_enabled()
         or _torch.in_autograd_context()
@@ -368,6 +373,7 @@ class _Lane:
         return call, _reply(kind, payload)
 
     def _read(self) -> None:
+        _reading.lane = self  # futures complete here, and run their callbacks here
         lost: LaneLost | None = None
         try:
             while True:
