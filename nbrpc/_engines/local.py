@@ -108,7 +108,9 @@ class Zygote:
         with self._lock:
             try:
                 stdin.write((json.dumps(request) + "\n").encode())
-                ready, _, _ = select.select([stdout], [], [], ZYGOTE_TIMEOUT_S)
+                poller = select.poll()  # select() refuses descriptors past 1024
+                poller.register(stdout, select.POLLIN)
+                ready = poller.poll(ZYGOTE_TIMEOUT_S * 1000)
                 line = stdout.readline() if ready else b""
             except (BrokenPipeError, ValueError):
                 line = b""
