@@ -31,6 +31,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import copy
 import functools
@@ -413,7 +414,10 @@ class _Snapshot:
     """Module-level lists, dicts and sets of torch's test modules, as first imported.
 
     Tests keep state there (``rpc_done``, ``known_context_ids`` ...) and assume a fresh
-    process; the kernel outlives its tests, so it gets them back before each one.
+    process; the kernel outlives its tests, so it gets them back before each one. A
+    ``concurrent.futures.Future`` there (``VALUE_FUTURE``, ``DONE_FUTURE``: one test's
+    rank tells another it may go on) comes back unset: a value left by an earlier test
+    would let ``test_function_not_on_callee`` call before its callee removed the function.
     """
 
     def __init__(self) -> None:
@@ -424,13 +428,21 @@ class _Snapshot:
             ):
                 continue
             for attr, value in vars(module).items():
-                if isinstance(value, list | dict | set) and not attr.startswith("__"):
+                if attr.startswith("__"):
+                    continue
+                if isinstance(value, concurrent.futures.Future):
+                    self.saved.append((module, attr, _UNSET_FUTURE))
+                elif isinstance(value, list | dict | set):
                     with contextlib.suppress(Exception):
                         self.saved.append((module, attr, copy.deepcopy(value)))
 
     def restore(self) -> None:
         for module, attr, value in self.saved:
-            setattr(module, attr, copy.deepcopy(value))
+            fresh = concurrent.futures.Future() if value is _UNSET_FUTURE else copy.deepcopy(value)
+            setattr(module, attr, fresh)
+
+
+_UNSET_FUTURE = object()  # a module's concurrent.futures.Future, made anew at each restore
 
 
 class Kernel:
