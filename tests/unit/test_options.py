@@ -62,6 +62,65 @@ def test_every_registered_source_options_class_is_an_option_of_its_own_type():
         assert cls in typing.get_args(hints[source]), (source, cls)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Kube(_placement.SourceOptions):
+    """A stand-in source's options (registered by the test that uses it, then gone)."""
+
+    source = "kube"
+    asks_for = "Kubernetes deployment"
+
+    namespace: str | None = None
+    replicas: int | None = None
+
+    def check(self, v):
+        if self.replicas is not None and self.replicas < 1:
+            raise nbrpc.ConfigError(f"--replicas must be at least 1, got {self.replicas}")
+
+
+@pytest.fixture
+def kube(monkeypatch):
+    """_Kube registered once, and its option and flags declared, as a new source adds them."""
+    declared = _options.declared()
+    monkeypatch.setattr(
+        _options,
+        "declared",
+        lambda: {
+            **declared,
+            "kube": _options.Opt("--kube", "workers from Kubernetes", switch=(None, True)),
+            "namespace": _options.Opt("--namespace", "with --kube", part_of="kube.namespace"),
+            "replicas": _options.Opt("--replicas", "with --kube", part_of="kube.replicas"),
+        },
+    )
+    monkeypatch.setattr(_placement, "SOURCE_OPTIONS", dict(_placement.SOURCE_OPTIONS))
+    assert _placement.register(_Kube) is _Kube
+    return _Kube
+
+
+def test_a_new_sources_options_add_no_settings_field_and_reach_settings(kube):
+    before = [f.name for f in dataclasses.fields(_options.Settings)]
+    flat = _options.Settings.make(2, kube=True, namespace="ml", replicas=2)
+    typed = _options.Settings.make(2, kube=kube(namespace="ml", replicas=2))
+    assert [f.name for f in dataclasses.fields(_options.Settings)] == before
+    assert "kube" not in before
+    assert "namespace" not in before
+    assert flat == typed
+    assert flat.source_options == kube(namespace="ml", replicas=2)
+    assert flat.options_of(kube) == kube(namespace="ml", replicas=2)
+    assert flat.options_of(nbrpc.Slurm) is None
+    assert flat.slurm is None
+    assert _options.Settings.make(2).options_of(kube) is None
+    for bad, says in (
+        ({"namespace": "ml"}, r"--namespace shape a Kubernetes deployment: add --kube"),
+        ({"kube": True, "replicas": 0}, "--replicas must be at least 1"),
+        ({"kube": kube(), "namespace": "x"}, r"in nbrpc._Kube\(...\) or as keywords, not both"),
+        ({"kube": "yes"}, r"kube='yes': use True or nbrpc._Kube"),
+        ({"kube": True, "slurm": True}, r"--kube .*and --slurm|--slurm .*and --kube"),
+        ({"kube": kube(), "slurm": nbrpc.Slurm()}, "use one"),
+    ):
+        with pytest.raises(nbrpc.ConfigError, match=says):
+            _options.Settings.make(2, **bad)
+
+
 def test_the_slurm_source_reads_its_job_from_the_generic_field():
     from nbrpc._engines import SlurmSource
 
