@@ -12,17 +12,17 @@ the flag's text becomes the value. From it come:
 :class:`Settings` is what a cluster was asked for once checked: one frozen object whose
 fields are the options' names (the test holds the two together), with defaults worked out
 and every bad value refused with a :class:`~nbrpc.ConfigError` before a process starts
-(:meth:`Settings.make`). An engine source's own options are one value of its own type
-(``slurm``: an :class:`nbrpc.Slurm`, whose fields are declared there, in
-:mod:`nbrpc._placement`): the flags that give its fields one by one (``--nodes``,
-``--partition``, ...) are options marked ``part_of`` the field they give, folded into that
-value, and no field of :class:`Settings`. What only the engine source can work out
-(``--hosts`` asks ssh for the route to the first host, to pick ``--listen``) it completes
-itself (:func:`nbrpc._engines.resolve`).
+(:meth:`Settings.make`). An engine source's own options are one value of its own class
+(``slurm``: an :class:`nbrpc.Slurm`, a :class:`~nbrpc._placement.SourceOptions` registered
+once); the flags that give its fields one by one (``--nodes``, ...) are options marked
+``part_of`` the field they give, folded into that value. Whichever source's value was asked
+for, :class:`Settings` holds it in one field, ``source_options`` (``options_of(Slurm)``):
+a new source adds no field here. What only the engine source can work out (``--hosts``:
+``--listen`` on the route to the first host) it completes (:func:`nbrpc._engines.resolve`).
 
 Adding an option: one entry in :class:`Options` (its ``doc`` is its documentation), its
-field in :class:`Settings` (none for a ``part_of`` option: its field is in the value it is
-part of), and its use.
+field in :class:`Settings` (none for a source's value or a ``part_of`` option: their
+fields are in the source's options class), and its use.
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ class Opt:
     text (a list of texts for a ``repeat`` flag) to the option's value. ``switch``: the flag
     takes no value and sets the option to ``switch[1]`` (``switch[0]`` when absent).
     ``part_of``: ``"slurm.args"``: the option is the ``args`` field of the value option
-    ``slurm`` takes (an :class:`nbrpc.Slurm`), given flat (``--sbatch-args``,
-    ``slurm=True, sbatch_args=...``); :class:`Settings` holds that value, not this option.
+    ``slurm`` takes (the options class registered for source ``slurm``, an
+    :class:`nbrpc.Slurm`), given flat (``--sbatch-args``, ``slurm=True, sbatch_args=...``);
+    :class:`Settings` holds that value (``source_options``), not this option.
     """
 
     flag: str | None
