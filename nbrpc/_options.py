@@ -12,17 +12,17 @@ the flag's text becomes the value. From it come:
 :class:`Settings` is what a cluster was asked for once checked: one frozen object whose
 fields are the options' names (the test holds the two together), with defaults worked out
 and every bad value refused with a :class:`~nbrpc.ConfigError` before a process starts
-(:meth:`Settings.make`). An engine source's own options are one value of its own type
-(``slurm``: an :class:`nbrpc.Slurm`, whose fields are declared there, in
-:mod:`nbrpc._placement`): the flags that give its fields one by one (``--nodes``,
-``--partition``, ...) are options marked ``part_of`` the field they give, folded into that
-value, and no field of :class:`Settings`. What only the engine source can work out
-(``--hosts`` asks ssh for the route to the first host, to pick ``--listen``) it completes
-itself (:func:`nbrpc._engines.resolve`).
+(:meth:`Settings.make`). An engine source's own options are one value of its own class
+(``slurm``: an :class:`nbrpc.Slurm`, a :class:`~nbrpc._placement.SourceOptions` registered
+once); the flags that give its fields one by one (``--nodes``, ...) are options marked
+``part_of`` the field they give, folded into that value. Whichever source's value was asked
+for, :class:`Settings` holds it in one field, ``source_options`` (``options_of(Slurm)``):
+a new source adds no field here. What only the engine source can work out (``--hosts``:
+``--listen`` on the route to the first host) it completes (:func:`nbrpc._engines.resolve`).
 
 Adding an option: one entry in :class:`Options` (its ``doc`` is its documentation), its
-field in :class:`Settings` (none for a ``part_of`` option: its field is in the value it is
-part of), and its use.
+field in :class:`Settings` (none for a source's value or a ``part_of`` option: their
+fields are in the source's options class), and its use.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Annotated, Any, TypedDict, get_type_hints
 
 from . import _devices, _group, _process
 from ._errors import ConfigError
-from ._placement import Slurm, slurm_job, where
+from ._placement import Opts, Slurm, SourceOptions, source_options, where
 from ._wire import shm
 
 DEFAULT_RPC_TIMEOUT_S = 60.0
@@ -52,8 +52,9 @@ class Opt:
     text (a list of texts for a ``repeat`` flag) to the option's value. ``switch``: the flag
     takes no value and sets the option to ``switch[1]`` (``switch[0]`` when absent).
     ``part_of``: ``"slurm.args"``: the option is the ``args`` field of the value option
-    ``slurm`` takes (an :class:`nbrpc.Slurm`), given flat (``--sbatch-args``,
-    ``slurm=True, sbatch_args=...``); :class:`Settings` holds that value, not this option.
+    ``slurm`` takes (the options class registered for source ``slurm``, an
+    :class:`nbrpc.Slurm`), given flat (``--sbatch-args``, ``slurm=True, sbatch_args=...``);
+    :class:`Settings` holds that value (``source_options``), not this option.
     """
 
     flag: str | None
@@ -354,17 +355,6 @@ def declared() -> dict[str, Opt]:
     return {name: hint.__metadata__[0] for name, hint in hints.items()}
 
 
-def parts(v: dict[str, Any], whole: str) -> dict[str, tuple[str, Any]]:
-    """The options that are fields of option ``whole``'s value, as given in ``v``:
-    ``{option: (field, value)}`` in declaration order (``{"sbatch_args": ("args", ...)}``)."""
-    found = {}
-    for name, opt in declared().items():
-        owner, _, part = (opt.part_of or "").partition(".")
-        if opt.part_of is not None and owner == whole:
-            found[name] = (part, v[name])
-    return found
-
-
 def annotation(name: str) -> str:
     """The type an option is given as, as source text (``"int | None"``)."""
     raw = Options.__annotations__[name]
@@ -514,9 +504,10 @@ class Settings:
     remote_python: str | None = None
     #: "dead": replace workers that died before the next cell (nbrpc._lifecycle.restart)
     restart: str | None = None
-    #: workers from Slurm (see nbrpc._engines.slurm): the job asked for, whether given as
-    #: nbrpc.Slurm(...) or as its flags/keywords (--nodes, ...: the options part_of it)
-    slurm: Slurm | None = None
+    #: the engine source's own options value, of whichever source was asked for (an
+    #: nbrpc.Slurm: see nbrpc._engines.slurm), whether given as the value or as its
+    #: flags/keywords (--nodes, ...: the options part_of it); read it with options_of
+    source_options: SourceOptions | None = None
 
     @classmethod
     def make(cls, n: int | None = None, /, **options: Any) -> Settings:
@@ -554,9 +545,9 @@ class Settings:
             )
         process_group, members = _process_group(v)
         threads, timeout = v["num_worker_threads"], v["rpc_timeout"]
-        slurm = slurm_job(v, parts(v, "slurm"))
-        if slurm is not None and slurm.gpus_per_node and gpus is None:
-            gpus = "auto"  # a GPU per worker, by its rank on the node, maps for all pairs
+        asked = source_options(v, declared())
+        if asked is not None and gpus is None:
+            gpus = asked.implies().get("gpus")
         return cls(
             n=n,
             names=names,
@@ -579,8 +570,17 @@ class Settings:
             ssh_args=ssh_args,
             remote_python=v["remote_python"],
             restart=_restart_mode(v["restart"]),
-            slurm=slurm,
+            source_options=asked,
         )
+
+    def options_of(self, cls: type[Opts]) -> Opts | None:
+        """The options value of ``cls``'s source, when these settings ask for that source."""
+        return self.source_options if isinstance(self.source_options, cls) else None
+
+    @property
+    def slurm(self) -> Slurm | None:
+        """The Slurm job asked for (``options_of(Slurm)``), read-only."""
+        return self.options_of(Slurm)
 
     @property
     def attached(self) -> bool:

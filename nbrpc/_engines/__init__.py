@@ -28,7 +28,10 @@ source it has; what the source knows is asked of the source itself (``engines.so
    / ``take`` bring engines up in worker order, ``stop`` ends what it started; the rest
    (``resolve``, ``replace``, ``dump_stacks``, ...) where it can do better than the
    default;
-2. its options in :class:`nbrpc._options.Options` (and :class:`~nbrpc._options.Settings`);
+2. its options in :class:`nbrpc._options.Options`; options of its own are one class
+   extending :class:`~nbrpc._placement.SourceOptions`, registered once, whose fields its
+   flags give (``part_of="slurm.nodes"``): no field of :class:`~nbrpc._options.Settings`,
+   which holds the value as ``source_options`` (``settings.options_of(Slurm)``);
 3. one line in :data:`SOURCES`, before the sources it must win over.
 
 The ipyparallel client is not thread-safe: only the thread that runs the lifecycle (the

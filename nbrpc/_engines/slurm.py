@@ -437,30 +437,34 @@ class SlurmSource(ControllerSource[SlurmController]):
 
     @classmethod
     def wants(cls, settings: _options.Settings) -> bool:
-        return settings.slurm is not None
+        return settings.options_of(Slurm) is not None
 
     @classmethod
     def resolve(cls, settings: _options.Settings) -> _options.Settings:
         """Slurm checks the job first; ``--listen`` defaults to this host's address on the
         route towards Slurm's controller."""
-        assert settings.slurm is not None
-        check(settings.slurm, settings.n or 1)
+        plan = settings.options_of(Slurm)
+        assert plan is not None, "wants() took it for these settings"
+        check(plan, settings.n or 1)
         if settings.listen:
             return settings
         return replace(settings, listen=worker.address_toward(controller_address()))
 
     def start(self) -> None:
-        s = self.settings
+        s, plan = self.settings, self._plan()
         assert s.listen, "resolve() works out --listen"
-        assert s.slurm is not None, "wants() took it for these settings"
-        self.controller = SlurmController(s.listen, s.slurm, s.remote_python or s.python)
+        self.controller = SlurmController(s.listen, plan, s.remote_python or s.python)
 
     def launch(self, n: int) -> None:
         self._ours().spawn(n)
 
     def take(self, n: int | None, timeout: float, registered: Callable[..., None]) -> list[int]:
-        assert self.settings.slurm is not None
-        return self._ours().take(n or 1, self.settings.slurm.queue_timeout, registered)
+        return self._ours().take(n or 1, self._plan().queue_timeout, registered)
+
+    def _plan(self) -> Slurm:
+        plan = self.settings.options_of(Slurm)
+        assert plan is not None, "wants() took it for these settings"
+        return plan
 
     def last_output(self, pid: int) -> str:
         return self.controller.lost() if self.controller is not None else ""

@@ -17,7 +17,7 @@ import pytest
 from IPython.core.magic_arguments import parse_argstring
 
 import nbrpc
-from nbrpc import _options
+from nbrpc import _options, _placement
 from nbrpc._magics import RpcMagics
 
 OPTIONS = _options.declared()
@@ -25,26 +25,111 @@ OPTIONS = _options.declared()
 
 def test_settings_has_a_field_for_every_option_and_no_other():
     fields = [f.name for f in dataclasses.fields(_options.Settings)]
-    whole = [name for name, opt in OPTIONS.items() if opt.part_of is None]
-    assert fields == whole, (
+    whole = [
+        name
+        for name, opt in OPTIONS.items()
+        if opt.part_of is None and name not in _placement.SOURCE_OPTIONS
+    ]
+    assert fields == [*whole, "source_options"], (
         "nbrpc._options.Settings must have one field per declared option, in the same order, "
-        "and none for an option that is part of another's value (part_of)"
+        "none for an option that is part of another's value (part_of), and none for an "
+        "engine source's own options (slurm): they are in the one field source_options"
     )
 
 
 def test_an_option_part_of_a_value_names_one_of_its_fields():
     """``--nodes`` is ``Slurm.nodes``: the flag is declared in Options, the field only in the
-    value's own class (the type of the Settings field it is part of)."""
-    hints = typing.get_type_hints(_options.Settings)
+    value's own class (the options class its source registered)."""
     parts = {name: opt.part_of for name, opt in OPTIONS.items() if opt.part_of}
     assert set(parts) >= {"nodes", "partition", "time", "gpus_per_node", "sbatch_args"}
     for name, part_of in parts.items():
         whole, _, field = part_of.partition(".")
         assert whole in OPTIONS, (name, part_of)
         assert OPTIONS[whole].part_of is None, (name, part_of)
-        value_types = [t for t in typing.get_args(hints[whole]) if dataclasses.is_dataclass(t)]
-        assert value_types, f"Settings.{whole} holds no dataclass for {name} to be part of"
-        assert field in {f.name for f in dataclasses.fields(value_types[0])}, (name, part_of)
+        assert whole in _placement.SOURCE_OPTIONS, f"no options class registered for {whole}"
+        value_type = _placement.SOURCE_OPTIONS[whole]
+        assert field in {f.name for f in dataclasses.fields(value_type)}, (name, part_of)
+
+
+def test_every_registered_source_options_class_is_an_option_of_its_own_type():
+    """``slurm: bool | Slurm | None``: the option a source's value is given as takes its
+    class; nbrpc.Slurm is registered under ``slurm`` and exported."""
+    assert _placement.SOURCE_OPTIONS["slurm"] is nbrpc.Slurm
+    hints = typing.get_type_hints(_options.Options)
+    for source, cls in _placement.SOURCE_OPTIONS.items():
+        assert cls.source == source
+        assert OPTIONS[source].flag, f"{source} has no %rpc_init flag"
+        assert cls in typing.get_args(hints[source]), (source, cls)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kube(_placement.SourceOptions):
+    """A stand-in source's options (registered by the test that uses it, then gone)."""
+
+    source = "kube"
+    asks_for = "Kubernetes deployment"
+
+    namespace: str | None = None
+    replicas: int | None = None
+
+    def check(self, v):
+        if self.replicas is not None and self.replicas < 1:
+            raise nbrpc.ConfigError(f"--replicas must be at least 1, got {self.replicas}")
+
+
+@pytest.fixture
+def kube(monkeypatch):
+    """_Kube registered once, and its option and flags declared, as a new source adds them."""
+    declared = _options.declared()
+    monkeypatch.setattr(
+        _options,
+        "declared",
+        lambda: {
+            **declared,
+            "kube": _options.Opt("--kube", "workers from Kubernetes", switch=(None, True)),
+            "namespace": _options.Opt("--namespace", "with --kube", part_of="kube.namespace"),
+            "replicas": _options.Opt("--replicas", "with --kube", part_of="kube.replicas"),
+        },
+    )
+    monkeypatch.setattr(_placement, "SOURCE_OPTIONS", dict(_placement.SOURCE_OPTIONS))
+    assert _placement.register(_Kube) is _Kube
+    return _Kube
+
+
+def test_a_new_sources_options_add_no_settings_field_and_reach_settings(kube):
+    before = [f.name for f in dataclasses.fields(_options.Settings)]
+    flat = _options.Settings.make(2, kube=True, namespace="ml", replicas=2)
+    typed = _options.Settings.make(2, kube=kube(namespace="ml", replicas=2))
+    assert [f.name for f in dataclasses.fields(_options.Settings)] == before
+    assert "kube" not in before
+    assert "namespace" not in before
+    assert flat == typed
+    assert flat.source_options == kube(namespace="ml", replicas=2)
+    assert flat.options_of(kube) == kube(namespace="ml", replicas=2)
+    assert flat.options_of(nbrpc.Slurm) is None
+    assert flat.slurm is None
+    assert _options.Settings.make(2).options_of(kube) is None
+    for bad, says in (
+        ({"namespace": "ml"}, r"--namespace shape a Kubernetes deployment: add --kube"),
+        ({"kube": True, "replicas": 0}, "--replicas must be at least 1"),
+        ({"kube": kube(), "namespace": "x"}, r"in nbrpc._Kube\(...\) or as keywords, not both"),
+        ({"kube": "yes"}, r"kube='yes': use True or nbrpc._Kube"),
+        ({"kube": True, "slurm": True}, r"--kube .*and --slurm|--slurm .*and --kube"),
+        ({"kube": kube(), "slurm": nbrpc.Slurm()}, "use one"),
+    ):
+        with pytest.raises(nbrpc.ConfigError, match=says):
+            _options.Settings.make(2, **bad)
+
+
+def test_the_slurm_source_reads_its_job_from_the_generic_field():
+    from nbrpc._engines import SlurmSource
+
+    job = nbrpc.Slurm(nodes=2, gpus_per_node=1)
+    settings = _options.Settings.make(2, slurm=True, nodes=2, gpus_per_node=1)
+    assert settings.source_options == job == settings.options_of(nbrpc.Slurm) == settings.slurm
+    assert settings.gpus == "auto"  # Slurm(gpus_per_node=...) implies a GPU per worker
+    assert SlurmSource.wants(settings)
+    assert not SlurmSource.wants(_options.Settings.make(2))
 
 
 @pytest.mark.parametrize("func", [nbrpc.init, nbrpc.Cluster.__init__])
