@@ -195,19 +195,20 @@ def test_workers_exit_when_the_kernel_is_killed(tmp_path):
     script = tmp_path / "doomed_kernel.py"
     script.write_text(
         "import os, sys, time, torch, nbrpc\n"
-        "from nbrpc._wire import shm\n"
+        "from nbrpc._wire import lanes, shm\n"
         "c = nbrpc.init(n=2, progress=False)\n"
         "left = shm.export(torch.ones(1 << 20).untyped_storage())  # never received\n"
         "left = left[0] if isinstance(left, tuple) else left  # an arena, or a segment\n"
-        "print(' '.join(str(r.pid) for r in c.workers[1:]), left, flush=True)\n"
+        "print(' '.join(str(r.pid) for r in c.workers[1:]), left, lanes.directory(), flush=True)\n"
         "time.sleep(600)\n"
     )
     kernel = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
-        *pids, segment = kernel.stdout.readline().split()
+        *pids, segment, sockets = kernel.stdout.readline().split()
         pids = [int(p) for p in pids]
         assert len(pids) == 2
         assert os.path.exists(f"/dev/shm/{segment}")
+        assert os.path.isdir(sockets)  # the lanes' socket directory
         kernel.kill()
         kernel.wait(timeout=10)
         t0 = time.monotonic()
@@ -216,6 +217,7 @@ def test_workers_exit_when_the_kernel_is_killed(tmp_path):
         while os.path.exists(f"/dev/shm/{segment}") and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not os.path.exists(f"/dev/shm/{segment}"), "a shared-memory segment outlived it"
+        assert not os.path.exists(sockets), "the lanes' socket directory outlived it"
         print(f"engines gone {time.monotonic() - t0:.1f} s after the kernel was killed")
     finally:
         if kernel.poll() is None:
