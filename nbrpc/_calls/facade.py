@@ -208,8 +208,7 @@ def rpc_sync(
         return start_call("rpc_sync", to, func, args, kwargs, timeout).wait()
     # The notebook's case, without the future rpc_async returns (measured ~40 µs a call):
     # the main thread waits on torch's future, or on its lane, itself and settles it here.
-    dest = _destination(to, "rpc_sync")
-    call = Sent(dest.name, f"call of {_name_of(func)}", limit_of(timeout), timeout)
+    dest, call = _addressed("rpc_sync", to, func, timeout)
     payload = lanes.request(dest, func, tuple(args), kwargs)
     answer = _on_main_lane(dest, payload, call) if payload is not None else None
     sent = (func, args, kwargs)
@@ -291,6 +290,13 @@ class Sent:
         return timeout_error(None, self.what, self.dest, self.timeout)
 
 
+def _addressed(what: str, to: Any, func: Any, timeout: float | None) -> tuple[WorkerInfo, Sent]:
+    """The worker ``to`` names (bad input fails here, before anything is sent) and what
+    nbrpc keeps of a call of ``func`` to it."""
+    dest = _destination(to, what)
+    return dest, Sent(dest.name, f"call of {_name_of(func)}", limit_of(timeout), timeout)
+
+
 def _send_to(dest: WorkerInfo, func: Any, args: tuple, kwargs: dict | None) -> torch.futures.Future:
     """Start the call with torch: its raw future (torch's errors)."""
     sent, args, kwargs = _as_python_call(func, tuple(args), kwargs)
@@ -303,16 +309,14 @@ def start_call(
 ) -> torch.futures.Future:
     """Start a call, on a lane if it takes one (:mod:`nbrpc._wire.lanes`), else with
     torch; its future, settled with nbrpc's errors. Bad input fails before anything is sent."""
-    dest = _destination(to, what)
-    call = Sent(dest.name, f"call of {_name_of(func)}", limit_of(timeout), timeout)
+    dest, call = _addressed(what, to, func, timeout)
     out = Future()
     out.dest = call.dest
     sent = (func, tuple(args), kwargs)
     payload = lanes.request(dest, func, sent[1], kwargs)
     lane = lanes.lane_to(dest, main=False) if payload is not None else None
     if lane is None or payload is None:
-        raw = _send_to(dest, *sent)
-        raw.add_done_callback(lambda done: failures.settle(done, out, call.translate))
+        _settle_through_torch(dest, sent, call, out)
     else:
         try:
             lane.send(
@@ -334,8 +338,13 @@ def _settle_from_lane(
     elif kind == lanes.LOST:
         failures.complete(out, error=call.translate(got))
     else:  # fetched, or sent again, through TensorPipe (no wait on this thread)
-        raw = _send_to(dest, *_fetch_or_resend(kind, got, sent))
-        raw.add_done_callback(lambda done: failures.settle(done, out, call.translate))
+        _settle_through_torch(dest, _fetch_or_resend(kind, got, sent), call, out)
+
+
+def _settle_through_torch(dest: WorkerInfo, sent: tuple, call: Sent, out: Future) -> None:
+    """Send ``sent`` with torch; its answer finishes ``out`` (nbrpc's errors)."""
+    raw = _send_to(dest, *sent)
+    raw.add_done_callback(lambda done: failures.settle(done, out, call.translate))
 
 
 def translate(exc: BaseException, what: str, dest: str, timeout: float | None) -> Any:

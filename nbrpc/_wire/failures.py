@@ -389,18 +389,13 @@ def returned(value: Any) -> tuple[Any, BaseException | None]:
     return value, None
 
 
-def complete(out: Any, value: Any = None, error: BaseException | None = None) -> None:
-    """Finish future ``out`` with ``value`` or ``error`` unless its deadline failed it first."""
-    _complete(out, value, error)
-
-
 def settle(raw: Any, out: Any, translate: Any) -> None:
     """Complete future ``out`` from finished torch future ``raw`` (see :func:`outcome`)."""
     value, error = outcome(raw, translate)
-    _complete(out, value=value, error=error)
+    complete(out, value=value, error=error)
 
 
-def _complete(out: Any, value: Any = None, error: BaseException | None = None) -> None:
+def complete(out: Any, value: Any = None, error: BaseException | None = None) -> None:
     """Finish ``out`` unless its deadline (:mod:`nbrpc._debugger.deadlines`) failed it first."""
     if out.done():
         return

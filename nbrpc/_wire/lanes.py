@@ -60,7 +60,7 @@ import torch
 
 from nbrpc import _process, _torch
 
-from . import callee, pickling, recording
+from . import callee, pickling, recording, shm
 
 #: tensor storage bytes one message may carry on a lane (more: TensorPipe, or the arena)
 MAX_TENSOR_BYTES = 1 << 16
@@ -162,7 +162,6 @@ class _Lanes:
     lanes it opened, and what its callee side keeps."""
 
     directory: str | None = None
-    threads: int = 16  # the pool that runs pooled calls: torch's num_worker_threads
     listener: socket.socket | None = None
     unreachable: set[int] = field(default_factory=set)  # peer ranks with no lane
     main: dict[int, _Lane] = field(default_factory=dict)  # the main thread's, by rank
@@ -219,14 +218,11 @@ def open_here(directory: str, threads: int, made: bool = False) -> bool:
     except OSError:
         listener.close()
         return False
-    _lanes.directory, _lanes.threads, _lanes.listener = directory, threads, listener
+    _lanes.directory, _lanes.listener = directory, listener
     _lanes.made_directory = made
-    _lanes.pool = _Pool(threads)
+    _lanes.pool = _Pool(threads)  # runs pooled calls: torch's num_worker_threads
     threading.Thread(target=_accept, args=(listener,), name="nbrpc-lanes", daemon=True).start()
     return True
-
-
-SETUP_TIMEOUT_S = 90.0  # each worker's answer (bounded: one may have died)
 
 
 def set_up(prefix: str, workers: list[str], threads: int) -> bool:
@@ -238,19 +234,13 @@ def set_up(prefix: str, workers: list[str], threads: int) -> bool:
         directory = make_directory(prefix)
         if directory is None or not open_here(directory, threads, made=True):
             return False
-    asked = [_torch.rpc_async(w, open_here, args=(directory, threads)) for w in workers]
-    for fut in asked:
-        fut.wait()  # a worker that cannot listen is called through TensorPipe
+    shm.on_each(workers, open_here, directory, threads)  # one that cannot: TensorPipe
     return True
 
 
 def directory() -> str | None:
     """Where this process's lanes are (None: off)."""
     return _lanes.directory
-
-
-def enabled() -> bool:
-    return _lanes.directory is not None
 
 
 def pause(paused: bool) -> None:

@@ -372,8 +372,10 @@ def arena() -> _arena.Arena | None:
 SETUP_TIMEOUT_S = 90.0  # each worker's answer (bounded: one may have died)
 
 
-def _on_each(workers: list[str], func: Callable[..., Any], *args: Any) -> dict[str, Any]:
-    """``func(*args)`` on every worker at once, by RPC; their answers by name."""
+def on_each(workers: list[str], func: Callable[..., Any], *args: Any) -> dict[str, Any]:
+    """``func(*args)`` on every worker at once, by RPC; their answers by name (each bounded
+    by :data:`SETUP_TIMEOUT_S`: one may have died). Set-up steps use it here and in
+    :mod:`.lanes`."""
     asked = {w: _torch.rpc_async(w, func, args=args, timeout=SETUP_TIMEOUT_S) for w in workers}
     return {w: fut.wait() for w, fut in asked.items()}
 
@@ -396,9 +398,9 @@ def set_up(prefix: str, threshold: int | None, workers: list[str], local: bool) 
         configure(prefix, None)
         return False
     try:
-        on = all(_on_each(workers, configure_if_sees, prefix, threshold, probe).values())
+        on = all(on_each(workers, configure_if_sees, prefix, threshold, probe).values())
         if not on:
-            _on_each(workers, configure_if_sees, prefix, None, probe)
+            on_each(workers, configure_if_sees, prefix, None, probe)
     finally:
         os.unlink(probe)
     configure(prefix, threshold if on else None)
@@ -427,7 +429,7 @@ def set_up_by_host(
         return {}
 
     def each(step: str) -> dict[str, list[str]]:
-        found = _on_each(workers, share_with_peers, prefix, "", threshold, step)
+        found = on_each(workers, share_with_peers, prefix, "", threshold, step)
         found[me] = share_with_peers(prefix, me, threshold, step)
         return found
 
