@@ -80,6 +80,8 @@ class Future(torch.futures.Future):
                         return super().wait()
             return super().wait()
         except BaseException as kept:
+            if isinstance(kept, KeyboardInterrupt):  # the stop button, between two waits
+                failures.show_short(kept)  # the cell's lines, not this frame
             error = failures.raisable(kept)  # the future keeps ``kept`` (see there)
         raise error
 
@@ -253,8 +255,10 @@ def _on_main_lane(dest: WorkerInfo, payload: bytes, call: Sent) -> tuple[int, An
         return lane.receive()[1]
     except lanes.LaneLost as lost:
         return lanes.LOST, call.translate(lost)
-    except BaseException:  # the stop button: this lane's answer is no one's now
+    except BaseException as stop:  # the stop button: this lane's answer is no one's now
         lane.close()
+        if isinstance(stop, KeyboardInterrupt):
+            failures.show_short(stop)  # the cell's lines, not nbrpc's
         raise
     finally:
         lane.busy = False
