@@ -19,7 +19,7 @@ import torch.distributed.rpc as rpc
 from conftest import running_kernel
 
 import nbrpc
-from nbrpc._wire import lanes
+from nbrpc._wire import lanes, sent_functions
 
 CELL = """
 import os
@@ -131,6 +131,49 @@ def test_a_small_call_takes_the_lane_and_gives_what_tensorpipe_gives(cluster, co
     assert routes.count("tensorpipe") == len(values), routes  # remote() always
 
 
+KEPT_CELL = """
+import math
+SCALE = 2
+ITEMS = [1]
+
+def scaled(x, offset=0):
+    return math.floor(x * SCALE) + offset
+
+def total():
+    return sum(ITEMS)
+"""
+
+
+def test_a_notebook_function_is_pickled_once_and_still_sees_every_change(cluster, nb):
+    """A lane keeps a notebook function the callee made (sent_functions): five calls make
+    it once there. A changed global, default or definition is seen by the next call, as
+    with a fresh pickle; a list global is sent afresh with every call."""
+    code = nb(KEPT_CELL)
+    kept = lambda: nbrpc.rpc_sync("worker1", sent_functions.kept)  # noqa: E731
+    before = kept()
+    with nbrpc.record() as rec:
+        assert [nbrpc.rpc_sync("worker1", code.scaled, args=(i,)) for i in range(5)] == [
+            0,
+            2,
+            4,
+            6,
+            8,
+        ]
+    assert {row["route"] for row in rec.calls if row["function"] == "scaled"} == {"lane"}
+    assert kept() == before + 1  # made once, kept for the four calls after
+    code.scaled.__globals__["SCALE"] = 3
+    assert nbrpc.rpc_sync("worker1", code.scaled, args=(1,)) == 3
+    code.scaled.__defaults__ = (10,)
+    assert nbrpc.rpc_sync("worker1", code.scaled, args=(1,)) == 13
+    assert kept() == before + 3  # each change made a new pickle
+    redefined = nb(KEPT_CELL.replace("+ offset", "- offset"))
+    assert nbrpc.rpc_sync("worker1", redefined.scaled, args=(1, 1)) == 1
+    assert nbrpc.rpc_sync("worker1", code.total) == 1
+    code.ITEMS.append(2)  # changed in place: the next call sees it (a list is never kept)
+    assert nbrpc.rpc_sync("worker1", code.total) == 3
+    assert nbrpc.rpc_async("worker1", code.scaled, args=(2,)).wait() == 16
+
+
 def test_what_a_lane_leaves_to_tensorpipe_goes_there_and_works(cluster, code):
     x = torch.ones(3)
     local = rpc.RRef(torch.ones(2))
@@ -176,16 +219,20 @@ def test_a_reply_the_lane_cannot_carry_is_fetched_through_tensorpipe(cluster, co
 
 
 def test_a_timeout_on_a_lane_is_nbrpcs_and_the_next_call_takes_a_new_lane(cluster, code):
-    for call in (
-        lambda: nbrpc.rpc_sync("worker2", code.nap, args=(1.5,), timeout=0.3),
-        lambda: nbrpc.rpc_async("worker2", code.nap, args=(1.5,), timeout=0.3).wait(),
+    """Timeouts shorter and longer than the main thread's first read of its lane (one
+    slice, lanes.MAIN_SLICE_S), and a call that outlasts several slices."""
+    for timeout, call in (
+        (0.3, lambda: nbrpc.rpc_sync("worker2", code.nap, args=(1.5,), timeout=0.3)),
+        (0.6, lambda: nbrpc.rpc_sync("worker2", code.nap, args=(1.5,), timeout=0.6)),
+        (0.3, lambda: nbrpc.rpc_async("worker2", code.nap, args=(1.5,), timeout=0.3).wait()),
     ):
         t0 = time.monotonic()
         with pytest.raises(nbrpc.RpcTimeoutError, match="RPC ran for more than"):
             call()
-        assert time.monotonic() - t0 < 1.2
+        assert timeout - 0.05 < time.monotonic() - t0 < timeout + 0.9
         assert nbrpc.rpc_sync("worker2", code.echo, args=(3,)) == 3
     time.sleep(1.5)  # the naps end there
+    assert nbrpc.rpc_sync("worker2", code.nap, args=(4 * lanes.MAIN_SLICE_S,)) == 0.4
 
 
 def test_concurrent_calls_on_one_lane_run_at_once_as_on_torchs_thread_pool(cluster, code):

@@ -242,17 +242,32 @@ def _fetch_or_resend(kind: int, got: Any, sent: tuple) -> tuple:
 
 def _on_main_lane(dest: WorkerInfo, payload: bytes, call: Sent) -> tuple[int, Any] | None:
     """The call on the main thread's lane to ``dest``: ``(kind, value)`` of its answer,
-    ``(LOST, error)`` for a lost lane or a timeout, or None (no lane: TensorPipe)."""
+    ``(LOST, error)`` for a lost lane or a timeout, or None (no lane: TensorPipe).
+
+    The first read waits one slice by itself (the answer of a small call comes within
+    it); a longer wait goes on in slices that serve prompts and keep the clock."""
     lane = lanes.lane_to(dest, main=True)
     if lane is None or lane.busy:
         return None
     lane.busy = True
     try:
         lane.send(payload)
-        if not prompts.wait_readable_on_main_thread(lane.sock, call.limit):
+        answer = lane.answer() if not 0 < call.limit < lanes.MAIN_SLICE_S * 2 else None
+        if answer is not None:
+            return answer
+        got: list = []
+
+        def one_slice() -> bool:
+            answer = lane.answer()
+            if answer is not None:
+                got.append(answer)
+            return bool(got)
+
+        limit = max(call.limit - lanes.MAIN_SLICE_S, 1e-3) if call.limit > 0 else 0
+        if not prompts.wait_in_slices_on_main_thread(one_slice, limit):
             lane.close()  # its answer would come on a lane no one reads: the next call opens one
             return lanes.LOST, call.expired()
-        return lane.receive()[1]
+        return got[0]
     except lanes.LaneLost as lost:
         return lanes.LOST, call.translate(lost)
     except BaseException as stop:  # the stop button: this lane's answer is no one's now

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import linecache
 import os
-import select
 import sys
 import threading
 import time
@@ -259,13 +258,12 @@ def wait_on_main_thread(fut: Any, limit: float = 0) -> bool:
     return _wait(one_slice, woke, limit)
 
 
-def wait_readable_on_main_thread(sock: Any, limit: float = 0) -> bool:
-    """:func:`wait_on_main_thread` for an answer on socket ``sock`` (a lane,
-    :mod:`nbrpc._wire.lanes`); a prompt is served within a slice of it arriving."""
-    poller = select.poll()  # not select(): a kernel past 1024 descriptors has lanes there too
-    poller.register(sock, select.POLLIN)
-    slice_ms = SIGNAL_CHECK_S * 1000
-    return _wait(lambda: bool(poller.poll(slice_ms)), threading.Event(), limit)
+def wait_in_slices_on_main_thread(one_slice: Any, limit: float = 0) -> bool:
+    """:func:`wait_on_main_thread` for a wait that ``one_slice()`` makes in slices of
+    :data:`SIGNAL_CHECK_S` (it returns whether the wait is over: a lane's read, which
+    times out after a slice, :mod:`nbrpc._wire.lanes`); a prompt is served within a
+    slice of it arriving."""
+    return _wait(one_slice, threading.Event(), limit)
 
 
 def _wait(one_slice: Any, woke: threading.Event, limit: float) -> bool:

@@ -33,6 +33,7 @@ the pickler torch instantiates) live in :mod:`nbrpc._torch`, pinned by
 from __future__ import annotations
 
 import collections
+import io
 import itertools
 import marshal
 import os
@@ -50,7 +51,7 @@ from torch.distributed.rpc import RRef
 from nbrpc import _ledger, _process, _torch
 from nbrpc._errors import SerializationError
 
-from . import callee, failures, namespace, recording, shm
+from . import callee, failures, namespace, recording, sent_functions, shm
 
 #: the C field behind ``dispatch_table`` (a member descriptor; typeshed calls it a Mapping)
 _C_DISPATCH_TABLE: Any = pickle.Pickler.dispatch_table
@@ -189,6 +190,9 @@ class RpcPickler(cloudpickle.Pickler):
         self.dispatch_table = {}
 
     def reducer_override(self, obj: Any) -> Any:
+        kind = type(obj)
+        if kind is not FunctionType and not issubclass(kind, type):
+            return NotImplemented  # cloudpickle's answer too, for all but these two
         if id(obj) in _pickling.by_reference:
             return NotImplemented  # pickle's own save_global: by reference
         reduced = super().reducer_override(obj)
@@ -213,9 +217,7 @@ class RpcPickler(cloudpickle.Pickler):
         return (make, (code, _MainGlobals(base), *args), (state, slotstate), *rest)
 
     def dump(self, obj: Any) -> None:
-        if len(_BY_VALUE_MODULES) != _pickling.by_value_seen:  # register_pickle_by_value
-            _pickling.by_reference.clear()
-            _pickling.by_value_seen = len(_BY_VALUE_MODULES)
+        _notice_by_value()
         func = _torch.udf_function(obj)
         sent, message = obj, None
         if func is not None:
@@ -266,10 +268,45 @@ class LanePickler(RpcPickler):
     #: plain attribute, not :class:`RpcPickler`'s property (2 µs a message, measured)
     dispatch_table = _BASE_TABLE
 
-    def __init__(self, file: Any, table: dict) -> None:
+    def __init__(self, file: Any, table: dict, keep_functions: bool = True) -> None:
         cloudpickle.Pickler.__init__(self, file, protocol=5)
-        self.out = file
+        self.out, self.table, self.keep_functions = file, table, keep_functions
         _C_DISPATCH_TABLE.__set__(self, table)
+
+    def reducer_override(self, obj: Any) -> Any:
+        kind = type(obj)
+        if kind is FunctionType:
+            if self.keep_functions and obj.__module__ == "__main__":
+                kept = sent_functions.reduce(
+                    obj, _by_reference, self._alone, _pickling.by_value_seen
+                )  # a notebook function sent call after call: its pickle, made once
+                if kept is not None:
+                    return kept
+        elif not issubclass(kind, type):
+            return NotImplemented
+        return RpcPickler.reducer_override(self, obj)
+
+    def dump_as_is(self, obj: Any) -> None:
+        """Pickle ``obj`` with no header added (a lane's call carries its own)."""
+        _notice_by_value()
+        cloudpickle.Pickler.dump(self, obj)
+
+    def _alone(self, func: FunctionType) -> bytes:
+        out = io.BytesIO()
+        cloudpickle.Pickler.dump(LanePickler(out, self.table, keep_functions=False), func)
+        return out.getvalue()
+
+
+def _notice_by_value() -> None:
+    """After ``register_pickle_by_value``, what was found importable is asked again."""
+    if len(_BY_VALUE_MODULES) != _pickling.by_value_seen:
+        _pickling.by_reference.clear()
+        _pickling.by_value_seen = len(_BY_VALUE_MODULES)
+
+
+def _by_reference(obj: Any) -> bool:
+    """Whether ``obj`` (a class or function) was found importable: pickled by name."""
+    return _pickling.by_reference.get(id(obj)) is obj
 
 
 def over_base_table(table: dict) -> dict:

@@ -155,15 +155,23 @@ def header_of(python_udf: Any) -> Header | None:
 def outgoing(obj: Any, caller: str, reply: bool, user: bool) -> tuple[Any, dict | None]:
     """``obj`` (a call's record being pickled) with its header, and, for a ``user`` call
     while recording, where to count the request's bytes."""
+    header, message = header_for(caller, reply, user)
+    return Recorded(obj, header), message
+
+
+def header_for(caller: str, reply: bool, user: bool) -> tuple[Header, dict | None]:
+    """A call's header (:data:`Header`), and, for a ``user`` call while recording, where
+    to count the request's bytes (see :func:`outgoing`; a lane sends the header beside
+    the call, :mod:`nbrpc._wire.lanes`)."""
     rec = _on if user else None
     if rec is None:
-        return Recorded(obj, (0, caller, None, 0.0, reply)), None
+        return (0, caller, None, 0.0, reply), None
     stack = getattr(_thread, "calls", None)
     parent = stack[-1]["id"] if stack else None
     call = rec.rank << _RANK_SHIFT | next(rec.counter)
     message: dict[str, Any] = {"call": call, "bytes": 0, "paths": set()}
     _thread.message = message
-    return Recorded(obj, (call, caller, parent, clock(), reply)), message
+    return (call, caller, parent, clock(), reply), message
 
 
 def counted(reducer: Any, path: str = "tensorpipe") -> Any:

@@ -1,0 +1,75 @@
+"""How bytes travel on a lane (:mod:`nbrpc._wire.lanes`): frames, and their reading.
+
+A frame is a header (:data:`FRAME`: the call's id, the payload's length, its kind) and
+the payload, a pickle. A reader takes what arrived with one ``recv`` and cuts frames out
+of it; a frame that says it is longer than :data:`MAX_PAYLOAD` is not a peer's, and ends
+the connection.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from typing import Any
+
+#: a frame's header: call id, payload length, kind
+FRAME = struct.Struct("<QIB")
+MAX_PAYLOAD = 1 << 30
+_RECV = 1 << 16  # bytes asked of one recv
+
+
+class Frames:
+    """The frames arriving on a socket, read with one ``recv`` for as many as came (a
+    buffered file object costs two reads through Python's I/O layers per frame).
+
+    No spinning: a process that waits for a frame sleeps in ``recv``. (Measured here, 2
+    cores: waiting without sleeping for up to 200 µs on both sides made a small call
+    65 µs in one run and 340 µs in the next, as the scheduler placed both processes on
+    one CPU or not; with ``sched_yield`` it was 200 µs.)"""
+
+    __slots__ = ("buffer", "closed", "sock", "start")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.buffer, self.start, self.closed = sock, b"", 0, False
+
+    def next(self) -> tuple[int, int, Any] | None:
+        """``(call, kind, payload)`` of the next frame, or None once the peer closed or
+        sent what is not a frame (over :data:`MAX_PAYLOAD`); raises ``OSError``."""
+        buffer, start, head = self.buffer, self.start, FRAME.size
+        while True:
+            have = len(buffer) - start
+            if have >= head:
+                call, size, kind = FRAME.unpack_from(buffer, start)
+                if size > MAX_PAYLOAD:
+                    return None
+                end = start + head + size
+                if len(buffer) >= end:  # the frame is here: the next one starts at its end
+                    if len(buffer) > end:
+                        self.buffer, self.start = buffer, end
+                    else:
+                        self.buffer, self.start = b"", 0
+                    return call, kind, memoryview(buffer)[start + head : end]
+                if head + size > _RECV:  # a large frame: the rest read straight into place
+                    return self._rest(call, kind, buffer[start:], head + size)
+            if self.closed:
+                return None
+            more = self.sock.recv(_RECV)
+            if not more:
+                self.closed = True
+                return None
+            buffer = buffer[start:] + more if have else more
+            start = 0
+            self.buffer, self.start = buffer, 0
+
+    def _rest(self, call: int, kind: int, start: bytes, end: int) -> tuple[int, int, Any] | None:
+        whole = bytearray(end)
+        whole[: len(start)] = start
+        view, got = memoryview(whole), len(start)
+        while got < end:
+            n = self.sock.recv_into(view[got:])
+            if not n:
+                self.closed = True
+                return None
+            got += n
+        self.buffer, self.start = b"", 0
+        return call, kind, view[FRAME.size :]

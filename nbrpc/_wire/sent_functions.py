@@ -1,0 +1,160 @@
+"""Notebook functions a lane sends call after call: pickled once, kept by the callee.
+
+A notebook function travels by value: every call pickles its code, name, globals and
+the rest with cloudpickle (about 20 µs for a one-line function here), and the callee
+rebuilds it (about 10 µs). That was most of a small call's cost on a lane
+(:mod:`nbrpc._wire.lanes`). Most functions called in a loop do not change between
+calls, and neither do the globals they read, so a lane sends such a function as the
+pickle made at its first call, with a key; the callee keeps the function it made under
+that key and rebuilds nothing on later calls.
+
+What keeps the behaviour of a fresh pickle:
+
+* The pickle is made again when anything it holds changed: the function's code, name,
+  defaults, or the value of a global it reads (its *fingerprint*). Only functions whose
+  fingerprint can be told exactly are kept: no closure, no attributes of their own, and
+  globals, defaults and keyword defaults that are numbers, strings, bytes, None, tuples
+  of these, modules, or classes and functions importable by reference. Anything else
+  (a list, a tensor, another notebook function or class, a lock) is pickled fresh on
+  every call, as before.
+* The globals it reads still arrive with every call
+  (:func:`nbrpc._wire.namespace.arrive`): a worker's namespace gets the caller's values
+  as with a fresh pickle, also where two callers send the same name.
+* Registering a module by value (``nbrpc.register_by_value``) makes every pickle again.
+
+The callee keeps :data:`_KEEP` functions (least recently used go first); a caller sends
+the pickle with every call, so a callee that lost one (or a new process after a restart)
+makes it again from the pickle.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import pickle
+import threading
+import weakref
+from collections.abc import Callable
+from types import BuiltinFunctionType, FunctionType, ModuleType
+from typing import Any
+
+import cloudpickle
+
+from nbrpc import _process
+
+from . import namespace
+
+_ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes, type(Ellipsis)})
+_MISSING = object()
+_KEEP = 1024
+
+
+class _Unstable(Exception):
+    """A value whose change the fingerprint could not tell: pickle afresh."""
+
+
+class _Entry:
+    __slots__ = ("blob", "fingerprint", "kept", "key")
+
+    def __init__(self, fingerprint: tuple, key: str, blob: bytes, kept: tuple) -> None:
+        self.fingerprint, self.key, self.blob, self.kept = fingerprint, key, blob, kept
+
+
+_entries: weakref.WeakKeyDictionary[FunctionType, _Entry] = weakref.WeakKeyDictionary()
+_keys = itertools.count(1)
+_loaded: collections.OrderedDict[str, FunctionType] = collections.OrderedDict()
+_lock = threading.Lock()
+
+
+def _key(value: Any, by_reference: Callable[[Any], bool]) -> Any:
+    """What tells ``value`` apart from any other value (raises :class:`_Unstable`)."""
+    kind = type(value)
+    if kind in _ATOMS:
+        return kind, value
+    if kind is tuple:
+        return kind, tuple(_key(item, by_reference) for item in value)
+    if kind is ModuleType or kind is BuiltinFunctionType or by_reference(value):
+        return kind, id(value)  # alive while kept: the entry holds it (``kept``)
+    raise _Unstable
+
+
+def _fingerprint(
+    func: FunctionType, by_reference: Callable[[Any], bool], generation: int
+) -> tuple[tuple, tuple, dict] | None:
+    """``(fingerprint, values it holds, the globals to arrive)``, or None: not kept."""
+    if func.__closure__ is not None or func.__dict__:
+        return None
+    code, space = func.__code__, func.__globals__
+    names = cloudpickle.cloudpickle._extract_code_globals(code)
+    arriving = {name: space[name] for name in names if name in space}
+    values = (*arriving.values(), *(func.__defaults__ or ()), *(func.__kwdefaults__ or {}).values())
+    try:
+        keys = tuple(_key(value, by_reference) for value in values)
+        kwdefaults = tuple(func.__kwdefaults__ or ())
+    except _Unstable:
+        return None
+    names_missing = tuple(name for name in names if name not in space)
+    fingerprint = (
+        generation,
+        id(code),
+        func.__name__,
+        func.__qualname__,
+        tuple(arriving),
+        names_missing,
+        len(func.__defaults__ or ()),
+        kwdefaults,
+        keys,
+    )
+    return fingerprint, (code, *values), arriving
+
+
+def reduce(
+    func: FunctionType,
+    by_reference: Callable[[Any], bool],
+    pickle_alone: Callable[[FunctionType], bytes],
+    generation: int,
+) -> tuple | None:
+    """The reduction of notebook function ``func`` as a kept pickle, or None (pickle it
+    afresh). ``by_reference``: whether an object pickles as its importable name;
+    ``pickle_alone``: the function's own pickle; ``generation`` changes when what
+    pickles by reference does."""
+    found = _fingerprint(func, by_reference, generation)
+    if found is None:
+        return None
+    fingerprint, kept, arriving = found
+    entry = _entries.get(func)
+    if entry is None or entry.fingerprint != fingerprint:
+        blob = pickle_alone(func)
+        entry = _Entry(fingerprint, f"{_process.token()}.f{next(_keys)}", blob, kept)
+        _entries[func] = entry
+    return _made, (entry.key, entry.blob, arriving)
+
+
+def _made(key: str, blob: bytes, arriving: dict[str, Any]) -> FunctionType:
+    """Unpickling side: the function kept under ``key`` (made from ``blob`` once), with
+    the globals it reads arrived as a fresh pickle's would."""
+    with _lock:
+        func = _loaded.get(key)
+        if func is not None:
+            _loaded.move_to_end(key)
+    if func is None:
+        func = pickle.loads(blob)
+        with _lock:
+            _loaded[key] = func
+            while len(_loaded) > _KEEP:
+                _loaded.popitem(last=False)
+    func.__globals__.update(namespace.arrive(arriving))
+    return func
+
+
+def kept() -> int:
+    """How many functions this process keeps, made from a caller's pickle."""
+    with _lock:
+        return len(_loaded)
+
+
+def forget() -> None:
+    """Drop what this process keeps (the cluster closed)."""
+    with _lock:
+        _loaded.clear()
+    _entries.clear()
