@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import socket
 import struct
+import threading
+from collections.abc import Callable
 from typing import Any
 
 #: a frame's header: call id, payload length, kind
@@ -73,3 +75,58 @@ class Frames:
             got += n
         self.buffer, self.start = b"", 0
         return call, kind, view[FRAME.size :]
+
+
+class Outbox:
+    """Frames to send on a socket, sent by a thread of their own in as few sends as they
+    came: a burst of calls, or of their replies, leaves in a few large sends, and the
+    thread that made each frame goes on at once. (One send per frame is a system call
+    that wakes the peer and gives up this process's GIL: 1,000 calls spent 21-32 ms of
+    the caller's main thread in them, measured.)
+
+    ``lost(error)`` runs on the writer when a send fails (the peer is gone); frames put
+    after that, or after :meth:`close`, are refused."""
+
+    def __init__(
+        self, sock: socket.socket, name: str, lock: threading.Lock, lost: Callable[[Any], None]
+    ) -> None:
+        self.sock, self.lock, self.lost = sock, lock, lost
+        self.frames: list[bytes] = []
+        self.cond = threading.Condition(threading.Lock())
+        self.waiting = self.closed = False
+        threading.Thread(target=self._write, name=name, daemon=True).start()
+
+    def put(self, frame: bytes) -> bool:
+        """Queue ``frame``; False if the outbox is closed."""
+        with self.cond:
+            if self.closed:
+                return False
+            self.frames.append(frame)
+            if self.waiting:
+                self.waiting = False
+                self.cond.notify()
+        return True
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify()
+
+    def _write(self) -> None:
+        while True:
+            with self.cond:
+                while not self.frames and not self.closed:
+                    self.waiting = True
+                    self.cond.wait()
+                frames, self.frames = self.frames, []
+            if not frames:
+                return  # closed, everything sent
+            try:
+                with self.lock:
+                    self.sock.sendall(frames[0] if len(frames) == 1 else b"".join(frames))
+            except OSError as exc:
+                with self.cond:
+                    self.closed = True
+                    self.frames.clear()
+                self.lost(exc)
+                return

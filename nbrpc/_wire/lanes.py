@@ -47,7 +47,6 @@ import io
 import itertools
 import os
 import pickle
-import queue
 import shutil
 import socket
 import struct
@@ -61,7 +60,8 @@ import torch
 from nbrpc import _process, _torch
 
 from . import callee, pickling, recording, shm
-from .frames import FRAME, Frames
+from .frames import FRAME, Frames, Outbox
+from .pool import Pool
 
 #: tensor storage bytes one message may carry on a lane (more: TensorPipe, or the arena)
 MAX_TENSOR_BYTES = 1 << 16
@@ -171,7 +171,7 @@ class _Lanes:
     lock: threading.Lock = field(default_factory=threading.Lock)
     held: dict[int, Any] = field(default_factory=dict)  # replies kept for take()
     held_ids: Any = field(default_factory=lambda: itertools.count(1))
-    pool: _Pool | None = None
+    pool: Pool | None = None
     made_directory: bool = False  # the kernel's: it removes it at close
     paused: bool = False  # this process sends its calls through TensorPipe for now
 
@@ -221,7 +221,7 @@ def open_here(directory: str, threads: int, made: bool = False) -> bool:
         return False
     _lanes.directory, _lanes.listener = directory, listener
     _lanes.made_directory = made
-    _lanes.pool = _Pool(threads)  # runs pooled calls: torch's num_worker_threads
+    _lanes.pool = Pool(threads, _run)  # runs pooled calls: torch's num_worker_threads
     threading.Thread(target=_accept, args=(listener,), name="nbrpc-lanes", daemon=True).start()
     return True
 
@@ -352,7 +352,9 @@ class _Lane:
         self.pending: dict[int, Callable[[int, Any], None]] = {}  # call id -> on_reply
         self.busy = False
         self.closed = False
-        if not main:
+        self.outbox: Outbox | None = None
+        if not main:  # calls leave through an outbox; a reader thread completes them
+            self.outbox = Outbox(sock, f"nbrpc-lane-out-{dest}", self.write_lock, self._lost)
             threading.Thread(target=self._read, name=f"nbrpc-lane-{dest}", daemon=True).start()
 
     def send(self, payload: bytes, on_reply: Callable[[int, Any], None] | None = None) -> int:
@@ -361,13 +363,20 @@ class _Lane:
             self.pending[call] = on_reply
         frame = FRAME.pack(call, len(payload), INLINE if self.main else POOLED) + payload
         try:
-            with self.write_lock:
-                self.sock.sendall(frame)
+            if self.outbox is not None:
+                if not self.outbox.put(frame):
+                    raise OSError("closed")
+            else:
+                with self.write_lock:
+                    self.sock.sendall(frame)
         except OSError as exc:
             self.pending.pop(call, None)
             self.close()
             raise LaneLost(f"the lane to {self.dest} closed: {exc}") from None
         return call
+
+    def _lost(self, exc: Any) -> None:
+        self.close()  # the reader sees the end, and fails the calls waiting
 
     def answer(self) -> tuple[int, Any] | None:
         """The main thread's lane: the answer ``(kind, value)`` if it comes within
@@ -418,6 +427,8 @@ class _Lane:
         if self.closed:
             return
         self.closed = True
+        if self.outbox is not None:
+            self.outbox.close()
         _shut(self.sock)
         with _lanes.lock:
             for table in (_lanes.main, _lanes.shared):
@@ -489,6 +500,15 @@ def _serve(conn: socket.socket) -> None:
     callee.serve_lanes_here()
     frames = Frames(conn)
     write_lock = threading.Lock()
+    outbox: Outbox | None = None
+
+    def answer(frame: bytes) -> None:
+        try:
+            with write_lock:
+                conn.sendall(frame)
+        except OSError:
+            pass  # the caller went away (its stop button, a timeout): nothing waits for it
+
     try:
         while True:
             frame = frames.next()
@@ -496,23 +516,27 @@ def _serve(conn: socket.socket) -> None:
                 return  # closed, or not a peer speaking this protocol: drop it
             call, kind, payload = frame
             if kind == INLINE:
-                _run(conn, write_lock, call, payload)
+                _run(answer, call, payload)
             elif _lanes.pool is not None:
-                _lanes.pool.put((conn, write_lock, call, payload))
+                if outbox is None:  # pooled calls' replies leave through an outbox
+                    outbox = Outbox(conn, "nbrpc-lane-replies", write_lock, _ignore)
+                _lanes.pool.put((outbox.put, call, payload))
     except Exception:  # bytes from outside never take the process down
         return
     finally:
+        if outbox is not None:
+            outbox.close()
         with _lanes.lock:
             _lanes.served.discard(conn)
         _shut(conn)
 
 
-def _run(conn: socket.socket, write_lock: threading.Lock, call: int, payload: bytes) -> None:
-    """Run one call and answer it on its connection."""
+def _run(answer: Callable[[bytes], Any], call: int, payload: bytes) -> None:
+    """Run one call and ``answer`` it (a frame sent, or put in the connection's outbox)."""
     try:
         func, args, kwargs, header = pickle.loads(payload)
     except Exception:  # e.g. a function this process cannot import: TensorPipe says it
-        _answer(conn, write_lock, call, RETRY, b"")
+        answer(FRAME.pack(call, 0, RETRY))
         return
     udf = _torch.PythonUDF(func, args, kwargs)
     if header is not None:  # a user's call: its header, and the row says it came this way
@@ -530,15 +554,11 @@ def _run(conn: socket.socket, write_lock: threading.Lock, call: int, payload: by
             _lanes.held[key] = result, row
         reply, kind = key.to_bytes(8, "little"), FETCH
     del result, udf
-    _answer(conn, write_lock, call, kind, reply)
+    answer(FRAME.pack(call, len(reply), kind) + reply)
 
 
-def _answer(conn: socket.socket, write_lock: threading.Lock, call: int, kind: int, reply: bytes):
-    try:
-        with write_lock:
-            conn.sendall(FRAME.pack(call, len(reply), kind) + reply)
-    except OSError:
-        pass  # the caller went away (its stop button, a timeout): nothing waits for it
+def _ignore(exc: Any) -> None:
+    """A reply could not be sent: the caller went away, nothing waits for it."""
 
 
 def take(key: int) -> Any:
@@ -548,40 +568,3 @@ def take(key: int) -> Any:
         result, row = _lanes.held.pop(key)
     recording.reply_here(result, row)  # a recorded call's row counts the reply's bytes
     return result
-
-
-class _Pool:
-    """Threads that run pooled calls, made as needed up to ``size`` (torch's pool runs a
-    process's calls the same way: calls that wait on each other all get a thread)."""
-
-    def __init__(self, size: int) -> None:
-        self.size, self.started, self.idle = max(1, size), 0, 0
-        self.work: queue.SimpleQueue = queue.SimpleQueue()
-        self.lock = threading.Lock()
-
-    def put(self, item: Any) -> None:
-        with self.lock:
-            grow = False
-            if self.idle > 0:
-                self.idle -= 1  # an idle thread takes it
-            elif self.started < self.size:
-                self.started += 1
-                grow = True
-        if grow:
-            threading.Thread(target=self._work, name="nbrpc-lane-pool", daemon=True).start()
-        self.work.put(item)
-
-    def _work(self) -> None:
-        callee.serve_lanes_here()
-        while True:
-            item = self.work.get()
-            if item is None:
-                return
-            _run(*item)
-            del item
-            with self.lock:
-                self.idle += 1
-
-    def stop(self) -> None:
-        for _ in range(self.started):
-            self.work.put(None)

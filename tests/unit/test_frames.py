@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from nbrpc._wire.frames import FRAME, MAX_PAYLOAD, Frames
+from nbrpc._wire.frames import FRAME, MAX_PAYLOAD, Frames, Outbox
 
 
 def _frame(call: int, kind: int, payload: bytes) -> bytes:
@@ -64,3 +64,18 @@ def test_a_peer_that_closes_mid_frame_or_says_too_much_ends_the_frames(pair):
     with c, d:
         c.sendall(FRAME.pack(1, MAX_PAYLOAD + 1, 3))
         assert Frames(d).next() is None  # not a peer's frame: the connection is dropped
+
+
+def test_an_outbox_sends_every_frame_in_order_and_refuses_after_close():
+    a, b = socket.socketpair()
+    lost: list[object] = []
+    with a, b:
+        outbox = Outbox(a, "test-outbox", threading.Lock(), lost.append)
+        for i in range(500):
+            assert outbox.put(FRAME.pack(i, 1, 3) + bytes([i % 256]))
+        frames = Frames(b)
+        got = [frames.next() for _ in range(500)]
+        assert [(c, bytes(p)) for c, _, p in got] == [(i, bytes([i % 256])) for i in range(500)]
+        outbox.close()
+        assert not outbox.put(FRAME.pack(1, 0, 3))
+    assert lost == []
