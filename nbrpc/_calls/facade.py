@@ -52,6 +52,10 @@ class _Calls:
     dead: dict[str, str] = field(default_factory=dict)  # name -> what torch said
     #: ranks of processes nbrpc.restart replaced -> their name: what they owned is gone
     replaced: dict[int, str] = field(default_factory=dict)
+    #: a name or rank -> its WorkerInfo, found once per membership (torch's lookup lets go
+    #: of the GIL: where other threads want it, a call waited ~20 µs for it back, measured)
+    infos: dict[Any, WorkerInfo] = field(default_factory=dict)
+    infos_of: Any = None  # the agent they are of (kept alive: its identity is checked)
 
 
 _calls = _Calls()
@@ -91,6 +95,7 @@ def set_active(active: bool, last_output: Callable[[str], str] | None = None) ->
     worker printed last."""
     _group.set_active(active)
     _calls.last_output = last_output if active else None
+    _calls.infos.clear()
     if active:
         _calls.cancelled = False
         _calls.dead.clear()
@@ -105,12 +110,14 @@ def restarted(names: list[str], old_ranks: list[int]) -> None:
     """``names`` are being replaced by new processes: their old ranks' RRefs are gone."""
     for name, rank in zip(names, old_ranks, strict=True):
         _calls.replaced[rank] = name
+    _calls.infos.clear()
 
 
 def revived(names: list[str]) -> None:
     """``names`` joined again (a restart): calls to them go out again."""
     for name in names:
         _calls.dead.pop(name, None)
+    _calls.infos.clear()
 
 
 def replaced_error(rank: int) -> WorkerDiedError | None:
@@ -154,8 +161,14 @@ def _destination(to: str | WorkerInfo | int, what: str) -> WorkerInfo:
     if isinstance(to, str) and to in _calls.dead:
         raise WorkerDiedError(to, _calls.dead[to], _last_output(to))
     if isinstance(to, str | int) and not isinstance(to, bool):
+        agent = _torch.agent()
+        if agent is not _calls.infos_of:  # torch's RPC started again (its own init_rpc)
+            _calls.infos.clear()
+            _calls.infos_of = agent
+        info = _calls.infos.get(to)
         try:  # one lookup in the agent's table; the full list only for the error
-            info = _torch.agent().get_worker_info(to)
+            if info is None:
+                info = _calls.infos[to] = agent.get_worker_info(to)
         except RuntimeError:
             pass
         else:
