@@ -30,10 +30,12 @@ its error is the one TensorPipe gives.
 
 Two kinds of lane: the main thread's ``rpc_sync`` writes on a lane of its own per peer and
 reads the answer there itself (no thread in between on either side: the callee runs the
-call on the lane's own thread); every other call shares one lane per peer whose replies
-a reader thread completes, and the callee runs those on a pool of ``num_worker_threads``
-threads, as torch does (so calls that wait on each other behave the same). An idle lane
-blocks in ``recv``: no CPU.
+call on the lane's own thread); every other call shares one lane per peer, whose calls
+leave through an outbox thread (:class:`~nbrpc._wire.frames.Outbox`) and whose replies a
+reader thread completes, and the callee runs those on a pool of up to
+``num_worker_threads`` threads (:mod:`.pool`: calls that wait on each other behave as on
+torch's pool). A notebook function that does not change between calls is pickled once
+(:mod:`.sent_functions`). An idle lane blocks in ``recv``: no CPU.
 
 Who may connect: the sockets live in a directory of mode 0700 made by the kernel, and a
 listener admits a peer only if ``SO_PEERCRED`` says it runs as the same user.
