@@ -146,7 +146,7 @@ def reducers(recording_on: bool) -> dict:
 
 
 _PLAIN_ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
-_PLAIN_TABLE = {torch.Tensor: _reduce_tensor}
+_PLAIN_TABLE: dict[Any, Any] = {torch.Tensor: _reduce_tensor}
 
 
 def _plain(obj: Any, depth: int = 0) -> bool:
