@@ -190,9 +190,10 @@ class RpcPickler(cloudpickle.Pickler):
         self.dispatch_table = {}
 
     def reducer_override(self, obj: Any) -> Any:
-        kind = type(obj)
-        if kind is not FunctionType and not issubclass(kind, type):
-            return NotImplemented  # cloudpickle's answer too, for all but these two
+        if not issubclass(type(obj), type) and not isinstance(obj, FunctionType):
+            # cloudpickle's answer too, for all but these two (asked as cloudpickle asks
+            # it: isinstance, which an object's __class__ can answer)
+            return NotImplemented
         if id(obj) in _pickling.by_reference:
             return NotImplemented  # pickle's own save_global: by reference
         reduced = super().reducer_override(obj)
@@ -282,7 +283,7 @@ class LanePickler(RpcPickler):
                 )  # a notebook function sent call after call: its pickle, made once
                 if kept is not None:
                     return kept
-        elif not issubclass(kind, type):
+        elif not issubclass(kind, type) and not isinstance(obj, FunctionType):
             return NotImplemented
         return RpcPickler.reducer_override(self, obj)
 
