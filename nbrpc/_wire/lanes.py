@@ -167,17 +167,22 @@ def dumps(obj: Any) -> bytes:
     """``obj`` (a reply) pickled for a lane (nbrpc's pickler: notebook code by value);
     raises when it cannot take one (:class:`NotLane`, or any pickling error). A plain
     value, not recorded, takes the C pickler alone (12 -> 3 µs for a small tensor)."""
-    out = io.BytesIO()
-    _pickled.bytes = 0
-    _pickled.storages.clear()
-    if recording.active() is None and _plain(obj):
+    out = _message()
+    recording_on = recording.active() is not None
+    if not recording_on and _plain(obj):
         plain = pickle.Pickler(out, protocol=5)
         plain.dispatch_table = _PLAIN_TABLE
         plain.dump(obj)
-        return out.getvalue()
-    pickler = pickling.LanePickler(out, reducers(recording.active() is not None))
-    pickler.dump(obj)
+    else:
+        pickling.LanePickler(out, reducers(recording_on)).dump(obj)
     return out.getvalue()
+
+
+def _message() -> io.BytesIO:
+    """A new message's buffer; the tensors :func:`_reduce_tensor` counted are forgotten."""
+    _pickled.bytes = 0
+    _pickled.storages.clear()
+    return io.BytesIO()
 
 
 # -- this process's lanes --------------------------------------------------------------------
@@ -349,10 +354,8 @@ def request(dest: Any, func: Any, args: tuple, kwargs: dict | None) -> bytes | N
 def _call_bytes(func: Any, args: tuple, kwargs: dict) -> bytes:
     """A call pickled for a lane: ``(func, args, kwargs, header)``, the header
     (:mod:`.recording`) beside the call, not wrapped around torch's call record."""
-    out = io.BytesIO()
+    out = _message()
     pickler = pickling.LanePickler(out, reducers(recording.active() is not None))
-    _pickled.bytes = 0
-    _pickled.storages.clear()
     header, message = (
         recording.header_for(_process.name(), False, True)
         if callee.is_user_call(func)

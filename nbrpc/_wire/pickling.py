@@ -275,16 +275,12 @@ class LanePickler(RpcPickler):
         _C_DISPATCH_TABLE.__set__(self, table)
 
     def reducer_override(self, obj: Any) -> Any:
-        kind = type(obj)
-        if kind is FunctionType:
-            if self.keep_functions and obj.__module__ == "__main__":
-                kept = sent_functions.reduce(
-                    obj, _by_reference, self._alone, _pickling.by_value_seen
-                )  # a notebook function sent call after call: its pickle, made once
-                if kept is not None:
-                    return kept
-        elif not issubclass(kind, type) and not isinstance(obj, FunctionType):
-            return NotImplemented
+        if type(obj) is FunctionType and self.keep_functions and obj.__module__ == "__main__":
+            kept = sent_functions.reduce(
+                obj, _by_reference, self._alone, _pickling.by_value_seen
+            )  # a notebook function sent call after call: its pickle, made once
+            if kept is not None:
+                return kept
         return RpcPickler.reducer_override(self, obj)
 
     def dump_as_is(self, obj: Any) -> None:

@@ -43,15 +43,18 @@ class Pool:
             self.items.append(item)
             if self.running and (self.watcher or not self._may_grow()):
                 return  # a running thread takes it next, or the watcher will
-            if self.idle:
-                self.cond.notify()
-                return
-            if self.threads < self.size:
-                self.threads += 1
-                threading.Thread(target=self._work, name="nbrpc-lane-pool", daemon=True).start()
+            self._another()
 
     def _may_grow(self) -> bool:
         return self.idle > 0 or self.threads < self.size
+
+    def _another(self) -> None:
+        """Wake an idle thread, or start one if the pool may have more (under the lock)."""
+        if self.idle:
+            self.cond.notify()
+        elif self.threads < self.size:
+            self.threads += 1
+            threading.Thread(target=self._work, name="nbrpc-lane-pool", daemon=True).start()
 
     def _work(self) -> None:
         callee.serve_lanes_here()
@@ -68,13 +71,7 @@ class Pool:
                 self.running += 1
                 self.progress = time.monotonic()
                 if items and not self.watcher and self._may_grow():  # the next one waits
-                    if self.idle:
-                        cond.notify()
-                    else:
-                        self.threads += 1
-                        threading.Thread(
-                            target=self._work, name="nbrpc-lane-pool", daemon=True
-                        ).start()
+                    self._another()
             try:
                 self.run(*item)
             finally:

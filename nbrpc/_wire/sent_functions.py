@@ -151,10 +151,3 @@ def kept() -> int:
     """How many functions this process keeps, made from a caller's pickle."""
     with _lock:
         return len(_loaded)
-
-
-def forget() -> None:
-    """Drop what this process keeps (the cluster closed)."""
-    with _lock:
-        _loaded.clear()
-    _entries.clear()
