@@ -222,6 +222,7 @@ def test_a_timeout_on_a_lane_is_nbrpcs_and_the_next_call_takes_a_new_lane(cluste
     """Timeouts shorter and longer than the main thread's first read of its lane (one
     slice, lanes.MAIN_SLICE_S), and a call that outlasts several slices."""
     for timeout, call in (
+        (0.15, lambda: nbrpc.rpc_sync("worker2", code.nap, args=(1.5,), timeout=0.15)),
         (0.3, lambda: nbrpc.rpc_sync("worker2", code.nap, args=(1.5,), timeout=0.3)),
         (0.6, lambda: nbrpc.rpc_sync("worker2", code.nap, args=(1.5,), timeout=0.6)),
         (0.3, lambda: nbrpc.rpc_async("worker2", code.nap, args=(1.5,), timeout=0.3).wait()),

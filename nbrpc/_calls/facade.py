@@ -265,9 +265,6 @@ def _on_main_lane(dest: WorkerInfo, payload: bytes, call: Sent) -> tuple[int, An
     lane.busy = True
     try:
         lane.send(payload)
-        answer = lane.answer() if not 0 < call.limit < lanes.MAIN_SLICE_S * 2 else None
-        if answer is not None:
-            return answer
         got: list = []
 
         def one_slice() -> bool:
@@ -276,7 +273,11 @@ def _on_main_lane(dest: WorkerInfo, payload: bytes, call: Sent) -> tuple[int, An
                 got.append(answer)
             return bool(got)
 
-        limit = max(call.limit - lanes.MAIN_SLICE_S, 1e-3) if call.limit > 0 else 0
+        limit = call.limit
+        if not 0 < limit < lanes.MAIN_SLICE_S * 2:  # a first slice, on its own
+            if one_slice():
+                return got[0]
+            limit = max(limit - lanes.MAIN_SLICE_S, 1e-3) if limit > 0 else 0
         if not prompts.wait_in_slices_on_main_thread(one_slice, limit):
             lane.close()  # its answer would come on a lane no one reads: the next call opens one
             return lanes.LOST, call.expired()
