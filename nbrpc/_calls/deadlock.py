@@ -22,8 +22,10 @@ nbrpc notices it instead, without guessing from time alone:
   answer: torch completes a call's response on the same exhausted thread pool. Each
   stuck worker then fails the calls its threads wait on with
   :class:`~nbrpc.ThreadsExhaustedError`, whose message names the workers, the pool and
-  the fixes. The error travels back up the chain like any exception, every thread is
-  freed, and the cluster answers again at once.
+  the fixes. The first to find it writes it for the others too: its own threads
+  unwind and free it before they may read its word, and they must not stay jammed
+  (:class:`Watch`). The error travels back up the chain like any exception, every
+  thread is freed, and the cluster answers again at once.
 
 A worker whose threads wait on a worker that still computes is not stuck in this sense:
 nothing is failed while any worker on the chain can still make progress.
@@ -49,6 +51,7 @@ STUCK_S = 1.0  # how long a worker must be stuck before it says so (a passing pe
 #: and clears it once free; the margin covers clocks of other hosts)
 FRESH_S = 10.0
 KEY_PREFIX = "nbrpc-stuck/"
+VERDICT_PREFIX = "nbrpc-deadlocked/"  # a stuck worker told by another that it deadlocks
 
 
 @dataclass
@@ -96,26 +99,22 @@ def _stuck() -> tuple[int, int, list[str]] | None:
 
 
 def _watch() -> None:
-    since: float | None = None
-    published = False
+    watch: Watch | None = None
+    of: Any = None  # the agent ``watch`` is of (a new group, a new watch)
     while True:
         with _waits.cond:
             while not _waits.by_thread:
-                if published:
-                    published = _publish(None)
-                since = None
+                if watch is not None:
+                    with contextlib.suppress(Exception):  # the agent or its store is gone
+                        watch.step(None, time.monotonic())
                 _waits.cond.wait()
         try:
-            stuck = _stuck()
-            now = time.monotonic()
-            since = None if stuck is None else since or now
-            if stuck is not None and since is not None and now - since >= STUCK_S:
-                published = _publish(stuck)
-                verdict = _verdict()
-                if verdict:
-                    _fail_waits(verdict)
-            elif published:
-                published = _publish(None)
+            agent = _torch.agent()
+            if watch is None or of is not agent:
+                watch, of = Watch(agent.store, _process.name()), agent
+            why = watch.step(_stuck(), time.monotonic(), agent.get_worker_infos)
+            if why:
+                _fail_waits(why)
         except Exception:  # the agent or its store is gone (shutdown): nothing to watch
             pass
         time.sleep(POLL_S)
@@ -125,34 +124,94 @@ def _key(name: str) -> str:
     return f"{KEY_PREFIX}{name}"
 
 
-def _publish(stuck: tuple[int, int, list[str]] | None) -> bool:
+def _verdict_key(name: str) -> str:
+    return f"{VERDICT_PREFIX}{name}"
+
+
+@dataclass
+class Watch:
+    """One worker's side of the watch, a poll at a time (:meth:`step`), over the group's
+    store.
+
+    The worker that first finds the deadlock certain fails its own waits and tells the
+    other stuck workers so, in the store: its threads unwinding free it, and it clears
+    its word, while theirs still wait. A worker told that it deadlocks fails its waits
+    at its next poll if it is still stuck, whether or not the teller still is (without
+    it, a teller that freed itself and cleared its word before the other read it left
+    that one jammed, unseen: the order of two workers' polls decided it).
+    """
+
+    store: Any
+    me: str
+    since: float | None = None  # stuck since (monotonic), None while not stuck
+    published: bool = False
+
+    def step(
+        self, stuck: tuple[int, int, list[str]] | None, now: float, members: Any = None
+    ) -> str:
+        """Publish this poll's state; why this worker's waits must fail now, or ""."""
+        if stuck is None:
+            self.since = None
+            if self.published:
+                self.published = _publish(self.store, self.me, None)
+                self.store.set(_verdict_key(self.me), "")  # one that came too late
+            return ""
+        self.since = self.since if self.since is not None else now
+        if now - self.since < STUCK_S:
+            return ""
+        self.published = _publish(self.store, self.me, stuck)
+        names = [info.name for info in members()] if members is not None else []
+        why, ring = _verdict(self.store, names)
+        if why:
+            for other in ring:
+                if other != self.me:
+                    self.store.set(_verdict_key(other), json.dumps([time.time(), why]))
+            return why
+        return _told(self.store, self.me)
+
+
+def _publish(store: Any, me: str, stuck: tuple[int, int, list[str]] | None) -> bool:
     """Say in the group's store whether this worker is stuck (and on whom); returns it."""
-    store = _torch.agent().store
     if stuck is None:
-        store.set(_key(_process.name()), "")
+        store.set(_key(me), "")
         return False
     pool, queued, targets = stuck
-    store.set(_key(_process.name()), json.dumps([time.time(), pool, queued, targets]))
+    store.set(_key(me), json.dumps([time.time(), pool, queued, targets]))
     return True
 
 
-def _verdict() -> str:
-    """Why the calls deadlock, when every stuck worker of the group waits on stuck
-    workers alone (read from the store: no RPC thread is free to ask); "" otherwise."""
-    store = _torch.agent().store
-    now = time.time()
+def _fresh(store: Any, key: str) -> list | None:
+    """The value at ``key`` when one was written there less than FRESH_S ago."""
+    if not store.check([key]):
+        return None
+    raw = store.get(key).decode()
+    if not raw:
+        return None
+    value = json.loads(raw)
+    return value if time.time() - value[0] <= FRESH_S else None
+
+
+def _told(store: Any, me: str) -> str:
+    """Why this worker deadlocks, when another stuck worker found it and said so."""
+    told = _fresh(store, _verdict_key(me))
+    if told is None:
+        return ""
+    store.set(_verdict_key(me), "")
+    return told[1]
+
+
+def _verdict(store: Any, names: list[str]) -> tuple[str, list[str]]:
+    """Why the calls deadlock, and the stuck workers, when every stuck worker of the
+    group waits on stuck workers alone (read from the store: no RPC thread is free to
+    ask); ``("", [])`` otherwise."""
     stuck: dict[str, tuple[int, int, list[str]]] = {}
-    for info in _torch.agent().get_worker_infos():
-        key = _key(info.name)
-        if not store.check([key]):
-            continue
-        raw = store.get(key).decode()
-        if raw:
-            when, pool, queued, targets = json.loads(raw)
-            if now - when <= FRESH_S:
-                stuck[info.name] = (pool, queued, targets)
+    for name in names:
+        value = _fresh(store, _key(name))
+        if value is not None:
+            _, pool, queued, targets = value
+            stuck[name] = (pool, queued, targets)
     if not stuck or any(t not in stuck for _, _, targets in stuck.values() for t in targets):
-        return ""  # someone on the chain can still make progress
+        return "", []  # someone on the chain can still make progress
     ring = sorted(stuck)
     pools = ", ".join(f"{w} {stuck[w][0]}" for w in ring)
     return (
@@ -163,7 +222,7 @@ def _verdict() -> str:
         "cluster with more threads (%rpc_init --threads N, num_worker_threads=N), or let "
         "the function wait without a thread: decorate it @rpc.functions.async_execution "
         "and return nbrpc.rpc_async(...) (a torch.futures.Future) instead of waiting"
-    )
+    ), ring
 
 
 def _fail_waits(why: str) -> None:
