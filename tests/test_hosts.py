@@ -311,7 +311,8 @@ def test_a_recording_and_the_stacks_reach_workers_on_other_hosts(hosts, kernel):
         "<= rows[1]['end_s'] <= rows[0]['end_s']"
     )
 
-    kernel.run("busy = nbrpc.rpc_async('worker3', spin, args=(3.0,)); time.sleep(0.5)")
+    # it spins long past the read, so a slow read still finds it busy
+    kernel.run("busy = nbrpc.rpc_async('worker3', spin, args=(6.0,)); time.sleep(0.5)")
     t0 = time.monotonic()
     stacks = kernel.value(
         "[(r['name'], r['host'], r['how'], r['error'], "
@@ -326,7 +327,7 @@ def test_a_recording_and_the_stacks_reach_workers_on_other_hosts(hosts, kernel):
         ["spin from worker0", "spin"]
     ]
     assert took < 3.0  # 2 s, plus this test's own round trips to the kernel
-    assert kernel.value("busy.wait()") == 3.0
+    assert kernel.value("busy.wait()") == 6.0
 
 
 @needs_hosts

@@ -156,7 +156,13 @@ def test_twenty_init_shutdown_cycles_do_not_grow_resources():
     first, last = rows[0], rows[-1]  # after cycle 1: lazy imports and caches are in place
     for line in rows:
         print({k: round(v, 1) if isinstance(v, float) else v for k, v in line.items()})
+    # each row is a moment just after shutdown: threads and processes may still be on
+    # their way out (a spare engine starting, a reader thread ending), so the last row is
+    # read again until it settles; a leak of one per cycle stays 19 over
     for key in ("threads", "open files", "listening ports", "child processes"):
+        if last[key] > first[key]:
+            wait_until(lambda key=key: _resources()[key] <= first[key], timeout=10)
+            last[key] = _resources()[key]
         assert last[key] <= first[key], f"{key} grew over 19 cycles: {first[key]} -> {last[key]}"
     sockets = last["sockets"] - first["sockets"]
     assert sockets <= 19 * SOCKETS_PER_DEPARTED_WORKER, f"{sockets} more sockets after 19 cycles"

@@ -45,9 +45,12 @@ import os, signal, threading, time, nbrpc
 nbrpc.init(n=1, progress=False)
 ns = {"__name__": "__main__"}
 exec("import time\\ndef slow(s):\\n    time.sleep(s)\\n    return s\\n", ns)
+pressed = []
+def press():
+    pressed.append(time.monotonic())
+    os.kill(os.getpid(), signal.SIGINT)
 for how in ("rpc_sync", "rpc_async().wait()"):
-    threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
-    t = time.monotonic()
+    threading.Timer(1.0, press).start()
     try:
         if how == "rpc_sync":
             nbrpc.rpc_sync("worker1", ns["slow"], args=(20,))
@@ -55,7 +58,7 @@ for how in ("rpc_sync", "rpc_async().wait()"):
             nbrpc.rpc_async("worker1", ns["slow"], args=(20,)).wait()
         print(how, "not interrupted")
     except KeyboardInterrupt:
-        print(how, f"interrupted after {time.monotonic() - t:.1f} s")
+        print(how, f"interrupted after {time.monotonic() - pressed[-1]:.1f} s (from the press)")
 print("still usable:", nbrpc.rpc_sync("worker1", ns["slow"], args=(0,)))
 nbrpc.shutdown(graceful=False)
 """

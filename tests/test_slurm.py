@@ -179,14 +179,14 @@ def test_workers_from_a_slurm_job(slurm, kernel):
     kernel.run(
         "def spin(s):\n    t = time.time()\n    while time.time() - t < s:\n        pass\n"
         "    return s\n"
-        "busy = nbrpc.rpc_async('worker2', spin, args=(3.0,)); time.sleep(0.5)"
+        "busy = nbrpc.rpc_async('worker2', spin, args=(6.0,)); time.sleep(0.5)"
     )
     stacks = kernel.value(
         "[(r['how'], r['error'], [t['frames'][-1]['function'] for t in r['threads'] "
         "if t['serving']]) for r in nbrpc.stacks('worker2')]"
     )
     assert stacks == [["signal", None, ["spin"]]]
-    assert kernel.value("busy.wait()") == 3.0
+    assert kernel.value("busy.wait()") == 6.0
 
 
 @needs_slurm

@@ -147,7 +147,7 @@ def test_live_group_internals(cluster):
     _pin(created is not None, "RRef._get_future is gone", "rref_creation_future")
     created.wait()
     _pin(created.done(), "RRef._get_future never finishes", "rref_creation_future")
-    slow = nbrpc.remote("worker1", time.sleep, args=(0.5,))
+    slow = nbrpc.remote("worker1", time.sleep, args=(3.0,))
     created = _torch.rref_creation_future(slow)
     _pin(not created.done(), "creation finished before the call did", "rref_creation_future")
     created.wait()

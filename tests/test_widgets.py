@@ -24,7 +24,7 @@ def test_cluster_view_is_live_and_has_a_text_repr():
         assert names == nbrpc.workers()
         assert all(f'data-worker="{n}"' in view.html for n in names)
         version = view.version
-        fut = nbrpc.rpc_async("worker2", time.sleep, args=(3.0,))
+        fut = nbrpc.rpc_async("worker2", time.sleep, args=(6.0,))  # seen while it runs
         assert wait_until(
             lambda: view.data["workers"][2]["calls_in_flight"] == 1 and view.version > version
         ), "the view did not update while a call was running"
