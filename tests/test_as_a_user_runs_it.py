@@ -9,6 +9,8 @@ called differently from a user can no longer pass while the user's path fails.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -347,6 +349,34 @@ def test_a_killed_kernel_leaves_no_directory_behind():
         k.km.shutdown_kernel(now=True)  # SIGKILL: no atexit runs
         k.kc.stop_channels()
     assert wait_until(lambda: not any(Path(d).exists() for d in dirs), timeout=20), dirs
+
+
+def test_a_store_left_by_a_kernel_killed_after_shutdown_goes_at_the_next_init():
+    """After ``nbrpc.shutdown()`` no watchdog runs, and the kernel keeps its group store
+    for its lifetime: killed then, it left the store. The next kernel's first
+    ``%rpc_init`` removes it, and leaves a live process's alone."""
+    k = Kernel()
+    try:
+        k.run("%load_ext nbrpc\n%rpc_init -n 1 --quiet")
+        k.run("import nbrpc\nnbrpc.shutdown(release=True)")
+        store = k.value(
+            "__import__('os').path.dirname(nbrpc._group.current_kernel_membership().spec.path)"
+        )
+        assert Path(store).is_dir()
+    finally:
+        k.km.shutdown_kernel(now=True)  # SIGKILL: no atexit runs
+        k.kc.stop_channels()
+    assert Path(store).is_dir(), "the case this test is about did not happen"
+    live = Path(tempfile.gettempdir()) / f"nbrpc-{os.getpid()}-a-live-kernels"
+    live.mkdir()
+    k = Kernel()
+    try:
+        k.run("%load_ext nbrpc\n%rpc_init -n 1 --quiet")
+        assert not Path(store).exists()
+        assert live.is_dir()
+    finally:
+        live.rmdir()
+        k.close()
 
 
 def test_the_status_table_keeps_its_columns_apart_at_a_hundred_workers():

@@ -106,6 +106,30 @@ def sweep_directories(prefix: str) -> int:
     return removed
 
 
+def sweep_dead_kernels_stores() -> int:
+    """Remove ``$TMPDIR/nbrpc-PID-*`` group store directories of kernels that are gone.
+
+    A kernel keeps its store for its lifetime (torch fixes its group) and removes it at
+    exit; one killed after ``nbrpc.shutdown()``, when no watchdog runs, left it behind
+    (a few kB each). The next kernel to join removes those: this user's only, and only
+    where no process has the pid now. Shared-memory names are left alone: on a host of
+    ``--hosts`` they carry the pid of a kernel on another host.
+    """
+    removed = 0
+    uid = os.getuid()
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), "nbrpc-*-*")):
+        pid = os.path.basename(path).split("-")[1]
+        try:
+            if not pid.isdigit() or process_alive(int(pid)) or os.lstat(path).st_uid != uid:
+                continue
+        except OSError:
+            continue
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed += 1
+    return removed
+
+
 def read_pids(pidfile: str) -> list[int] | None:
     """The pids listed in ``pidfile``; ``None`` when it is gone (nothing left to watch)."""
     try:

@@ -32,7 +32,7 @@ from typing import Any
 
 from nbrpc import _devices, _fence, _group
 from nbrpc._engines import JOIN_TIMEOUT_S, Engines, remote_message, worker
-from nbrpc._engines.watchdog import segment_prefix
+from nbrpc._engines.watchdog import segment_prefix, sweep_dead_kernels_stores
 from nbrpc._errors import BootError
 from nbrpc._gather import timeline
 from nbrpc._group import KernelMembership
@@ -312,6 +312,8 @@ def _since(t0: float) -> float:
 def _join_kernel(
     settings: Settings, device_maps: dict, devices: list[str] | None
 ) -> KernelMembership:
+    if _group.current_kernel_membership() is None:
+        sweep_dead_kernels_stores()  # what killed kernels left (see there)
     return _group.kernel_membership(
         settings.self_name,
         init_method=settings.init_method,
