@@ -9,7 +9,10 @@ called differently from a user can no longer pass while the user's path fails.
 
 from __future__ import annotations
 
+import fcntl
 import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -367,15 +370,31 @@ def test_a_store_left_by_a_kernel_killed_after_shutdown_goes_at_the_next_init():
         k.km.shutdown_kernel(now=True)  # SIGKILL: no atexit runs
         k.kc.stop_channels()
     assert Path(store).is_dir(), "the case this test is about did not happen"
-    live = Path(tempfile.gettempdir()) / f"nbrpc-{os.getpid()}-a-live-kernels"
-    live.mkdir()
+    tmp = Path(tempfile.gettempdir())
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        text=True,
+        capture_output=True,
+        check=True,
+    ).stdout.strip()  # a pid no one has
+    kept = [
+        tmp / f"nbrpc-{os.getpid()}-a-live-kernels",  # a live pid
+        tmp / f"nbrpc-{gone}-held",  # a pid this namespace lacks, held (another container)
+        tmp / "nbrpc-\u00b2-not-a-pid",  # digits int() refuses
+    ]
+    for path in kept:
+        path.mkdir()
+    held = os.open(kept[1], os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_SH)
     k = Kernel()
     try:
         k.run("%load_ext nbrpc\n%rpc_init -n 1 --quiet")
         assert not Path(store).exists()
-        assert live.is_dir()
+        assert all(path.is_dir() for path in kept)
     finally:
-        live.rmdir()
+        os.close(held)
+        for path in kept:
+            path.rmdir()
         k.close()
 
 

@@ -139,11 +139,16 @@ class Watch:
     at its next poll if it is still stuck, whether or not the teller still is (without
     it, a teller that freed itself and cleared its word before the other read it left
     that one jammed, unseen: the order of two workers' polls decided it).
+
+    A verdict names the *episode* it was found in (when the worker's stuck spell began,
+    written with its word): one that arrives after the worker was freed is of an
+    episode that ended, and a later jam, deadlocked or not, is never failed by it.
     """
 
     store: Any
     me: str
     since: float | None = None  # stuck since (monotonic), None while not stuck
+    episode: str = ""  # this stuck spell's name (its wall-clock start), "" while not stuck
     published: bool = False
 
     def step(
@@ -151,32 +156,36 @@ class Watch:
     ) -> str:
         """Publish this poll's state; why this worker's waits must fail now, or ""."""
         if stuck is None:
-            self.since = None
+            self.since, self.episode = None, ""
             if self.published:
-                self.published = _publish(self.store, self.me, None)
-                self.store.set(_verdict_key(self.me), "")  # one that came too late
+                self.store.set(_verdict_key(self.me), "")
+                self.published = _publish(self.store, self.me, None, "")
             return ""
-        self.since = self.since if self.since is not None else now
+        if self.since is None:
+            self.since, self.episode = now, f"{time.time():.6f}"
         if now - self.since < STUCK_S:
             return ""
-        self.published = _publish(self.store, self.me, stuck)
+        self.published = _publish(self.store, self.me, stuck, self.episode)
         names = [info.name for info in members()] if members is not None else []
         why, ring = _verdict(self.store, names)
-        if why:
-            for other in ring:
+        if not why:
+            why = _told(self.store, self.me, self.episode)
+        else:
+            for other, episode in ring.items():
                 if other != self.me:
-                    self.store.set(_verdict_key(other), json.dumps([time.time(), why]))
-            return why
-        return _told(self.store, self.me)
+                    self.store.set(_verdict_key(other), json.dumps([time.time(), why, episode]))
+        if why:  # its waits fail now: a jam seen after this is a new spell
+            self.since, self.episode = None, ""
+        return why
 
 
-def _publish(store: Any, me: str, stuck: tuple[int, int, list[str]] | None) -> bool:
+def _publish(store: Any, me: str, stuck: tuple[int, int, list[str]] | None, episode: str) -> bool:
     """Say in the group's store whether this worker is stuck (and on whom); returns it."""
     if stuck is None:
         store.set(_key(me), "")
         return False
     pool, queued, targets = stuck
-    store.set(_key(me), json.dumps([time.time(), pool, queued, targets]))
+    store.set(_key(me), json.dumps([time.time(), pool, queued, targets, episode]))
     return True
 
 
@@ -191,27 +200,28 @@ def _fresh(store: Any, key: str) -> list | None:
     return value if time.time() - value[0] <= FRESH_S else None
 
 
-def _told(store: Any, me: str) -> str:
-    """Why this worker deadlocks, when another stuck worker found it and said so."""
+def _told(store: Any, me: str, episode: str) -> str:
+    """Why this worker deadlocks, when another stuck worker found it in this episode."""
     told = _fresh(store, _verdict_key(me))
     if told is None:
         return ""
-    store.set(_verdict_key(me), "")
-    return told[1]
+    store.set(_verdict_key(me), "")  # used up, or of an episode that ended
+    return told[1] if told[2] == episode else ""
 
 
-def _verdict(store: Any, names: list[str]) -> tuple[str, list[str]]:
-    """Why the calls deadlock, and the stuck workers, when every stuck worker of the
-    group waits on stuck workers alone (read from the store: no RPC thread is free to
-    ask); ``("", [])`` otherwise."""
+def _verdict(store: Any, names: list[str]) -> tuple[str, dict[str, str]]:
+    """Why the calls deadlock, and the stuck workers (each with its episode), when every
+    stuck worker of the group waits on stuck workers alone (read from the store: no RPC
+    thread is free to ask); ``("", {})`` otherwise."""
     stuck: dict[str, tuple[int, int, list[str]]] = {}
+    episodes: dict[str, str] = {}
     for name in names:
         value = _fresh(store, _key(name))
         if value is not None:
-            _, pool, queued, targets = value
+            _, pool, queued, targets, episodes[name] = value
             stuck[name] = (pool, queued, targets)
     if not stuck or any(t not in stuck for _, _, targets in stuck.values() for t in targets):
-        return "", []  # someone on the chain can still make progress
+        return "", {}  # someone on the chain can still make progress
     ring = sorted(stuck)
     pools = ", ".join(f"{w} {stuck[w][0]}" for w in ring)
     return (
@@ -222,7 +232,7 @@ def _verdict(store: Any, names: list[str]) -> tuple[str, list[str]]:
         "cluster with more threads (%rpc_init --threads N, num_worker_threads=N), or let "
         "the function wait without a thread: decorate it @rpc.functions.async_execution "
         "and return nbrpc.rpc_async(...) (a torch.futures.Future) instead of waiting"
-    ), ring
+    ), {name: episodes[name] for name in ring}
 
 
 def _fail_waits(why: str) -> None:

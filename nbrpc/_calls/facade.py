@@ -258,7 +258,8 @@ def _on_main_lane(dest: WorkerInfo, payload: bytes, call: Sent) -> tuple[int, An
     ``(LOST, error)`` for a lost lane or a timeout, or None (no lane: TensorPipe).
 
     The first read waits one slice by itself (the answer of a small call comes within
-    it); a longer wait goes on in slices that serve prompts and keep the clock."""
+    it), unless the timeout is shorter than two slices; a longer wait goes on in slices
+    that serve prompts and keep the clock."""
     lane = lanes.lane_to(dest, main=True)
     if lane is None or lane.busy:
         return None

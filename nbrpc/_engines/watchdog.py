@@ -106,27 +106,59 @@ def sweep_directories(prefix: str) -> int:
     return removed
 
 
+_held: list[int] = []  # descriptors of the store directories this process holds
+
+
+def hold_store(directory: str) -> None:
+    """Mark ``directory`` (this kernel's group store) in use for this process's lifetime:
+    a shared ``flock`` on it, which :func:`sweep_dead_kernels_stores` of any process on
+    this host sees, whatever pids it can see (a container sharing ``$TMPDIR``)."""
+    import fcntl
+
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    _held.append(fd)
+
+
+def _in_use(directory: str) -> bool:
+    import fcntl
+
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return True  # not a directory of ours to judge
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+
+
 def sweep_dead_kernels_stores() -> int:
     """Remove ``$TMPDIR/nbrpc-PID-*`` group store directories of kernels that are gone.
 
     A kernel keeps its store for its lifetime (torch fixes its group) and removes it at
     exit; one killed after ``nbrpc.shutdown()``, when no watchdog runs, left it behind
-    (a few kB each). The next kernel to join removes those: this user's only, and only
-    where no process has the pid now. Shared-memory names are left alone: on a host of
-    ``--hosts`` they carry the pid of a kernel on another host.
+    (a few kB each). The next kernel to join removes those: this user's only, where no
+    process of this PID namespace has the pid and no process holds the directory
+    (:func:`hold_store`). Shared-memory names are left alone: on a host of ``--hosts``
+    they carry the pid of a kernel on another host.
     """
     removed = 0
     uid = os.getuid()
     for path in glob.glob(os.path.join(tempfile.gettempdir(), "nbrpc-*-*")):
         pid = os.path.basename(path).split("-")[1]
         try:
-            if not pid.isdigit() or process_alive(int(pid)) or os.lstat(path).st_uid != uid:
+            if os.lstat(path).st_uid != uid or not (pid.isascii() and pid.isdigit()):
                 continue
         except OSError:
             continue
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-            removed += 1
+        if process_alive(int(pid)) or _in_use(path):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed += not os.path.exists(path)
     return removed
 
 

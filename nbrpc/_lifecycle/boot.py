@@ -25,6 +25,7 @@ fast path, the process group.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from typing import Any
 
 from nbrpc import _devices, _fence, _group
 from nbrpc._engines import JOIN_TIMEOUT_S, Engines, remote_message, worker
-from nbrpc._engines.watchdog import segment_prefix, sweep_dead_kernels_stores
+from nbrpc._engines.watchdog import hold_store, segment_prefix, sweep_dead_kernels_stores
 from nbrpc._errors import BootError
 from nbrpc._gather import timeline
 from nbrpc._group import KernelMembership
@@ -312,9 +313,11 @@ def _since(t0: float) -> float:
 def _join_kernel(
     settings: Settings, device_maps: dict, devices: list[str] | None
 ) -> KernelMembership:
-    if _group.current_kernel_membership() is None:
-        sweep_dead_kernels_stores()  # what killed kernels left (see there)
-    return _group.kernel_membership(
+    first = _group.current_kernel_membership() is None
+    if first:
+        with contextlib.suppress(Exception):  # tidying only: never in the way of a boot
+            sweep_dead_kernels_stores()  # what killed kernels left (see there)
+    member = _group.kernel_membership(
         settings.self_name,
         init_method=settings.init_method,
         listen=settings.listen,
@@ -324,6 +327,10 @@ def _join_kernel(
         devices=devices,
         files=segment_prefix(os.getpid()),
     )
+    if first and member.spec.kind == "file":
+        with contextlib.suppress(OSError):
+            hold_store(os.path.dirname(member.spec.path))
+    return member
 
 
 def wait_for_joins(pending: dict[str, Any], progress: BootProgress) -> dict[str, dict]:

@@ -53,14 +53,38 @@ def test_no_verdict_while_a_worker_on_the_chain_can_make_progress(store):
     assert w1.step(STUCK_ON_2, later + 0.25, members) == ""
 
 
-def test_a_word_that_came_after_the_worker_was_free_is_not_kept_for_a_later_jam(store):
+def test_a_word_that_came_after_the_worker_was_free_fails_no_later_jam(store):
+    """worker2 reads worker1's word; worker1 is freed (it clears its keys) before
+    worker2 writes the verdict; worker1 is later stuck on a worker that computes."""
+
+    class Slow:  # worker2's view of the store: worker1 is freed just before the write
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def set(self, key, value):
+            if key.endswith("worker1") and "deadlocked" in key and value:
+                assert w1.step(None, later + 0.01, members) == ""
+            store.set(key, value)
+
+    w1, w2 = Watch(store, "worker1"), Watch(Slow(), "worker2")
+    later = STUCK_S + 0.1
+    for w, stuck in ((w1, STUCK_ON_2), (w2, STUCK_ON_1)):
+        w.step(stuck, 0.0, members)
+    w1.step(STUCK_ON_2, later, members)
+    assert w2.step(STUCK_ON_1, later, members)  # the verdict, written after worker1 cleared
+    assert w2.step(None, later + 0.05, members) == ""
+    # worker1 stuck again, on worker2 which computes now: no deadlock, no error
+    w1.step(STUCK_ON_2, later + 1.0, members)
+    assert w1.step(STUCK_ON_2, later + 1.0 + STUCK_S, members) == ""
+    assert w1.step(STUCK_ON_2, later + 1.25 + STUCK_S, members) == ""
+
+
+def test_a_worker_whose_waits_failed_and_still_looks_stuck_waits_anew(store):
+    """Its threads take a moment to unwind: the next poll is not a second verdict."""
     w1, w2 = Watch(store, "worker1"), Watch(store, "worker2")
     later = STUCK_S + 0.1
     for w, stuck in ((w1, STUCK_ON_2), (w2, STUCK_ON_1)):
         w.step(stuck, 0.0, members)
     w1.step(STUCK_ON_2, later, members)
-    assert w2.step(STUCK_ON_1, later, members)  # tells worker1
-    assert w2.step(None, later + 0.05, members) == ""
-    assert w1.step(None, later + 0.1, members) == ""  # freed otherwise: the word goes
-    assert w1.step(STUCK_ON_2, later + 1.0, members) == ""
-    assert w1.step(STUCK_ON_2, later + 1.0 + STUCK_S, members) == ""  # alone: no verdict
+    assert w2.step(STUCK_ON_1, later, members)
+    assert w2.step(STUCK_ON_1, later + 0.25, members) == ""
