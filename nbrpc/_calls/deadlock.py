@@ -103,11 +103,14 @@ def _watch() -> None:
     of: Any = None  # the agent ``watch`` is of (a new group, a new watch)
     while True:
         with _waits.cond:
-            while not _waits.by_thread:
-                if watch is not None:
-                    with contextlib.suppress(Exception):  # the agent or its store is gone
-                        watch.step(None, time.monotonic())
-                _waits.cond.wait()
+            idle = not _waits.by_thread
+        if idle:
+            if watch is not None:  # outside the lock: a slow store holds up no nested call
+                with contextlib.suppress(Exception):  # the agent or its store is gone
+                    watch.step(None, time.monotonic())
+            with _waits.cond:
+                while not _waits.by_thread:
+                    _waits.cond.wait()
         try:
             agent = _torch.agent()
             if watch is None or of is not agent:
