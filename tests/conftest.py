@@ -238,12 +238,13 @@ def wait_for_exit(pids: list[int], timeout: float = 20.0) -> list[int]:
     deadline = time.monotonic() + timeout
     alive = list(pids)
     while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if psutil.pid_exists(p) and _running(p)]
+        alive = [p for p in alive if psutil.pid_exists(p) and running(p)]
         time.sleep(0.2)
     return alive
 
 
-def _running(pid: int) -> bool:
+def running(pid: int) -> bool:
+    """A process that exists and is not a zombie (exited, not yet reaped)."""
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:

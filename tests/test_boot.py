@@ -3,7 +3,6 @@ spare busy workers, phases that explain the time, and engines that fail fast and
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import stat
@@ -13,7 +12,14 @@ import time
 
 import psutil
 import pytest
-from conftest import ensure_cluster, kernel_children, notebook_code, wait_for_exit, wait_until
+from conftest import (
+    ensure_cluster,
+    kernel_children,
+    notebook_code,
+    running,
+    wait_for_exit,
+    wait_until,
+)
 
 import nbrpc
 from nbrpc._engines import local
@@ -58,12 +64,7 @@ def test_a_cluster_is_its_workers_plus_four_processes(cluster):
     counted = {pid for pids in parts.values() for pid in pids}
 
     def alive() -> set[int]:  # not counting one that exited and is not reaped yet
-        pids = set()
-        for p in kernel_children():
-            with contextlib.suppress(psutil.Error):
-                if p.status() != psutil.STATUS_ZOMBIE:
-                    pids.add(p.pid)
-        return pids
+        return {p.pid for p in kernel_children() if running(p.pid)}
 
     def expected() -> int:  # spares start and register in the background
         return len(cluster.workers[1:]) + 4 + local.kept().spares()

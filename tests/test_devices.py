@@ -5,7 +5,7 @@ import time
 import psutil
 import pytest
 import torch
-from conftest import ensure_cluster, run_script
+from conftest import ensure_cluster, run_script, running
 
 import nbrpc
 from nbrpc import _group
@@ -28,7 +28,7 @@ def test_a_device_map_on_a_cpu_only_machine_fails_before_init_rpc():
     with pytest.raises(nbrpc.NotInitializedError):
         nbrpc.current()
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-    assert not [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not [p for p in left if running(p.pid)]
     ensure_cluster()
 
 
