@@ -142,9 +142,10 @@ def load_ipython_extension(ipython: Any) -> None:
     route the notebook's torch-style RPC calls through nbrpc (``rpc.rpc_sync`` before
     ``%rpc_init`` then says to run it)."""
     from ._calls.spelling import route_torch_calls
-    from ._magics import RpcMagics
+    from ._magics import RpcMagics, show_interrupts_short
 
     magics = RpcMagics(shell=ipython)
     ipython.register_magics(magics)
+    show_interrupts_short(ipython)
     route_torch_calls()
     magics.start_warming()  # while the person reads: the first %rpc_init only joins

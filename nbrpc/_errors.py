@@ -52,6 +52,25 @@ def _library_dirs() -> tuple[str, ...]:
     return tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in files)
 
 
+def raised_in_rpc_code(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised in nbrpc's code or torch's RPC code (``torch.distributed``,
+    ``torch.futures``): where the stop button's KeyboardInterrupt lands between nbrpc's
+    waits, in code the user did not write."""
+    import torch
+
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__ or ""))
+    dirs = tuple(
+        d + os.sep
+        for d in (
+            os.path.dirname(os.path.abspath(__file__)),
+            os.path.join(torch_dir, "distributed"),
+            os.path.join(torch_dir, "futures"),
+        )
+    )
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and os.path.abspath(frames[-1].filename).startswith(dirs)
+
+
 def _users_frame(frame: traceback.FrameSummary, libraries: tuple[str, ...]) -> bool:
     """A frame of the user's code: not nbrpc's, IPython's or torch's, nor the line IPython
     turns a magic into (``get_ipython().run_line_magic(...)``)."""

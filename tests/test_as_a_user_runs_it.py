@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -395,6 +396,32 @@ def test_a_store_left_by_a_kernel_killed_after_shutdown_goes_at_the_next_init():
         os.close(held)
         for path in kept:
             path.rmdir()
+        k.close()
+
+
+def test_the_stop_button_landing_in_torchs_rpc_code_shows_the_cells_lines():
+    """Between nbrpc's waits a loop of small calls runs torch's Python RPC code (an
+    RRef's ``rpc_sync()`` proxy, seen in a run of the RL tutorial): a KeyboardInterrupt
+    raised there shows the cell's lines, as one raised in a wait does. Raised here from
+    a frame of torch.distributed's own file, so where it lands is certain."""
+    k = Kernel()
+    try:
+        k.run("%load_ext nbrpc\nimport os, torch")
+        _, errors = k.execute(
+            "where = os.path.join(os.path.dirname(torch.__file__), 'distributed', 'rpc', "
+            "'rref_proxy.py')\n"
+            "exec(compile('raise KeyboardInterrupt', where, 'exec'))"
+        )
+        assert errors == ["KeyboardInterrupt: "], errors
+        text = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(k.tracebacks[-1]))
+        assert "Cell In[" in text, text
+        assert "torch/distributed" not in text, text
+        # one raised in the user's own code is IPython's, whole, as before
+        k.execute("def mine():\n    raise KeyboardInterrupt\nmine()")
+        text = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(k.tracebacks[-1]))
+        assert "in mine()" in text, text
+        assert "raise KeyboardInterrupt" in text, text
+    finally:
         k.close()
 
 
