@@ -4,19 +4,27 @@
 
 PY      := .venv/bin/python
 STAMP   := .venv/.nbrpc-installed
-TORCH   := torch==2.13.0
+# .venv's own torch, exactly: the CPU build on this machine's disk
+VENV_TORCH := 2.13.0
+# The torch releases nbrpc supports (nbrpc/_torch/versions.py says the same, and
+# pyproject.toml admits exactly these; tests/unit/test_torch_range.py checks all three).
+# make test also runs the newest in a second virtualenv; moving it is a commit.
+TORCH_OLDEST := 2.11.0
+TORCH_NEWEST := 2.14.1
+# make test-torch TORCH=2.11.0: another release of the range (the newest unless given)
+TORCH   ?= $(TORCH_NEWEST)
 # The browser test drives Debian's Chromium; Playwright never downloads a browser here.
 CHROMIUM := /usr/bin/chromium
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: venv demo test lint notebooks package-check bench compat clean
+.PHONY: venv demo test test-torch lint notebooks package-check bench compat clean
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q torch==$(VENV_TORCH)
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
@@ -76,12 +84,25 @@ package-check: $(STAMP)
 	rm -rf $(PKG)
 	$(PY) -m pip wheel -q --no-deps -w $(PKG) .
 	python3 -m venv $(PKG)/venv
-	$(PY) tools/package_check.py --link-torch $(PKG)/venv  # = pip install $(TORCH) there, faster
+	$(PY) tools/package_check.py --link-torch $(PKG)/venv  # = pip install torch==$(VENV_TORCH) there, faster
 	$(PKG)/venv/bin/python -m pip install -q --no-compile $(PKG)/nbrpc-*.whl
 	cd $(PKG) && venv/bin/python $(CURDIR)/tools/package_check.py
 
 test: $(STAMP) $(CHROMIUM) $(FAKEHOSTS) lint package-check
 	$(PY) -m pytest tests --nbval-lax notebooks -v -rs --durations=10
+	$(MAKE) --no-print-directory test-torch TORCH=$(TORCH_NEWEST)
+
+# Another torch of the supported range, as a user who has it installs nbrpc beside it: a
+# second virtualenv (.venv-torch-VERSION, reused while VERSION stays; what it shares with
+# .venv is hard-linked, torch and its CUDA libraries come from the package index), then the
+# seam's pins, the unit tests, the compatibility tier's make test part, a cluster smoke test
+# and a tutorial there. docs/compatibility.md has the results per release.
+TORCH_VENV  = .venv-torch-$(TORCH)
+TORCH_TESTS := tests/unit tests/test_torch_seam.py tests/test_smoke.py tests/test_torch_compat.py
+TORCH_NOTEBOOK := notebooks/02_distributed_autograd.ipynb
+test-torch: $(STAMP)
+	$(PY) tools/torch_venv.py $(TORCH_VENV) $(TORCH)
+	$(TORCH_VENV)/bin/python -m pytest $(TORCH_TESTS) --nbval-lax $(TORCH_NOTEBOOK) -q -rs
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
@@ -92,4 +113,4 @@ compat: $(STAMP)
 	$(PY) tools/compat.py --out docs/compatibility-results.md
 
 clean:
-	rm -rf .venv build *.egg-info test-artifacts
+	rm -rf .venv .venv-torch-* build *.egg-info test-artifacts

@@ -13,8 +13,7 @@ from conftest import STAGE_CELL, ensure_cluster, notebook_code
 
 import nbrpc
 from nbrpc import autograd
-from nbrpc._wire import arena as arena_mod
-from nbrpc._wire import shm
+from nbrpc._wire import arena as arena_mod, shm
 
 CELL = """
 import torch

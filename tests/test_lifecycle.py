@@ -16,8 +16,7 @@ import torch.distributed.rpc as rpc
 from conftest import ensure_cluster, run_script, wait_for_exit
 
 import nbrpc
-from nbrpc._engines import attached as attached_mod
-from nbrpc._engines import watchdog as watchdog_mod
+from nbrpc._engines import attached as attached_mod, watchdog as watchdog_mod
 
 
 def test_call_before_init_says_what_to_do():

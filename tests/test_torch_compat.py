@@ -69,7 +69,10 @@ KNOWN: dict[str, str] = {
 
 #: Importing torch's test modules here (to list them) compiles TorchScript that torch
 #: itself marks deprecated; that is torch's notice about its own tests, not nbrpc's.
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.jit._script")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.jit._script"),
+    pytest.mark.filterwarnings("ignore::FutureWarning:torch.jit._script"),  # its category from 2.14
+]
 
 #: Per-test limit for the tier's runner (its own default is for the full run).
 TEST_TIMEOUT_S = 90.0

@@ -1,7 +1,10 @@
 """Pins every private torch name, patch and wording in ``nbrpc._torch`` (no workers needed).
 
 Each assertion names the torch change it detects and the function of ``nbrpc._torch`` to
-update, so a torch upgrade that breaks nbrpc fails here first, and says where.
+update, so a torch upgrade that breaks nbrpc fails here first, and says where. ``make test``
+runs this file on two torch releases of the supported range (``.venv``'s and the newest,
+``make test-torch``), and any other on demand; where the releases differ, the pin checks
+the flag of ``nbrpc._torch.versions`` that names the difference.
 """
 
 import inspect
@@ -18,7 +21,7 @@ import nbrpc
 from nbrpc import _torch
 from nbrpc._wire import pickling
 
-SEAM = "nbrpc/_torch.py"
+SEAM = "nbrpc/_torch/"
 
 
 def _pin(condition: bool, change: str, fix: str) -> None:
@@ -219,15 +222,16 @@ def test_no_private_torch_name_outside_the_seam():
     )
     package = pathlib.Path(nbrpc.__file__).parent
     found = []
-    for path in sorted(package.glob("*.py")):
-        if path.name == "_torch.py":
+    for path in sorted(package.rglob("*.py")):
+        if path.parent.name == "_torch":
             continue
         lines: dict[int, str] = {}
         for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
             if tok.type not in (tokenize.STRING, tokenize.COMMENT):
                 lines[tok.start[0]] = lines.get(tok.start[0], "") + tok.string
-        found += [f"{path.name}:{n}: {code}" for n, code in lines.items() if private.search(code)]
-    assert found == [], "private torch names outside nbrpc/_torch.py:\n" + "\n".join(found)
+        where = path.relative_to(package)
+        found += [f"{where}:{n}: {code}" for n, code in lines.items() if private.search(code)]
+    assert found == [], "private torch names outside nbrpc/_torch/:\n" + "\n".join(found)
 
 
 def test_pickled_rref_reducer_is_ours():
@@ -277,4 +281,87 @@ def test_tensor_backward_calls_torch_autograd_backward():
         "torch.autograd.backward(" in source,
         "Tensor.backward no longer calls torch.autograd.backward",
         "route_local_backward",
+    )
+
+
+def test_the_releases_differ_where_versions_says():
+    """Each flag of ``nbrpc._torch.versions`` against the torch it runs on."""
+    import torch.distributed.optim.optimizer as optimizer
+
+    from nbrpc._torch import versions
+
+    scripted = hasattr(optimizer, "_ScriptLocalOptimizer")
+    _pin(
+        scripted == versions.OPTIMIZER_SCRIPTED,
+        f"DistributedOptimizer {'scripts' if scripted else 'no longer scripts'} its functional "
+        "optimizers with TorchScript",
+        "versions.OPTIMIZER_SCRIPTED",
+    )
+    _pin(
+        scripted or hasattr(optimizer, "_FunctionalLocalOptimizer"),
+        "DistributedOptimizer's local optimizer is neither scripted nor functional",
+        "versions.OPTIMIZER_SCRIPTED",
+    )
+
+
+def test_autograd_contexts_are_made_and_released_through_the_names_nbrpc_counts():
+    source = inspect.getsource(dist_autograd.context)
+    for name in ("_new_context()", "_release_context("):
+        _pin(
+            name in source,
+            f"dist_autograd.context no longer calls {name}",
+            "track_autograd_contexts",
+        )
+    _torch.track_autograd_contexts()
+    _pin(not _torch.in_autograd_context(), "a context outside one", "in_autograd_context")
+    with dist_autograd.context():
+        _pin(_torch.in_autograd_context(), "_current_context inside one", "in_autograd_context")
+    _pin(not _torch.in_autograd_context(), "a released context", "track_autograd_contexts")
+
+
+def test_gathers_and_the_wait_all_block_keep_their_state_where_nbrpc_reads_it():
+    for name in ("_all_gather_dict_lock", "_all_gather_sequence_id"):
+        _pin(hasattr(rpc_api, name), f"rpc.api.{name} is gone", "reset_all_gather")
+    _pin(
+        isinstance(rpc_api._all_gather_sequence_id_to_states, dict),
+        "rpc.api._all_gather_sequence_id_to_states",
+        "reset_all_gather",
+    )
+    params = list(inspect.signature(rpc_api._all_gather).parameters)
+    _pin(params == ["obj", "worker_names", "timeout"], f"_all_gather{params}", "route_all_gather")
+    _pin(
+        "_thread_local_var.future_list" in inspect.getsource(rpc_api.rpc_async)
+        and hasattr(rpc_api, "_thread_local_var"),
+        "rpc_async no longer lists its future for _wait_all()",
+        "rpc_async and list_future",
+    )
+    _pin(issubclass(rpc_api.RRef, _torch.PyRRef), "rpc.api.RRef", "patch_api('RRef.__init__')")
+
+
+def test_reducer_classes_and_the_profiler_flag_are_read_where_torch_keeps_them():
+    reducers = getattr(_torch.default_pickler(), "_class_reducer_dict", None)
+    _pin(
+        isinstance(reducers, dict),
+        "_InternalRPCPickler._class_reducer_dict",
+        "custom_reducer_classes",
+    )
+    _pin(not _torch.profiler_enabled(), "the profiler flag outside a profile", "profiler_enabled")
+    with torch.autograd.profiler.profile():
+        _pin(_torch.profiler_enabled(), "torch._C._autograd._profiler_enabled", "profiler_enabled")
+
+
+def test_a_local_backward_across_workers_fails_with_the_words_nbrpc_recognises(cluster):
+    x = torch.ones(3, requires_grad=True)
+    with dist_autograd.context():
+        loss = rpc_api.rpc_sync("worker1", torch.mul, args=(x, 2)).sum()
+        try:
+            _torch.local_backward(loss)
+        except RuntimeError as exc:
+            words = str(exc)
+        else:
+            words = "(no error)"
+    _pin(
+        _torch.LOCAL_BACKWARD_ACROSS_WORKERS in words,
+        f"the local engine's words for a graph that crossed workers ({words[:120]!r})",
+        "LOCAL_BACKWARD_ACROSS_WORKERS",
     )

@@ -45,8 +45,7 @@ from nbrpc._options import Options, Settings, options_doc
 from nbrpc._rows import StatusRow, WorkerRecord, WorkerState
 from nbrpc._wire import lanes, native_output, shm
 
-from . import boot, collective
-from . import restart as restarts
+from . import boot, collective, restart as restarts
 
 log = logging.getLogger("nbrpc")
 

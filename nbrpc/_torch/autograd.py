@@ -1,0 +1,141 @@
+"""Distributed autograd's context internals, the local backward's routing, and the
+notices torch's ``DistributedOptimizer`` prints about its own internals.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed.autograd as dist_autograd
+
+from .versions import OPTIMIZER_SCRIPTED
+
+_contexts = threading.local()  # .made: contexts this thread made and has not released
+
+
+def track_autograd_contexts() -> None:
+    """Count the distributed autograd contexts each thread makes (idempotent), so that
+    :func:`in_autograd_context` costs one attribute read outside one. torch's
+    ``context()`` calls the module's ``_new_context`` and ``_release_context``."""
+    made, released = dist_autograd._new_context, dist_autograd._release_context
+    if getattr(made, "nbrpc_counted", False):
+        return
+
+    def new_context() -> Any:
+        context = made()
+        _contexts.made = getattr(_contexts, "made", 0) + 1
+        return context
+
+    def release_context(context_id: int) -> Any:
+        _contexts.made = max(getattr(_contexts, "made", 0) - 1, 0)
+        return released(context_id)
+
+    new_context.nbrpc_counted = True  # type: ignore[attr-defined]
+    dist_autograd._new_context = new_context
+    dist_autograd._release_context = release_context
+
+
+def in_autograd_context() -> bool:
+    """Whether this thread is inside a distributed autograd context (its RPCs are part of
+    the backward pass). Private: ``_current_context`` raises when there is none (a few
+    µs), asked only on a thread that made a context (:func:`track_autograd_contexts`)."""
+    if not getattr(_contexts, "made", 0):
+        return False
+    try:
+        dist_autograd._current_context()
+    except RuntimeError:
+        return False
+    return True
+
+
+#: torch's deprecation notices about its own internals that public torch API triggers: the
+#: functional optimizers ``DistributedOptimizer`` makes on each owner announce their
+#: TorchScript support's end, and up to 2.13 (:data:`~.versions.OPTIMIZER_SCRIPTED`) it
+#: also scripts them, which prints TorchScript's own two notices.
+INTERNAL_DEPRECATIONS = ("`TorchScript` support for functional optimizers is deprecated",) + (
+    ("`torch.jit.script` is deprecated", "`torch.jit.interface` is deprecated")
+    if OPTIMIZER_SCRIPTED
+    else ()
+)
+
+
+def quiet_internal_deprecations() -> None:
+    """Hide :data:`INTERNAL_DEPRECATIONS` in this process: a notebook user cannot act on
+    them (nbrpc's tests check that the optimizer's steps still equal torch's)."""
+    for text in INTERNAL_DEPRECATIONS:
+        warnings.filterwarnings("ignore", message=re.escape(text), category=DeprecationWarning)
+    quiet_optimizer_notice_if_loaded()
+
+
+#: the name of the notice function torch's functional optimizer modules call
+OPTIMIZER_NOTICE = "_scripted_functional_optimizer_deprecation_warning"
+
+
+_notice_quieted = threading.Event()  # set once the optimizers call the stand-in
+
+
+@torch.jit.ignore
+def no_optimizer_notice(stacklevel: int = 0) -> None:
+    """Stands in for torch's notice, which forces itself past every warnings filter."""
+
+
+def quiet_optimizer_notice_if_loaded() -> None:
+    """torch's functional optimizers warn with ``simplefilter("always")`` from their
+    ``__init__``; once ``torch.distributed.optim`` is loaded (1.5 s to import, so never
+    just for this), their modules call a silent stand-in. Cheap to call before every call."""
+    if _notice_quieted.is_set() or "torch.distributed.optim.utils" not in sys.modules:
+        return
+    from torch.distributed.optim.utils import functional_optim_map
+
+    for cls in functional_optim_map.values():
+        module = sys.modules[cls.__module__]
+        if hasattr(module, OPTIMIZER_NOTICE):
+            setattr(module, OPTIMIZER_NOTICE, no_optimizer_notice)
+    _notice_quieted.set()
+
+
+# -- distributed autograd -----------------------------------------------------------------
+
+
+def current_autograd_context_id() -> int:
+    """The innermost context on this thread; ``RuntimeError`` when there is none."""
+    return dist_autograd._current_context()._context_id()
+
+
+def validate_autograd_context(context_id: int) -> None:
+    """Raises ``RuntimeError`` when this process does not know ``context_id`` (any more)."""
+    dist_autograd._is_valid_context(context_id)
+
+
+def autograd_messages(context_id: int) -> tuple[dict[int, Any], dict[int, Any]]:
+    """The context's send and recv graph nodes in this process, by autograd message id
+    (a send here and the recv on the peer share one id: the trace joins them by it)."""
+    ctx = dist_autograd._retrieve_context(context_id)
+    return ctx._send_functions(), ctx._recv_functions()
+
+
+def autograd_known_workers(context_id: int) -> list[int]:
+    """Ids of the workers this process's part of the context sent to or received from."""
+    return sorted(dist_autograd._retrieve_context(context_id)._known_worker_ids())
+
+
+#: torch's words when ``loss.backward()`` (the local engine) meets a graph that crossed
+#: workers inside a distributed autograd context (torch 2.13: an internal assertion).
+LOCAL_BACKWARD_ACROSS_WORKERS = "graphTask_ INTERNAL ASSERT FAILED"
+_torch_backward = torch.autograd.backward
+
+
+def route_local_backward(replacement: Callable[..., Any]) -> None:
+    """Make ``torch.autograd.backward`` (what ``Tensor.backward`` calls) ``replacement``."""
+    torch.autograd.backward = replacement
+
+
+def local_backward(*args: Any, **kwargs: Any) -> Any:
+    """torch's own ``torch.autograd.backward``."""
+    return _torch_backward(*args, **kwargs)

@@ -1,0 +1,88 @@
+"""The process's RPC agent, the dynamic group's membership and TensorPipe's options.
+
+nbrpc's kernel stays in its dynamic group across clusters, and edits the group when a
+worker dies or leaves; these are the private names it does that with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed.rpc as rpc
+import torch.distributed.rpc.api as rpc_api
+from torch.distributed.rpc._utils import _update_group_membership
+from torch.distributed.rpc.constants import UNSET_RPC_TIMEOUT
+
+from .calls import patch_api
+
+# -- the current agent ---------------------------------------------------------------------
+
+
+def agent() -> Any:
+    """This process's RPC agent (torch keeps it in a private module global)."""
+    return rpc_api._get_current_rpc_agent()
+
+
+def agent_is_set() -> bool:
+    return rpc_api._is_current_rpc_agent_set()
+
+
+def set_rpc_timeout(seconds: float) -> None:
+    """The default timeout of later calls (torch's setter is private)."""
+    rpc._set_rpc_timeout(seconds)
+
+
+def leave_group(timeout: float = 0) -> None:
+    """torch's own graceful shutdown; on a dynamic group it is a leave."""
+    rpc_api.shutdown(graceful=True, timeout=timeout)
+
+
+# -- the dynamic group's membership -------------------------------------------------------
+
+GROUP_TOKEN_KEY = "RpcGroupManagementToken"  # the key of the join/leave critical section
+MEMBER_LIST_KEY = "_ALL_WORKER_INFOS"  # under the "names" prefix: "name-id," entries
+
+#: The function torch's leave runs on every peer (sent by RPC, so it must be torch's own).
+update_group_membership = _update_group_membership
+
+
+def forget_locally(info: Any) -> None:
+    """What :data:`update_group_membership` does, in this process: ``info`` left."""
+    agent()._update_group_membership(info, [], {}, False)
+
+
+#: torch's ``_all_gather`` (the collective its RPC layer builds barriers with), as it was
+_torch_all_gather = rpc_api._all_gather
+
+
+def route_all_gather(members: Callable[[], list[str]]) -> None:
+    """``torch.distributed.rpc.api._all_gather`` without names gathers over ``members()``
+    (idempotent). torch defaults to ``_ALL_WORKER_NAMES``, the processes a process saw when
+    it joined: in a dynamic group the kernel saw only itself, and a gather hung."""
+
+    def _all_gather(obj: Any, worker_names: Any = None, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
+        return _torch_all_gather(obj, worker_names or set(members()), timeout)
+
+    patch_api("_all_gather", _all_gather)
+
+
+def reset_all_gather() -> None:
+    """A new cluster's gathers count from 0 in every process, as its fresh workers do:
+    torch numbers them per set of names, and a kernel that re-runs reuses the names."""
+    with rpc_api._all_gather_dict_lock:
+        rpc_api._all_gather_sequence_id.clear()
+        rpc_api._all_gather_sequence_id_to_states.clear()
+
+
+# -- TensorPipe ----------------------------------------------------------------------------
+
+#: TensorPipe reads this variable when an agent is created: the interface it listens on.
+TP_SOCKET_IFNAME = "TP_SOCKET_IFNAME"
+#: gloo's equivalent, read when a process group is created.
+GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
+
+
+def tensorpipe_options(transports: list[str], channels: list[str], **kwargs: Any) -> Any:
+    """``TensorPipeRpcBackendOptions`` with transport and channel lists (private arguments)."""
+    return rpc.TensorPipeRpcBackendOptions(_transports=transports, _channels=channels, **kwargs)
