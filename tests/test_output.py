@@ -231,6 +231,35 @@ nbrpc.shutdown(release=True)
     assert "\n[worker1] script:  40%" not in err, "updates rewrite the line, not add lines"
 
 
+def test_a_scripts_shutdown_and_restart_are_quiet_and_its_stderr_stays_its_own(tmp_path):
+    """torch's EOF lines about workers nbrpc itself stops stay out of a script's stderr too,
+    filtered only while nbrpc stops them: the script's own lines, before and after, pass."""
+    script = """
+import os, sys, torch, nbrpc
+before = os.fstat(2).st_ino
+os.write(2, b"own line before\\n")
+with nbrpc.init(n=2, progress=False):
+    assert nbrpc.rpc_sync("worker2", torch.add, args=(torch.ones(1), 1)).item() == 2.0
+    nbrpc.restart("worker2")
+    assert nbrpc.rpc_sync("worker2", torch.add, args=(torch.ones(1), 2)).item() == 3.0
+os.write(2, b"own line after\\n")
+print("python's stderr after", file=sys.stderr)
+print("same stderr", os.fstat(2).st_ino == before)
+nbrpc.shutdown(release=True)
+"""
+    path = tmp_path / "quiet.py"
+    path.write_text(script)
+    done = subprocess.run(
+        [sys.executable, str(path)], capture_output=True, text=True, timeout=180,
+        env=user_environment(),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "same stderr True" in done.stdout
+    assert "tensorpipe_agent" not in done.stderr, done.stderr
+    for line in ("own line before", "own line after", "python's stderr after"):
+        assert line in done.stderr, done.stderr
+
+
 def test_torchs_lines_about_a_peer_nbrpc_stopped_are_expected_requests_and_responses():
     from nbrpc._wire import native_output
 

@@ -279,19 +279,20 @@ class Cluster:
             return
         self._enter(ClusterState.SHUTTING_DOWN)
         native_output.expect_leaving([r.name for r in self.records[1:]])
-        try:
-            self._leave(graceful, timeout)
-        finally:
-            lanes.close()
-            local = [r.pid for r in self.records[1:] if r.local]
-            self.engines.stop(local, keep_spares=not release)
-            if release:
-                _engines.release_kept()
-            sweep_segments(segment_prefix(os.getpid()))
-            for record in self.records[1:]:
-                if record.state == "ready":
-                    record.move(WorkerState.STOPPED)
-            self._enter(ClusterState.CLOSED)
+        with native_output.quiet_stderr_while_leaving():  # a script's, as a kernel's
+            try:
+                self._leave(graceful, timeout)
+            finally:
+                lanes.close()
+                local = [r.pid for r in self.records[1:] if r.local]
+                self.engines.stop(local, keep_spares=not release)
+                if release:
+                    _engines.release_kept()
+                sweep_segments(segment_prefix(os.getpid()))
+                for record in self.records[1:]:
+                    if record.state == "ready":
+                        record.move(WorkerState.STOPPED)
+                self._enter(ClusterState.CLOSED)
 
     def _leave(self, graceful: bool, timeout: float) -> None:
         """The workers leave the RPC group (the dead ones are removed on their behalf)."""

@@ -125,7 +125,8 @@ def _run(cluster: Cluster, names: list[str]) -> Restarted:
     old_ids = [eid for n in names if (eid := records[n].engine_id) is not None]
     assert len(old_ids) == len(names), "every worker runs in an engine"
     try:
-        new_ids = engines.replace(old_ids, [records[n].pid for n in names], JOIN_TIMEOUT_S)
+        with native_output.quiet_stderr_while_leaving():  # a script's, as a kernel's
+            new_ids = engines.replace(old_ids, [records[n].pid for n in names], JOIN_TIMEOUT_S)
     finally:  # the old processes are gone either way: out of the group, on their behalf
         _group.forget(names, others)
         _group.release_stale_token()

@@ -22,8 +22,9 @@ When nbrpc itself made that peer leave (a shutdown, a restart), the line says no
 the user did not ask for; a cell showed one per worker, in red, at every ``%rpc_shutdown``.
 :func:`expect_leaving` names such peers for :data:`LEAVING_GRACE_S`; while they are named,
 :func:`expected` drops exactly these lines (:data:`CLOSED_BY_PEER`), in the kernel's own
-stderr (:func:`quiet_kernel_stderr`, a pipe between file descriptor 2 and what it was) and
-in what workers forward. Any other line passes unchanged: a peer that drops its connection
+stderr (:func:`quiet_kernel_stderr`, a pipe between file descriptor 2 and what it was), in
+a script's while nbrpc makes workers leave (:func:`quiet_stderr_while_leaving`, the same
+pipe for that time only) and in what workers forward. Any other line passes unchanged: a peer that drops its connection
 when nbrpc did not ask it to is still reported.
 """
 
@@ -33,8 +34,10 @@ import contextlib
 import os
 import re
 import select
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +49,8 @@ from . import output
 TAIL_EVERY_S = 0.1
 #: How long after nbrpc asked a peer to leave its connection's end is expected.
 LEAVING_GRACE_S = 15.0
+#: How long a script's shutdown waits for its filter to pass on the last lines.
+LEAVING_PUMP_S = 2.0
 #: torch's line for a peer's connection that closed (group 1: the peer's name).
 CLOSED_BY_PEER = re.compile(
     r"^\[[EW]\d{4} [^\]]*tensorpipe_agent\.cpp:\d+\] RPC agent for \S+ encountered error "
@@ -151,6 +156,45 @@ def quiet_kernel_stderr() -> None:
         target=_pump, args=(read_end, saved), name="nbrpc-stderr", daemon=True
     )
     _quieted.pump.start()
+
+
+@contextlib.contextmanager
+def quiet_stderr_while_leaving() -> Iterator[None]:
+    """In a script, for the time nbrpc itself makes workers leave (a shutdown, a restart):
+    file descriptor 2 passes through :func:`expected`, as a kernel's always does, and is
+    given back afterwards, so a script's stderr is its own the rest of the time.
+
+    In a kernel the pipe of :func:`quiet_kernel_stderr` is there already. Lines written
+    after the block (a peer whose connection closed only later) are not filtered.
+    """
+    if _quieted.pump is not None:
+        yield
+        return
+    try:
+        saved = os.dup(2)
+        read_end, write_end = os.pipe()
+    except OSError:  # out of descriptors: the lines show, nothing else changes
+        yield
+        return
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+    os.set_blocking(write_end, False)
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    pump = threading.Thread(
+        target=_pump, args=(read_end, saved), name="nbrpc-stderr-leaving", daemon=True
+    )
+    pump.start()
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        os.dup2(saved, 2)  # the pipe's last write end goes: the pump drains it and ends
+        pump.join(LEAVING_PUMP_S)
+        if not pump.is_alive():
+            os.close(read_end)
+            os.close(saved)
 
 
 def _pump(read_end: int, to: int) -> None:
