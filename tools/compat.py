@@ -93,6 +93,15 @@ STANDARD_JOIN = {
     "test_rl_rpc",
 }
 
+#: Tests that leave a thread of rank 0 stuck for good, on purpose: torch's process ends
+#: after them, a kernel would carry the thread into every later test. The kernel ends
+#: after such a test and the rest of its class goes on in a fresh one.
+#: ``test_backward_unused_send_function`` hangs a distributed backward whose send function
+#: never gets its gradient (torch's documented hang); torch cannot end that wait, so the
+#: process keeps one backward pass and its contexts, and ``test_debug_info``'s counts of
+#: them, checked later in the same kernel, failed (docs/compatibility.md).
+LEAVES_A_THREAD_STUCK = {"test_backward_unused_send_function"}
+
 #: Reasons for tests that the source rules below would not explain well.
 SPECIAL_REASONS = {
     "test_pg_init_no_rpc_init": "expects a process with no RPC agent "
@@ -739,6 +748,16 @@ def _crash_line(log_path: str) -> str:
     return ""
 
 
+def _kernels_tests(pending: list[str], per_kernel: int | None) -> list[str]:
+    """The tests the next kernel runs: ``per_kernel`` of them (None: all), up to and with
+    the first that leaves a thread stuck (:data:`LEAVES_A_THREAD_STUCK`)."""
+    batch = pending[:per_kernel] if per_kernel else list(pending)
+    for index, name in enumerate(batch):
+        if name in LEAVES_A_THREAD_STUCK:
+            return batch[: index + 1]
+    return batch
+
+
 def run_class(
     sel: Selection,
     timeout: float,
@@ -755,6 +774,7 @@ def run_class(
     attempt = 0
     while pending:
         attempt += 1
+        batch = _kernels_tests(pending, per_kernel)
         job_path = os.path.join(log_dir, f"{sel.cls}.{attempt}.job.json")
         report_path = os.path.join(log_dir, f"{sel.cls}.{attempt}.report.jsonl")
         log_path = os.path.join(log_dir, f"{sel.cls}.{attempt}.log")
@@ -763,7 +783,7 @@ def run_class(
                 {
                     "class": sel.cls,
                     "world_size": sel.world_size,
-                    "tests": pending[:per_kernel] if per_kernel else pending,
+                    "tests": batch,
                     "timeout": timeout,
                 },
                 f,
