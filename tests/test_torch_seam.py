@@ -365,3 +365,22 @@ def test_a_local_backward_across_workers_fails_with_the_words_nbrpc_recognises(c
         f"the local engine's words for a graph that crossed workers ({words[:120]!r})",
         "LOCAL_BACKWARD_ACROSS_WORKERS",
     )
+
+
+def test_module_names_and_the_callees_hint_are_where_the_seam_says():
+    import importlib.util
+
+    _pin(
+        _torch.RRefProxy.__module__ == _torch.RREF_PROXY_MODULE,
+        "RRefProxy moved",
+        "RREF_PROXY_MODULE",
+    )
+    for name in _torch.TORCH_OWN_CALL_MODULES:
+        _pin(
+            importlib.util.find_spec(name) is not None, f"{name} is gone", "TORCH_OWN_CALL_MODULES"
+        )
+    _pin(
+        _torch.NOT_ON_CALLEE in inspect.getsource(rpc_internal),
+        "the unpickler's hint for a function missing on the callee",
+        "NOT_ON_CALLEE",
+    )
