@@ -304,6 +304,23 @@ def test_a_worker_that_dies_during_a_lane_call_is_noticed_at_once(cluster, code)
     assert [r["route"] for r in rec.calls] == ["lane"]
 
 
+def test_a_worker_restarted_without_shared_memory_gets_its_lane_again():
+    """--no-shm turns the arena off, not lanes: a restarted worker opened none (its calls
+    all took TensorPipe, silently) when the restart asked the arena's flag alone."""
+    with running_kernel("%load_ext nbrpc", "%rpc_init -n 1 --no-shm --quiet") as kernel:
+        kernel.run("def echo(x):\n    return x\nimport torch, nbrpc")
+        record = (
+            "with nbrpc.record() as rec:\n"
+            "    nbrpc.rpc_sync('worker1', echo, args=(torch.ones(2),))\n"
+            "routes = [r['route'] for r in rec.calls]"
+        )
+        kernel.run(record)
+        assert kernel.value("routes") == ["lane"]
+        kernel.run("%rpc_restart worker1")
+        kernel.run(record)
+        assert kernel.value("routes") == ["lane"]
+
+
 def test_no_fast_calls_keeps_every_call_on_tensorpipe_and_the_stop_button_ends_a_lane_wait():
     cells = ["%load_ext nbrpc", "%rpc_init -n 1 --no-fast-calls --quiet"]
     with running_kernel(*cells) as kernel:

@@ -147,7 +147,7 @@ def _run(cluster: Cluster, names: list[str]) -> Restarted:
     for name in names:
         records[name].rejoin(joining.record(name, infos[name]))
     native_output.joined(names)
-    if booted.fast_path:  # across hosts: every worker's peers, worked out again
+    if booted.fast_path or booted.lanes:  # across hosts: every worker's peers, again
         remote = engines.source.remote
         joining.set_up_fast_path([r.name for r in cluster.records[1:]] if remote else names)
     result = Restarted(list(names), old, {n: (records[n].pid, records[n].rank) for n in names})
