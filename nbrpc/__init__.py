@@ -12,7 +12,7 @@ From a script::
         nbrpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
 
 The package is in layers, each importing only those below it; docs/architecture.md
-declares them (and ``tests/test_layers.py`` holds the code to that declaration): the
+declares them (and ``tests/unit/test_layers.py`` holds the code to that declaration): the
 magics on top, then the widgets, ``%%rpc`` cells, the cluster's lifecycle and boot, the
 engine sources (``_engines/``), the options, the call facade, the debugger
 (``_debugger/``), RPC membership, what travels (``_wire/``), the ledger and autograd,
@@ -48,9 +48,17 @@ from ._errors import (
     WorkerDiedError,
 )
 from ._gather.census import ownership
-from ._gather.stacks import stacks
 from ._gather.timeline import Recording, record
-from ._lifecycle.cluster import Cluster, ClusterState, current, init, restart, shutdown, status
+from ._lifecycle.cluster import (
+    Cluster,
+    ClusterState,
+    current,
+    init,
+    restart,
+    shutdown,
+    stacks,
+    status,
+)
 from ._lifecycle.ranks import rank
 from ._placement import Slurm
 from ._rows import CallRow, OwnershipRow, StackRow, StatusRow, Trace, WorkerRecord

@@ -21,7 +21,7 @@ from . import _cells, _options, _process, _views
 from ._debugger import postmortem
 from ._engines import local
 from ._errors import raised_in_rpc_code
-from ._gather import stacks, timeline
+from ._gather import timeline
 from ._lifecycle import cluster as lifecycle
 from ._wire import failures
 
@@ -172,7 +172,7 @@ class RpcMagics(Magics):
         """Print every thread's Python stack in each process, with the call it serves and
         its caller; read from outside each worker, so busy workers answer too."""
         args = _parse(self.rpc_stacks, line)
-        print(_views.stacks_text(stacks.stacks(*args.names)))
+        print(_views.stacks_text(lifecycle.stacks(*args.names)))
 
     @line_magic
     def rpc_debug(self, line: str) -> None:

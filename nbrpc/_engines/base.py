@@ -4,7 +4,7 @@ A source writes only what it does: :meth:`EngineSource.wants`, :meth:`start`,
 :meth:`launch`, :meth:`client`, :meth:`take` and :meth:`stop`. Everything else has a
 default here that fits a source with nothing of the kind (no controller of this host, no
 warm engines kept, no way to restart one engine or read its stack from its host); a
-source overrides what it can do better. ``tests/test_layers.py`` holds every registered
+source overrides what it can do better. ``tests/unit/test_layers.py`` holds every registered
 source to these signatures.
 
 The ipyparallel client is not thread-safe: only the thread that runs the lifecycle (the

@@ -20,24 +20,27 @@ import traceback
 from typing import Any
 
 from nbrpc._calls import facade as calls
+from nbrpc._engines import EngineSource
 from nbrpc._errors import NbrpcError, UnknownWorkerError
-from nbrpc._lifecycle import cluster as lifecycle
-from nbrpc._rows import StackRow, ThreadStack
+from nbrpc._rows import StackRow, ThreadStack, WorkerRecord
 from nbrpc._wire import stacks as _dumps
 
 TIMEOUT_S = 2.0
 
 
-def stacks(*names: str, timeout: float = TIMEOUT_S) -> list[StackRow]:
-    """The Python stack of every thread of each process (the kernel and every worker; or
-    ``names`` only), labelled with the call each thread serves and its caller.
+def of_processes(
+    processes: list[WorkerRecord], source: EngineSource, *names: str, timeout: float = TIMEOUT_S
+) -> list[StackRow]:
+    """The Python stack of every thread of each process (``processes``, the kernel's
+    first: the cluster's records, which ``source`` started; or ``names`` only), labelled
+    with the call each thread serves and its caller. ``nbrpc.stacks()`` passes the
+    current cluster's (:func:`nbrpc._lifecycle.cluster.stacks`).
 
     Read from outside each worker (see the module doc): it answers within ``timeout``
     seconds also when all its RPC threads are busy or a thread holds the GIL in C++, and
     the running code goes on undisturbed.
     """
-    cluster = lifecycle.current()
-    records = [r for r in cluster.records if r.state != "stopped"]
+    records = [r for r in processes if r.state != "stopped"]
     known = [r.name for r in records]
     wanted = [n for part in names for n in part.replace(",", " ").split() if n] or known
     for name in wanted:
@@ -47,7 +50,7 @@ def stacks(*names: str, timeout: float = TIMEOUT_S) -> list[StackRow]:
     workers = [r for r in chosen if r.engine_id is not None]
     started = time.monotonic()
     engine_ids = [r.engine_id for r in workers if r.engine_id is not None]
-    dumps = cluster.engines.source.dump_stacks(engine_ids, [r.pid for r in workers], timeout)
+    dumps = source.dump_stacks(engine_ids, [r.pid for r in workers], timeout)
     rows: list[StackRow] = []
     for r in chosen:
         if r.engine_id is None:

@@ -40,9 +40,9 @@ from nbrpc._errors import (
     ClusterClosedError,
     NotInitializedError,
 )
-from nbrpc._gather import census
+from nbrpc._gather import census, stacks as gathered_stacks
 from nbrpc._options import Options, Settings, options_doc
-from nbrpc._rows import StatusRow, WorkerRecord, WorkerState
+from nbrpc._rows import StackRow, StatusRow, WorkerRecord, WorkerState
 from nbrpc._wire import lanes, native_output, shm
 
 from . import boot, collective, restart as restarts
@@ -521,6 +521,15 @@ def restart(*names: str) -> restarts.Restarted:
 def status(timeout: float = census.SNAPSHOT_TIMEOUT_S) -> list[StatusRow]:
     """Live figures for each process of the current cluster (see :meth:`Cluster.status`)."""
     return current().status(timeout)
+
+
+def stacks(*names: str, timeout: float = gathered_stacks.TIMEOUT_S) -> list[StackRow]:
+    """``nbrpc.stacks()``: every thread's Python stack in each process of the current
+    cluster (or of ``names``), read from outside each worker (see :mod:`nbrpc._gather.stacks`)."""
+    cluster = current()
+    return gathered_stacks.of_processes(
+        cluster.records, cluster.engines.source, *names, timeout=timeout
+    )
 
 
 @atexit.register

@@ -24,8 +24,8 @@ the user did not ask for; a cell showed one per worker, in red, at every ``%rpc_
 :func:`expected` drops exactly these lines (:data:`CLOSED_BY_PEER`), in the kernel's own
 stderr (:func:`quiet_kernel_stderr`, a pipe between file descriptor 2 and what it was), in
 a script's while nbrpc makes workers leave (:func:`quiet_stderr_while_leaving`, the same
-pipe for that time only) and in what workers forward. Any other line passes unchanged: a peer that drops its connection
-when nbrpc did not ask it to is still reported.
+pipe for that time only) and in what workers forward. Any other line passes unchanged: a
+peer that drops its connection when nbrpc did not ask it to is still reported.
 """
 
 from __future__ import annotations

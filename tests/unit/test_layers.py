@@ -301,3 +301,32 @@ def test_every_engine_source_implements_the_protocol_with_its_signatures():
             assert getattr(source, name) is not getattr(EngineSource, name), (
                 f"{source.__name__} does not write {name}, which every source must"
             )
+
+
+def test_the_folders_and_modules_import_each_other_without_cycles():
+    """A cycle between two folders (``_lifecycle/`` importing ``_gather/``, which imported
+    ``_lifecycle/`` back) is a cycle too, though no two modules close it."""
+    unit = {m: m.split(".")[0] for m in MODULES}
+    graph: dict[str, set[str]] = {u: set() for u in unit.values()}
+    for m, p in MODULES.items():
+        for t, _, _ in imports_of(m, p):
+            if t in unit and unit[t] != unit[m]:
+                graph[unit[m]].add(unit[t])
+    seen: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(u: str) -> None:
+        seen[u] = 1
+        path.append(u)
+        for t in sorted(graph[u]):
+            if seen.get(t) == 1:
+                cycle = [*path[path.index(t) :], t]
+                raise AssertionError(f"folders or modules in a cycle: {' -> '.join(cycle)}")
+            if t not in seen:
+                visit(t)
+        path.pop()
+        seen[u] = 2
+
+    for u in sorted(graph):
+        if u not in seen:
+            visit(u)
