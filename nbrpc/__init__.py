@@ -62,6 +62,7 @@ from ._lifecycle.cluster import (
 from ._lifecycle.ranks import rank
 from ._placement import Slurm
 from ._rows import CallRow, OwnershipRow, StackRow, StatusRow, Trace, WorkerRecord
+from ._torch import TorchVersionWarning
 from ._wire.pickling import register_by_value
 from .autograd import trace_backward
 
@@ -93,6 +94,7 @@ __all__ = [
     "StackRow",
     "StatusRow",
     "ThreadsExhaustedError",
+    "TorchVersionWarning",
     "Trace",
     "UnknownWorkerError",
     "WorkerDiedError",
