@@ -95,10 +95,12 @@ test: $(STAMP) $(CHROMIUM) $(FAKEHOSTS) lint package-check
 # Another torch of the supported range, as a user who has it installs nbrpc beside it: a
 # second virtualenv (.venv-torch-VERSION, reused while VERSION stays; what it shares with
 # .venv is hard-linked, torch and its CUDA libraries come from the package index), then the
-# seam's pins, the unit tests, the compatibility tier's make test part, a cluster smoke test
-# and a tutorial there. docs/compatibility.md has the results per release.
+# seam's pins, the unit tests, the compatibility tier's make test part, a cluster smoke
+# test, a script's quiet shutdown and a tutorial there. docs/compatibility.md has the
+# results per release.
 TORCH_VENV  = .venv-torch-$(TORCH)
-TORCH_TESTS := tests/unit tests/test_torch_seam.py tests/test_smoke.py tests/test_torch_compat.py
+TORCH_TESTS := tests/unit tests/test_torch_seam.py tests/test_smoke.py tests/test_torch_compat.py \
+	tests/test_output.py::test_a_scripts_shutdown_and_restart_are_quiet_and_its_stderr_stays_its_own
 TORCH_NOTEBOOK := notebooks/02_distributed_autograd.ipynb
 test-torch: $(STAMP)
 	$(PY) tools/torch_venv.py $(TORCH_VENV) $(TORCH)
