@@ -22,6 +22,8 @@ catches it; a timeout's message keeps torch's words ("RPC ran for more than")::
     ├── WorkerDiedError          (ConnectionError, RuntimeError)  the worker's process is gone
     ├── ThreadsExhaustedError    (RuntimeError)   calls made inside calls used up the RPC threads
     ├── DebuggerQuitError        (RuntimeError)   q (or the stop button) in a worker's pdb
+    ├── RpcCellError             (RuntimeError)   several workers failed in one %%rpc cell
+    │                                             (defined with the cells, nbrpc._cells)
     └── RemoteError              (RuntimeError)   a worker raised, and the original type
                                                   could not be rebuilt here
 

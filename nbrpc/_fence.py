@@ -35,12 +35,14 @@ import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from nbrpc._errors import ConfigError
+
 SO_ATTACH_FILTER = 26  # also SO_GET_FILTER, for getsockopt
 _SKF_NET_OFF = -0x100000  # loads relative to the network header (the IP header)
 _SYS_PIDFD_GETFD = 438  # Linux 5.6+, every architecture's number
 _LD_W, _LD_B, _RSH, _JEQ, _RET = 0x20, 0x30, 0x74, 0x15, 0x06
 _ACCEPT, _DROP = 0xFFFFFFFF, 0
-_MAX_JUMP = 255  # classic BPF jumps are 8-bit: about 60 IPv4 or 30 IPv6 members
+_MAX_JUMP = 255  # classic BPF jumps are 8-bit: at most 28 IPv4 or 32 IPv6 members
 
 
 @dataclass
@@ -93,7 +95,11 @@ def program(members: Iterable[str]) -> bytes:
         jt = at[yes] - pos - 1 if yes else 0
         jf = at[no] - pos - 1 if no else 0
         if not (0 <= jt <= _MAX_JUMP and 0 <= jf <= _MAX_JUMP):
-            raise ValueError(f"{len(v6)} member addresses are too many for one socket filter")
+            raise ConfigError(
+                f"{len(v6)} member addresses are too many for the socket filter that admits a "
+                "cluster's members (classic BPF jumps are 8-bit: at most 28 IPv4 or 32 IPv6 "
+                "addresses). Start the cluster on fewer hosts (docs/security.md)."
+            )
         out.append(struct.pack("HBBI", op, jt, jf, k & 0xFFFFFFFF))
     return b"".join(out)
 
