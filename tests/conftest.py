@@ -293,16 +293,17 @@ _notebook_hosts: list = []  # the fake hosts tutorials 09 and 10 run on, then th
 
 def load_fakehosts():
     """tools/fakehosts.py as a module (tools/ is not a package), loaded once."""
-    return _load_tool("fakehosts")
+    return load_tool("fakehosts")
 
 
 def load_fakeslurm():
     """tools/fakeslurm.py as a module, loaded once."""
     load_fakehosts()  # it imports fakehosts by name
-    return _load_tool("fakeslurm")
+    return load_tool("fakeslurm")
 
 
-def _load_tool(name: str):
+def load_tool(name: str):
+    """tools/NAME.py as a module named NAME (tools/ is not a package), loaded once."""
     import importlib.util
 
     if name not in sys.modules:

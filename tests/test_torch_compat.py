@@ -17,12 +17,8 @@ first line of the error and where in torch's test it came from.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-from types import ModuleType
-
 import pytest
+from conftest import load_tool
 
 #: Class.test -> what it guards (shown when it fails).
 CHOSEN: dict[str, str] = {
@@ -78,24 +74,11 @@ pytestmark = [
 TEST_TIMEOUT_S = 90.0
 
 
-def _load_compat() -> ModuleType:
-    """tools/compat.py as a module (tools/ is not a package)."""
-    if "compat" not in sys.modules:
-        path = os.path.join(os.path.dirname(__file__), "..", "tools", "compat.py")
-        spec = importlib.util.spec_from_file_location("compat", path)
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["compat"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["compat"]
-
-
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory) -> dict[str, object]:
     """Every chosen test run once on nbrpc clusters: the result of each, by name."""
     pytest.importorskip("expecttest", reason="torch's test classes import expecttest")
-    compat = _load_compat()
+    compat = load_tool("compat")
     selections = compat.select(tests=list(CHOSEN))
     log_dir = str(tmp_path_factory.mktemp("torch-compat"))
     results = compat.run(selections, timeout=TEST_TIMEOUT_S, log_dir=log_dir)

@@ -145,29 +145,36 @@ def test_no_import_goes_up_a_layer(module):
         )
 
 
+def _first_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of ``graph`` (a -> b: a imports b), as the path that closes it, else None."""
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for t in sorted(graph[m]):
+            if state.get(t) == 1:
+                return [*path[path.index(t) :], t]
+            if t not in state and (cycle := visit(t)):
+                return cycle
+        path.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (cycle := visit(m)):
+            return cycle
+    return None
+
+
 def test_the_modules_import_each_other_without_cycles():
     graph = {
         m: {t for t, _, _ in imports_of(m, p) if t in MODULES and t != m}
         for m, p in MODULES.items()
     }
-    state: dict[str, int] = {}
-    path: list[str] = []
-
-    def visit(m: str) -> None:
-        state[m] = 1
-        path.append(m)
-        for t in sorted(graph[m]):
-            if state.get(t) == 1:
-                cycle = [*path[path.index(t) :], t]
-                raise AssertionError(f"an import cycle: {' -> '.join(cycle)}")
-            if t not in state:
-                visit(t)
-        path.pop()
-        state[m] = 2
-
-    for m in sorted(graph):
-        if m not in state:
-            visit(m)
+    cycle = _first_cycle(graph)
+    assert cycle is None, f"an import cycle: {' -> '.join(cycle or [])}"
 
 
 def _private_uses(path: pathlib.Path, module: str | None) -> list[str]:
@@ -312,21 +319,5 @@ def test_the_folders_and_modules_import_each_other_without_cycles():
         for t, _, _ in imports_of(m, p):
             if t in unit and unit[t] != unit[m]:
                 graph[unit[m]].add(unit[t])
-    seen: dict[str, int] = {}
-    path: list[str] = []
-
-    def visit(u: str) -> None:
-        seen[u] = 1
-        path.append(u)
-        for t in sorted(graph[u]):
-            if seen.get(t) == 1:
-                cycle = [*path[path.index(t) :], t]
-                raise AssertionError(f"folders or modules in a cycle: {' -> '.join(cycle)}")
-            if t not in seen:
-                visit(t)
-        path.pop()
-        seen[u] = 2
-
-    for u in sorted(graph):
-        if u not in seen:
-            visit(u)
+    cycle = _first_cycle(graph)
+    assert cycle is None, f"folders or modules in a cycle: {' -> '.join(cycle or [])}"
