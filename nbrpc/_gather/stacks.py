@@ -22,7 +22,7 @@ from typing import Any
 from nbrpc._calls import facade as calls
 from nbrpc._engines import EngineSource
 from nbrpc._errors import NbrpcError, UnknownWorkerError
-from nbrpc._rows import StackRow, ThreadStack, WorkerRecord
+from nbrpc._rows import StackRow, ThreadStack, WorkerRecord, WorkerState
 from nbrpc._wire import stacks as _dumps
 
 TIMEOUT_S = 2.0
@@ -40,7 +40,7 @@ def of_processes(
     seconds also when all its RPC threads are busy or a thread holds the GIL in C++, and
     the running code goes on undisturbed.
     """
-    records = [r for r in processes if r.state != "stopped"]
+    records = [r for r in processes if r.state != WorkerState.STOPPED]
     known = [r.name for r in records]
     wanted = [n for part in names for n in part.replace(",", " ").split() if n] or known
     for name in wanted:

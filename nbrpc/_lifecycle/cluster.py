@@ -200,11 +200,11 @@ class Cluster:
         thread-safe, and the live views call this from their own thread.
         """
         if self.engines.client is None:
-            return [r.name for r in self.records[1:] if r.state == "dead"]
+            return [r.name for r in self.records[1:] if r.state == WorkerState.DEAD]
         engines = self.engines.alive() if ask_ipyparallel else None
         seen_dead = calls.known_dead()
         for record in self.records[1:]:
-            if record.state != "ready":
+            if record.state != WorkerState.READY:
                 continue
             gone = record.name in seen_dead
             gone = gone or (engines is not None and record.engine_id not in engines)
@@ -214,7 +214,7 @@ class Cluster:
                 record.move(WorkerState.DEAD)
                 calls.mark_dead(record.name)
                 prompts.forget_worker(record.name)
-        return [r.name for r in self.records[1:] if r.state == "dead"]
+        return [r.name for r in self.records[1:] if r.state == WorkerState.DEAD]
 
     def restart(self, *names: str) -> restarts.Restarted:
         """Replace workers ``names``, dead or alive, with fresh processes under the same
@@ -290,7 +290,7 @@ class Cluster:
                     _engines.release_kept()
                 sweep_segments(segment_prefix(os.getpid()))
                 for record in self.records[1:]:
-                    if record.state == "ready":
+                    if record.state == WorkerState.READY:
                         record.move(WorkerState.STOPPED)
                 self._enter(ClusterState.CLOSED)
 
@@ -298,7 +298,7 @@ class Cluster:
         """The workers leave the RPC group (the dead ones are removed on their behalf)."""
         if graceful:  # a worker that died on another host is known by its heartbeats only
             # after seconds: one that refuses a call now is dead, and must not be waited on
-            census.probe([r.name for r in self.records[1:] if r.state == "ready"])
+            census.probe([r.name for r in self.records[1:] if r.state == WorkerState.READY])
         dead = self.dead_workers()
         if graceful:
             self._wait_for_calls_in_flight(timeout)
@@ -308,7 +308,7 @@ class Cluster:
             for record in self.records[1:]:
                 record.move(WorkerState.STOPPED)
         if dead:
-            live = [r.name for r in self.records[1:] if r.state == "ready"]
+            live = [r.name for r in self.records[1:] if r.state == WorkerState.READY]
             native_output.expect_gone([r.rank for r in self.records[1:] if r.name in dead])
             try:
                 _group.forget(dead, live)
@@ -317,7 +317,7 @@ class Cluster:
         if graceful:
             self._release_rrefs(self._release_timeout(timeout, bool(dead)))
             if self.process_group:
-                live = [r.name for r in self.records[1:] if r.state == "ready"]
+                live = [r.name for r in self.records[1:] if r.state == WorkerState.READY]
                 collective.destroy(self.process_group, live)
             failed = self.engines.leave(self._live_engine_ids(), graceful, timeout)
             if failed:
@@ -411,7 +411,7 @@ class Cluster:
             snaps = census.snapshots(timeout, skip=dead)
         rows: list[StatusRow] = []
         for r in self.records:
-            snap = snaps.get(r.name) if r.state == "ready" else None
+            snap = snaps.get(r.name) if r.state == WorkerState.READY else None
             rows.append(
                 StatusRow(
                     name=r.name,

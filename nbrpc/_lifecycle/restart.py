@@ -92,7 +92,7 @@ def run(cluster: Cluster, names: list[str]) -> Restarted:
         return _run(cluster, names)
     except BootError as exc:
         records = {r.name: r for r in cluster.records[1:]}
-        failed = [n for n in names if records.get(n) and records[n].state == "restarting"]
+        failed = [n for n in names if records.get(n) and records[n].state == WorkerState.RESTARTING]
         for name in failed:
             records[name].move(WorkerState.DEAD)
         calls.revived(failed)
@@ -111,7 +111,9 @@ def _run(cluster: Cluster, names: list[str]) -> Restarted:
     _check(cluster, names, records)
     settings, booted, engines = cluster.settings, cluster.booted, cluster.engines
     pg = booted.process_group
-    others = [r.name for r in cluster.records[1:] if r.name not in names and r.state == "ready"]
+    others = [
+        r.name for r in cluster.records[1:] if r.name not in names and r.state == WorkerState.READY
+    ]
     old = {n: (records[n].pid, records[n].rank) for n in names}
 
     native_output.expect_leaving(names)  # torch's "EOF" lines about them are expected
