@@ -278,8 +278,9 @@ class Cluster:
                 _engines.release_kept()
             return
         self._enter(ClusterState.SHUTTING_DOWN)
+        leaving = [r.name for r in self.records[1:] if r.state == WorkerState.READY]
         native_output.expect_leaving([r.name for r in self.records[1:]])
-        with native_output.quiet_stderr_while_leaving():  # a script's, as a kernel's
+        with native_output.quiet_stderr_while_leaving(leaving):  # a script's, as a kernel's
             try:
                 self._leave(graceful, timeout)
             finally:

@@ -122,12 +122,13 @@ def _run(cluster: Cluster, names: list[str]) -> Restarted:
     if pg:  # every member leaves it: it is rebuilt among all of them below
         collective.destroy(pg, others)
         booted.process_group = None
+    live = [n for n in names if records[n].state == WorkerState.READY]  # their pipes close now
     for name in names:
         records[name].move(WorkerState.RESTARTING)
     old_ids = [eid for n in names if (eid := records[n].engine_id) is not None]
     assert len(old_ids) == len(names), "every worker runs in an engine"
     try:
-        with native_output.quiet_stderr_while_leaving():  # a script's, as a kernel's
+        with native_output.quiet_stderr_while_leaving(live):  # a script's, as a kernel's
             new_ids = engines.replace(old_ids, [records[n].pid for n in names], JOIN_TIMEOUT_S)
     finally:  # the old processes are gone either way: out of the group, on their behalf
         _group.forget(names, others)

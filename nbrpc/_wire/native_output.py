@@ -51,6 +51,8 @@ TAIL_EVERY_S = 0.1
 LEAVING_GRACE_S = 15.0
 #: How long a script's shutdown waits for its filter to pass on the last lines.
 LEAVING_PUMP_S = 2.0
+#: How long a script's shutdown waits for torch's line about each peer that left.
+LEAVING_LINES_S = 0.5
 #: torch's line for a peer's connection that closed (group 1: the peer's name).
 CLOSED_BY_PEER = re.compile(
     r"^\[[EW]\d{4} [^\]]*tensorpipe_agent\.cpp:\d+\] RPC agent for \S+ encountered error "
@@ -77,6 +79,8 @@ class _Leaving:
     #: dropped with an error line torch cannot help writing (ranks are never reused)
     gone: set[int] = field(default_factory=set)
     dropped: int = 0  # lines dropped so far (tests and docs read it)
+    #: peers whose closed connection was reported (and dropped) since they were named
+    closed: set[str] = field(default_factory=set)
 
 
 _leaving = _Leaving()
@@ -87,6 +91,7 @@ def expect_leaving(names: list[str], seconds: float = LEAVING_GRACE_S) -> None:
     until = time.monotonic() + seconds
     for name in names:
         _leaving.until[name] = until
+        _leaving.closed.discard(name)
 
 
 def expect_gone(ranks: list[int]) -> None:
@@ -115,6 +120,7 @@ def expected(line: str) -> bool:
     if time.monotonic() > until:
         return False
     _leaving.dropped += 1
+    _leaving.closed.add(match.group(1))
     return True
 
 
@@ -159,13 +165,15 @@ def quiet_kernel_stderr() -> None:
 
 
 @contextlib.contextmanager
-def quiet_stderr_while_leaving() -> Iterator[None]:
-    """In a script, for the time nbrpc itself makes workers leave (a shutdown, a restart):
-    file descriptor 2 passes through :func:`expected`, as a kernel's always does, and is
-    given back afterwards, so a script's stderr is its own the rest of the time.
+def quiet_stderr_while_leaving(names: list[str]) -> Iterator[None]:
+    """In a script, for the time nbrpc itself makes workers ``names`` leave (a shutdown, a
+    restart): file descriptor 2 passes through :func:`expected`, as a kernel's always does,
+    and is given back afterwards, so a script's stderr is its own the rest of the time.
 
-    In a kernel the pipe of :func:`quiet_kernel_stderr` is there already. Lines written
-    after the block (a peer whose connection closed only later) are not filtered.
+    torch notices a closed connection on its own thread, about 40 ms before a shutdown
+    ends here: the block's end waits for each peer's line (at most
+    :data:`LEAVING_LINES_S`, a peer the kernel never had a connection with writes none).
+    In a kernel the pipe of :func:`quiet_kernel_stderr` is there already.
     """
     if _quieted.pump is not None:
         yield
@@ -188,6 +196,9 @@ def quiet_stderr_while_leaving() -> Iterator[None]:
     try:
         yield
     finally:
+        deadline = time.monotonic() + LEAVING_LINES_S
+        while not set(names) <= _leaving.closed and time.monotonic() < deadline:
+            time.sleep(0.01)
         with contextlib.suppress(Exception):
             sys.stderr.flush()
         os.dup2(saved, 2)  # the pipe's last write end goes: the pump drains it and ends
