@@ -66,7 +66,10 @@ def link_distributions(venv: str) -> int:
 def installed_torch(python: str) -> str:
     """The torch version ``python``'s environment holds (from its metadata: no import)."""
     code = "import importlib.metadata as m; print(m.version('torch'))"
-    done = subprocess.run([python, "-c", code], capture_output=True, text=True, check=False)
+    try:
+        done = subprocess.run([python, "-c", code], capture_output=True, text=True, check=False)
+    except OSError:  # no such interpreter (a half-made virtualenv): build it again
+        return ""
     return done.stdout.strip()
 
 
