@@ -152,16 +152,25 @@ def quiet_kernel_stderr() -> None:
     """
     if _quieted.pump is not None or not _process.in_notebook():
         return
+    _quieted.saved, _, _quieted.pump = _filter_fd2("nbrpc-stderr")
+
+
+def _filter_fd2(thread_name: str) -> tuple[int, int, threading.Thread]:
+    """File descriptor 2 becomes a pipe, whose lines a pump thread passes on to what fd 2
+    was (a copy of it, returned with the pipe's read end) unless :func:`expected`. The
+    write end does not block: should the pump stop, lines are dropped, nobody hangs."""
     saved = os.dup(2)
-    read_end, write_end = os.pipe()
+    try:
+        read_end, write_end = os.pipe()
+    except OSError:
+        os.close(saved)
+        raise
     os.set_blocking(write_end, False)
     os.dup2(write_end, 2)
     os.close(write_end)
-    _quieted.saved = saved
-    _quieted.pump = threading.Thread(
-        target=_pump, args=(read_end, saved), name="nbrpc-stderr", daemon=True
-    )
-    _quieted.pump.start()
+    pump = threading.Thread(target=_pump, args=(read_end, saved), name=thread_name, daemon=True)
+    pump.start()
+    return saved, read_end, pump
 
 
 @contextlib.contextmanager
@@ -178,21 +187,13 @@ def quiet_stderr_while_leaving(names: list[str]) -> Iterator[None]:
     if _quieted.pump is not None:
         yield
         return
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
     try:
-        saved = os.dup(2)
-        read_end, write_end = os.pipe()
+        saved, read_end, pump = _filter_fd2("nbrpc-stderr-leaving")
     except OSError:  # out of descriptors: the lines show, nothing else changes
         yield
         return
-    with contextlib.suppress(Exception):
-        sys.stderr.flush()
-    os.set_blocking(write_end, False)
-    os.dup2(write_end, 2)
-    os.close(write_end)
-    pump = threading.Thread(
-        target=_pump, args=(read_end, saved), name="nbrpc-stderr-leaving", daemon=True
-    )
-    pump.start()
     try:
         yield
     finally:
