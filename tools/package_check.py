@@ -31,22 +31,10 @@ def link_torch(venv: str) -> None:
     (about 1 s instead of 45 s of unzipping 900 MB). Its metadata comes along, so pip sees
     torch installed and installs only what torch and the wheel declare."""
     import importlib.metadata
-    import os
-    import shutil
-    import sysconfig
 
-    dist = importlib.metadata.distribution("torch")
-    source = str(dist.locate_file(""))
-    target = sysconfig.get_path("purelib", vars={"base": venv, "platbase": venv})
-    for path in dist.files or []:
-        src, dst = os.path.join(source, path), os.path.join(target, path)
-        if not os.path.isfile(src) or ".." in path.parts:  # scripts live outside purelib
-            continue
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
-        try:
-            os.link(src, dst)
-        except OSError:  # another file system
-            shutil.copy2(src, dst)
+    from torch_venv import link_files  # tools/, this script's folder, is on sys.path
+
+    link_files(importlib.metadata.distribution("torch"), venv)
 
 
 def main() -> int:

@@ -41,24 +41,31 @@ def stamp_of(venv: str) -> str:
     return os.path.join(venv, ".nbrpc-torch")
 
 
+def link_files(dist: importlib.metadata.Distribution, venv: str) -> None:
+    """Hard-link the files of ``dist`` (a distribution of this interpreter's environment,
+    its metadata included) into ``venv``'s site-packages: pip then sees it installed.
+    Also what ``make package-check`` puts torch into its fresh virtualenv with."""
+    source = str(dist.locate_file(""))
+    target = sysconfig.get_path("purelib", vars={"base": venv, "platbase": venv})
+    for path in dist.files or []:
+        src, dst = os.path.join(source, path), os.path.join(target, path)
+        if ".." in path.parts or not os.path.isfile(src) or os.path.exists(dst):
+            continue  # scripts live outside purelib; a file two packages share
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        try:
+            os.link(src, dst)
+        except OSError:  # another file system
+            shutil.copy2(src, dst)
+
+
 def link_distributions(venv: str) -> int:
     """Hard-link this environment's distributions, but :data:`NOT_LINKED`, into ``venv``."""
-    target = sysconfig.get_path("purelib", vars={"base": venv, "platbase": venv})
     linked = 0
     for dist in importlib.metadata.distributions():
         name = (dist.metadata["Name"] or "").lower().replace("_", "-")
         if name in NOT_LINKED or not dist.files:
             continue
-        source = str(dist.locate_file(""))
-        for path in dist.files:
-            src, dst = os.path.join(source, path), os.path.join(target, path)
-            if ".." in path.parts or not os.path.isfile(src) or os.path.exists(dst):
-                continue  # scripts live outside purelib; a file two packages share
-            os.makedirs(os.path.dirname(dst), exist_ok=True)
-            try:
-                os.link(src, dst)
-            except OSError:  # another file system
-                shutil.copy2(src, dst)
+        link_files(dist, venv)
         linked += 1
     return linked
 
