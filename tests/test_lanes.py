@@ -1,4 +1,4 @@
-"""Small calls on lanes (nbrpc/_wire/lanes.py): what takes one, what stays on TensorPipe, and
+"""Small calls on lanes (nbrpc/_wire/lanes/): what takes one, what stays on TensorPipe, and
 that a call gives the same result, error, timeout and death either way."""
 
 from __future__ import annotations

@@ -224,17 +224,19 @@ def rpc_sync(
     # The notebook's case, without the future rpc_async returns (measured ~40 µs a call):
     # the main thread waits on torch's future, or on its lane, itself and settles it here.
     dest, call = _addressed("rpc_sync", to, func, timeout)
-    payload = lanes.request(dest, func, tuple(args), kwargs)
-    answer = _on_main_lane(dest, payload, call) if payload is not None else None
-    sent = (func, args, kwargs)
-    if answer is None:
+    sent = (func, tuple(args), kwargs)
+    way = lanes.route(dest, func, sent[1], kwargs, main=True)
+    if way.lane is None:
         value, error = _sync_through_torch(dest, sent, call)
-    elif answer[0] == lanes.VALUE:
-        value, error = failures.returned(answer[1])
-    elif answer[0] == lanes.LOST:
-        value, error = None, answer[1]
-    else:  # kept by the callee, or not unpicklable there: TensorPipe takes it
-        value, error = _sync_through_torch(dest, _fetch_or_resend(*answer, sent), call)
+    else:
+        try:
+            reply = way.lane.ask(way.payload, call.limit, prompts.wait_in_slices_on_main_thread)
+        except KeyboardInterrupt as stop:  # the stop button: the cell's lines, not nbrpc's
+            failures.show_short(stop)
+            raise
+        value, error, resend = _outcome(reply, sent, call)
+        if resend is not None:
+            value, error = _sync_through_torch(dest, resend, call)
     if error is not None:
         raise error
     return value
@@ -247,51 +249,19 @@ def _sync_through_torch(dest: WorkerInfo, sent: tuple, call: Sent) -> tuple[Any,
     return failures.outcome(raw, call.translate)
 
 
-def _fetch_or_resend(kind: int, got: Any, sent: tuple) -> tuple:
-    """What TensorPipe sends for a call a lane did not finish: the reply the callee kept
-    (``FETCH``), or the call itself again (``RETRY``: the callee could not unpickle it)."""
-    return (lanes.take, (got,), None) if kind == lanes.FETCH else sent
-
-
-def _on_main_lane(dest: WorkerInfo, payload: bytes, call: Sent) -> tuple[int, Any] | None:
-    """The call on the main thread's lane to ``dest``: ``(kind, value)`` of its answer,
-    ``(LOST, error)`` for a lost lane or a timeout, or None (no lane: TensorPipe).
-
-    The first read waits one slice by itself (the answer of a small call comes within
-    it), unless the timeout is shorter than two slices; a longer wait goes on in slices
-    that serve prompts and keep the clock."""
-    lane = lanes.lane_to(dest, main=True)
-    if lane is None or lane.busy:
-        return None
-    lane.busy = True
-    try:
-        lane.send(payload)
-        got: list = []
-
-        def one_slice() -> bool:
-            answer = lane.answer()
-            if answer is not None:
-                got.append(answer)
-            return bool(got)
-
-        limit = call.limit
-        if not 0 < limit < lanes.MAIN_SLICE_S * 2:  # a first slice, on its own
-            if one_slice():
-                return got[0]
-            limit = max(limit - lanes.MAIN_SLICE_S, 1e-3) if limit > 0 else 0
-        if not prompts.wait_in_slices_on_main_thread(one_slice, limit):
-            lane.close()  # its answer would come on a lane no one reads: the next call opens one
-            return lanes.LOST, call.expired()
-        return got[0]
-    except lanes.LaneLost as lost:
-        return lanes.LOST, call.translate(lost)
-    except BaseException as stop:  # the stop button: this lane's answer is no one's now
-        lane.close()
-        if isinstance(stop, KeyboardInterrupt):
-            failures.show_short(stop)  # the cell's lines, not nbrpc's
-        raise
-    finally:
-        lane.busy = False
+def _outcome(reply: lanes.Reply | None, sent: tuple, call: Sent) -> tuple[Any, Any, tuple | None]:
+    """A lane's reply (None: the call's time ran out) as ``(value, error, None)``, or as
+    ``(None, None, the call TensorPipe carries instead)``: the reply the callee kept, or
+    the call again (the callee could not unpickle it)."""
+    if reply is None:
+        return None, call.expired(), None
+    if reply.lost is not None:
+        return None, call.translate(reply.lost), None
+    resend = reply.through_torch(sent)
+    if resend is not None:
+        return None, None, resend
+    value, error = failures.returned(reply.got)
+    return value, error, None
 
 
 def rpc_async(
@@ -347,32 +317,26 @@ def start_call(
     out = Future()
     out.dest = call.dest
     sent = (func, tuple(args), kwargs)
-    payload = lanes.request(dest, func, sent[1], kwargs)
-    lane = lanes.lane_to(dest, main=False) if payload is not None else None
-    if lane is None or payload is None:
+    way = lanes.route(dest, func, sent[1], kwargs, main=False)
+    if way.lane is None:
         _settle_through_torch(dest, sent, call, out)
     else:
-        try:
-            lane.send(
-                payload, lambda kind, got: _settle_from_lane(kind, got, dest, sent, call, out)
-            )
-        except lanes.LaneLost as lost:
-            failures.complete(out, error=call.translate(lost))
+        way.lane.post(way.payload, lambda reply: _settle_from_lane(reply, dest, sent, call, out))
     if call.limit > 0:
         deadlines.expire_after(call.limit, out, call.expired)
     return out
 
 
 def _settle_from_lane(
-    kind: int, got: Any, dest: WorkerInfo, sent: tuple, call: Sent, out: Future
+    reply: lanes.Reply, dest: WorkerInfo, sent: tuple, call: Sent, out: Future
 ) -> None:
-    """Finish ``out`` with a lane's answer (on the lane's reader thread)."""
-    if kind == lanes.VALUE:
-        failures.complete(out, *failures.returned(got))
-    elif kind == lanes.LOST:
-        failures.complete(out, error=call.translate(got))
+    """Finish ``out`` with a lane's reply (on the lane's reader thread, or the caller's
+    when the lane was lost as the call left)."""
+    value, error, resend = _outcome(reply, sent, call)
+    if resend is None:
+        failures.complete(out, value, error)
     else:  # fetched, or sent again, through TensorPipe (no wait on this thread)
-        _settle_through_torch(dest, _fetch_or_resend(kind, got, sent), call, out)
+        _settle_through_torch(dest, resend, call, out)
 
 
 def _settle_through_torch(dest: WorkerInfo, sent: tuple, call: Sent, out: Future) -> None:

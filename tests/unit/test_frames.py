@@ -1,4 +1,4 @@
-"""A lane's frames (nbrpc/_wire/frames.py) cut out of what a socket delivers, however it
+"""A lane's frames (nbrpc/_wire/lanes/frames.py) cut out of what a socket delivers, however it
 arrives: several in one read, one split over reads, one larger than a read, a peer that
 closes mid-frame, and a header that is not a peer's."""
 
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from nbrpc._wire.frames import FRAME, MAX_PAYLOAD, Frames, Outbox
+from nbrpc._wire.lanes.frames import FRAME, MAX_PAYLOAD, Frames, Outbox
 
 
 def _frame(call: int, kind: int, payload: bytes) -> bytes:

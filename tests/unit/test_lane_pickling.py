@@ -1,4 +1,5 @@
-"""What a lane's pickle carries, and what it refuses (nbrpc/_wire/lanes.py): no process."""
+"""What a lane's pickle carries, and what it refuses (nbrpc/_wire/pickling.py, the lanes'
+messages): no process."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ import pickle
 import pytest
 import torch
 
-from nbrpc._wire import lanes
+from nbrpc._wire import pickling
 
 
 def _round_trip(value):
-    return pickle.loads(lanes.dumps(value))
+    return pickle.loads(pickling.lane_dumps(value))
 
 
 @pytest.mark.parametrize(
@@ -46,7 +47,7 @@ def test_a_tensor_arrives_as_the_same_view_of_its_own_storage(tensor):
     "value",
     [
         torch.ones(2, requires_grad=True),
-        torch.ones(lanes.MAX_TENSOR_BYTES // 4 + 1),  # more storage bytes than a lane takes
+        torch.ones(pickling.LANE_TENSOR_BYTES // 4 + 1),  # more storage bytes than a lane takes
         torch.ones(4).to_sparse(),
         pytest.param("quantized", id="quantized"),
         torch.ones(2, dtype=torch.complex64).conj(),
@@ -58,7 +59,7 @@ def test_what_torch_must_carry_is_refused(value):
     if isinstance(value, str):  # made here: its creation warns that it is deprecated
         value = torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.quint8)
     with pytest.raises(Exception):  # noqa: B017, PT011 (NotLane, or the pickler's wrapper of it)
-        lanes.dumps(value)
+        pickling.lane_dumps(value)
 
 
 def test_a_parameter_takes_its_own_reduction_as_in_torchs_pickler():
@@ -73,7 +74,7 @@ def test_a_parameter_takes_its_own_reduction_as_in_torchs_pickler():
 def test_two_tensors_sharing_a_storage_are_left_to_torch_which_keeps_them_sharing():
     base = torch.arange(8.0)
     with pytest.raises(Exception):  # noqa: B017, PT011
-        lanes.dumps((base[:4], base[4:]))
+        pickling.lane_dumps((base[:4], base[4:]))
     same = base[:4]
     a, b = _round_trip((same, same))  # one tensor twice: pickle's memo, one object
     assert a is b
@@ -82,10 +83,10 @@ def test_two_tensors_sharing_a_storage_are_left_to_torch_which_keeps_them_sharin
 def test_an_rref_is_refused_before_torch_forks_it():
     from torch.distributed.rpc import RRef
 
-    assert RRef in lanes.reducers(False)
-    with pytest.raises(lanes.NotLane):
-        lanes.reducers(False)[RRef](object())
+    assert RRef in pickling.lane_reducers(False)
+    with pytest.raises(pickling.NotLane):
+        pickling.lane_reducers(False)[RRef](object())
 
 
 def test_a_small_message_is_small():
-    assert len(lanes.dumps({"x": torch.ones(1), "n": 3})) < 400
+    assert len(pickling.lane_dumps({"x": torch.ones(1), "n": 3})) < 400

@@ -1,4 +1,4 @@
-"""The pool a callee runs a lane's pooled calls on (nbrpc/_wire/pool.py): calls that wait
+"""The pool a callee runs a lane's pooled calls on (nbrpc/_wire/lanes/pool.py): calls that wait
 on each other all get a thread (as on torch's pool), a stuck call does not hold up the
 others, and it never has more threads than its size."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
-from nbrpc._wire.pool import Pool
+from nbrpc._wire.lanes.pool import Pool
 
 
 def test_calls_meeting_at_a_barrier_all_finish_and_a_stuck_call_holds_up_no_one():

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import callee
+from nbrpc._wire.callee import serve_lanes_here
 
 #: seconds without a call starting or ending, calls waiting, before another thread starts one
 STUCK_S = 1e-3
@@ -57,7 +57,7 @@ class Pool:
             threading.Thread(target=self._work, name="nbrpc-lane-pool", daemon=True).start()
 
     def _work(self) -> None:
-        callee.serve_lanes_here()
+        serve_lanes_here()
         cond, items = self.cond, self.items
         ran = False
         while True:

@@ -1,0 +1,122 @@
+"""The callee's side of a lane: peers admitted, their calls run, the replies sent.
+
+The calls run in :func:`nbrpc._wire.callee.run_function`, as TensorPipe's calls are run.
+The main thread's lane (``INLINE`` frames) runs its calls on the connection's own
+thread; a shared lane's (``POOLED``) go to the pool (:mod:`.pool`), and their replies
+leave through an outbox. A reply that cannot take the lane is kept and fetched through
+TensorPipe (:func:`take`); a call that does not unpickle here is sent back as ``RETRY``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from nbrpc import _torch
+from nbrpc._wire import pickling, recording
+from nbrpc._wire.callee import run_function, serve_lanes_here
+
+from .frames import FRAME, Frames, Outbox
+from .state import CALLS, FETCH, INLINE, PEERCRED, RETRY, VALUE, here, shut
+
+
+def accept(listener: socket.socket) -> None:
+    """Admit peers on ``listener`` until it closes (a thread of its own): only a process
+    of this user (``SO_PEERCRED``), each served on a thread of its own."""
+    uid = os.getuid()
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return  # closed
+        try:
+            _, peer_uid, _ = PEERCRED.unpack(
+                conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size)
+            )
+        except OSError:
+            peer_uid = -1
+        if peer_uid != uid:  # the directory's mode admits no one else; this checks it
+            shut(conn)
+            continue
+        with here.lock:
+            here.served.add(conn)
+        threading.Thread(target=_serve, args=(conn,), name="nbrpc-lane", daemon=True).start()
+
+
+def _serve(conn: socket.socket) -> None:
+    """Read a peer's calls: the main thread's run here, the others on the pool."""
+    serve_lanes_here()
+    frames = Frames(conn)
+    write_lock = threading.Lock()
+    outbox: Outbox | None = None
+
+    def answer(frame: bytes) -> None:
+        try:
+            with write_lock:
+                conn.sendall(frame)
+        except OSError:
+            pass  # the caller went away (its stop button, a timeout): nothing waits for it
+
+    try:
+        while True:
+            frame = frames.next()
+            if frame is None or frame[1] not in CALLS:
+                return  # closed, or not a peer speaking this protocol: drop it
+            call, kind, payload = frame
+            if kind == INLINE:
+                run(answer, call, payload)
+            elif here.pool is not None:
+                if outbox is None:  # pooled calls' replies leave through an outbox
+                    outbox = Outbox(conn, "nbrpc-lane-replies", write_lock, _ignore)
+                here.pool.put((outbox.put, call, payload))
+    except Exception:  # bytes from outside never take the process down
+        return
+    finally:
+        if outbox is not None:
+            outbox.close()
+        with here.lock:
+            here.served.discard(conn)
+        shut(conn)
+
+
+def run(answer: Callable[[bytes], Any], call: int, payload: bytes) -> None:
+    """Run one call and ``answer`` it (a frame sent, or put in the connection's outbox)."""
+    try:
+        func, args, kwargs, header = pickle.loads(payload)
+    except Exception:  # e.g. a function this process cannot import: TensorPipe says it
+        answer(FRAME.pack(call, 0, RETRY))
+        return
+    udf = _torch.PythonUDF(func, args, kwargs)
+    if header is not None:  # a user's call: its header, and the row says it came this way
+        udf = recording.arrived(header, udf)
+        udf.lane = True
+    del func, args, kwargs
+    result = run_function(udf)
+    row = recording.reply_row(result)
+    try:
+        reply = pickling.lane_dumps(result)
+        kind = VALUE
+    except Exception:  # an RRef, a CUDA or large tensor, or no pickle: TensorPipe takes it
+        with here.lock:
+            key = next(here.held_ids)
+            here.held[key] = result, row
+        reply, kind = key.to_bytes(8, "little"), FETCH
+    del result, udf
+    answer(FRAME.pack(call, len(reply), kind) + reply)
+
+
+def _ignore(exc: Any) -> None:
+    """A reply could not be sent: the caller went away, nothing waits for it."""
+
+
+def take(key: int) -> Any:
+    """Called through TensorPipe by a caller: a reply kept because it could not take the
+    lane (:func:`run`), sent now with torch's pickling."""
+    with here.lock:
+        result, row = here.held.pop(key)
+    recording.reply_here(result, row)  # a recorded call's row counts the reply's bytes
+    return result

@@ -1,0 +1,336 @@
+"""The caller's side of a lane: which route a call takes, and the lanes that carry it.
+
+:func:`route` is asked once per call and answers with a :class:`Route`: the lane that
+takes the call and its bytes, or :class:`Why` none does (then TensorPipe carries it, as
+before). A lane's answer to a call is a :class:`Reply`. The facade
+(:mod:`nbrpc._calls.facade`) picks the route, waits and translates; the lanes' state
+stays here.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import pickle
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from nbrpc import _process, _torch
+from nbrpc._wire import pickling, recording
+from nbrpc._wire.callee import call_builtin, is_user_call, serving
+
+from .callee import take
+from .frames import FRAME, Frames, Outbox
+from .state import (
+    FETCH,
+    INLINE,
+    POOLED,
+    REPLIES,
+    RETRY,
+    VALUE,
+    LaneLost,
+    here,
+    reading,
+    shut,
+    socket_path as path_of,
+)
+
+#: seconds one read of the main thread's lane waits (then it looks at signals and prompts)
+MAIN_SLICE_S = 0.1
+_MAIN_SLICE = struct.pack("ll", 0, int(MAIN_SLICE_S * 1e6))  # a struct timeval
+#: the main thread's wait: ``wait(one_slice, limit)`` is False if ``limit`` passed first
+Waiter = Callable[[Callable[[], bool], float], bool]
+LOST = 6  # a Reply's kind, here only: the lane closed before the reply came
+
+
+class Why(enum.Enum):
+    """Why a call takes no lane (:func:`route`): TensorPipe carries it."""
+
+    OFF = "lanes are off in this process (not a local cluster, --no-fast-calls, or closed)"
+    PAUSED = "lanes are paused in this process (lanes.pause)"
+    NO_LANE = "the peer has no lane (it could not listen for one)"
+    NESTED = "it is made by a thread that serves a call"
+    CALLBACK = "it is made on a lane's reader thread (a future's callback)"
+    ASYNC_EXECUTION = "the function is decorated @rpc.functions.async_execution"
+    PROFILER = "torch's profiler records (it records the RPC)"
+    AUTOGRAD = "it is made inside a distributed autograd context"
+    NOT_LANE = "its arguments hold an RRef or a tensor a lane does not carry, or do not pickle"
+    BUSY = "the main thread's lane to the peer waits on another call"
+
+
+class Route(NamedTuple):
+    """:func:`route`'s answer: ``lane`` takes the call with ``payload``, or ``why`` says
+    why none does. A main-thread lane comes reserved for this call (:meth:`Lane.ask`
+    gives it back)."""
+
+    lane: Lane | None
+    payload: bytes = b""
+    why: Why | None = None
+
+
+class Reply(NamedTuple):
+    """A lane's answer to one call: a value (what the callee's ``run_function`` returned,
+    a failure it sent back included), a lost lane, or the call TensorPipe must carry."""
+
+    kind: int  # VALUE, FETCH, RETRY, or LOST
+    got: Any  # the value, the key of the reply the callee kept, or the LaneLost
+
+    @property
+    def lost(self) -> LaneLost | None:
+        """Why the lane closed before the reply came, if it did."""
+        return self.got if self.kind == LOST else None
+
+    def through_torch(self, sent: tuple) -> tuple | None:
+        """What TensorPipe sends instead, as ``(func, args, kwargs)``: the reply the callee
+        kept (fetched with :func:`.callee.take`), or the call ``sent`` again (the callee
+        could not unpickle it); None when the lane answered."""
+        if self.kind == FETCH:
+            return take, (self.got,), None
+        return sent if self.kind == RETRY else None
+
+
+#: a route with no lane, made once per reason
+_NONE = {why: Route(None, why=why) for why in Why}
+
+
+def route(dest: Any, func: Any, args: tuple, kwargs: dict | None, main: bool) -> Route:
+    """The route of a call of ``func`` to worker ``dest`` (a WorkerInfo) from this thread
+    (``main``: the main thread's ``rpc_sync``, which reads its own answer): a lane and
+    the call pickled for it, or why TensorPipe carries it (the module's docstring)."""
+    why = _why_not(dest, func)
+    if why is not None:
+        return why
+    if _torch.is_builtin(func):
+        func, args, kwargs = call_builtin, (func, args, kwargs), None
+    try:
+        payload = _call_bytes(func, args, kwargs or {})
+    except Exception:  # NotLane, or what TensorPipe's pickling will report in its words
+        return _NONE[Why.NOT_LANE]
+    lane = lane_to(dest, main)
+    if lane is None:
+        return _NONE[Why.NO_LANE]
+    if main:
+        if lane.busy:
+            return _NONE[Why.BUSY]
+        lane.busy = True
+    return Route(lane, payload)
+
+
+def _why_not(dest: Any, func: Any) -> Route | None:
+    """A route with no lane, for what rules a lane out before the call is pickled."""
+    if here.directory is None:
+        return _NONE[Why.OFF]
+    if here.paused:
+        return _NONE[Why.PAUSED]
+    if dest.id in here.unreachable:
+        return _NONE[Why.NO_LANE]
+    if serving():
+        return _NONE[Why.NESTED]
+    if getattr(reading, "lane", None) is not None:
+        return _NONE[Why.CALLBACK]
+    if getattr(func, "_wrapped_async_rpc_function", None) is not None:
+        return _NONE[Why.ASYNC_EXECUTION]
+    if _torch.profiler_enabled():
+        return _NONE[Why.PROFILER]
+    if _torch.in_autograd_context():
+        return _NONE[Why.AUTOGRAD]
+    return None
+
+
+def _call_bytes(func: Any, args: tuple, kwargs: dict) -> bytes:
+    """A call pickled for a lane: ``(func, args, kwargs, header)``, the header
+    (:mod:`nbrpc._wire.recording`) beside the call, not wrapped around torch's call record."""
+    out = pickling.lane_message()
+    pickler = pickling.LanePickler(out, pickling.lane_reducers(recording.active() is not None))
+    header, message = (
+        recording.header_for(_process.name(), False, True) if is_user_call(func) else (None, None)
+    )
+    pickler.dump_as_is((func, args, kwargs, header))
+    if message is not None:
+        recording.pickled(message, out.tell())
+    return out.getvalue()
+
+
+def in_flight() -> int:
+    """Calls this process started on lanes that have not finished."""
+    with here.lock:
+        return sum(len(lane.pending) for lane in here.shared.values()) + sum(
+            1 for lane in here.main.values() if lane.busy
+        )
+
+
+class Lane:
+    """One connection to a peer. ``main``: the main thread's (it reads its own answer,
+    :meth:`ask`), else shared (:meth:`post`), with a reader thread that hands each
+    call's reply to its callback."""
+
+    def __init__(self, sock: socket.socket, dest: str, main: bool) -> None:
+        self.sock, self.dest, self.main = sock, dest, main
+        self.frames = Frames(sock)
+        if main:  # its reads return after a slice, for the main thread to look around
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _MAIN_SLICE)
+        self.write_lock = threading.Lock()
+        self.ids = itertools.count(1)
+        self.pending: dict[int, Callable[[Reply], None]] = {}  # call id -> on_reply
+        self.busy = False  # the main thread's lane: reserved for a call (route())
+        self.closed = False
+        self.outbox: Outbox | None = None
+        if not main:  # calls leave through an outbox; a reader thread completes them
+            self.outbox = Outbox(sock, f"nbrpc-lane-out-{dest}", self.write_lock, self._lost)
+            threading.Thread(target=self._read, name=f"nbrpc-lane-{dest}", daemon=True).start()
+
+    def ask(self, payload: bytes, limit: float, wait_in_slices: Waiter) -> Reply | None:
+        """The main thread's call on this lane, reserved for it by :func:`route`: its
+        reply, or None when ``limit`` seconds (0: none) passed first (the lane is closed
+        then: its answer would come where no one reads; the next call opens another).
+
+        The first read waits one slice by itself (the answer of a small call comes
+        within it), unless the limit is shorter than two slices; a longer wait goes on in
+        ``wait_in_slices(one_slice, limit)``, the main thread's (it serves prompts and
+        keeps the clock). A stop (KeyboardInterrupt) closes the lane and goes on up."""
+        try:
+            self._send(payload, None)
+            got: list[Reply] = []
+
+            def one_slice() -> bool:
+                reply = self.answer()
+                if reply is not None:
+                    got.append(reply)
+                return bool(got)
+
+            if not 0 < limit < MAIN_SLICE_S * 2:  # a first slice, on its own
+                if one_slice():
+                    return got[0]
+                limit = max(limit - MAIN_SLICE_S, 1e-3) if limit > 0 else 0
+            if not wait_in_slices(one_slice, limit):
+                self.close()
+                return None
+            return got[0]
+        except LaneLost as lost:
+            return Reply(LOST, lost)
+        except BaseException:  # the stop button: this lane's answer is no one's now
+            self.close()
+            raise
+        finally:
+            self.busy = False
+
+    def post(self, payload: bytes, on_reply: Callable[[Reply], None]) -> None:
+        """A call on this shared lane: ``on_reply(reply)`` runs on the reader thread when
+        its reply comes, or here at once if the lane is lost."""
+        try:
+            self._send(payload, on_reply)
+        except LaneLost as lost:
+            on_reply(Reply(LOST, lost))
+
+    def _send(self, payload: bytes, on_reply: Callable[[Reply], None] | None) -> None:
+        call = next(self.ids)
+        if on_reply is not None:
+            self.pending[call] = on_reply
+        frame = FRAME.pack(call, len(payload), INLINE if self.main else POOLED) + payload
+        try:
+            if self.outbox is not None:
+                if not self.outbox.put(frame):
+                    raise OSError("closed")
+            else:
+                with self.write_lock:
+                    self.sock.sendall(frame)
+        except OSError as exc:
+            self.pending.pop(call, None)
+            self.close()
+            raise LaneLost(f"the lane to {self.dest} closed: {exc}") from None
+
+    def _lost(self, exc: Any) -> None:
+        self.close()  # the reader sees the end, and fails the calls waiting
+
+    def answer(self) -> Reply | None:
+        """The main thread's lane: the reply if it comes within :data:`MAIN_SLICE_S`,
+        else None (a read that times out: the main thread then looks at signals, prompts
+        and its clock, and reads again); raises :class:`LaneLost`. One ``recv`` where a
+        ``poll`` and a ``recv`` were (about 10 µs a call, measured)."""
+        try:
+            return self.receive()[1]
+        except BlockingIOError:  # SO_RCVTIMEO passed: nothing yet
+            return None
+
+    def receive(self) -> tuple[int, Reply]:
+        """The next reply on this lane and its call's id; raises :class:`LaneLost`."""
+        try:
+            frame = self.frames.next()
+        except BlockingIOError:
+            raise  # the main lane's read timed out (answer())
+        except OSError as exc:  # ECONNRESET: the peer died with bytes unread
+            self.close()
+            raise LaneLost(f"{self.dest} closed its end of the lane ({exc})") from None
+        if frame is None or frame[1] not in REPLIES:
+            self.close()
+            raise LaneLost(f"{self.dest} closed its end of the lane (its process exited)")
+        call, kind, payload = frame
+        return call, _reply(kind, payload)
+
+    def _read(self) -> None:
+        reading.lane = self  # futures complete here, and run their callbacks here
+        lost: LaneLost | None = None
+        try:
+            while True:
+                call, reply = self.receive()
+                on_reply = self.pending.pop(call, None)
+                if on_reply is not None:
+                    on_reply(reply)
+        except LaneLost as exc:
+            lost = exc
+        except Exception as exc:  # a reply that does not unpickle here: the lane is unusable
+            lost = LaneLost(f"the lane to {self.dest} broke: {type(exc).__name__}: {exc}")
+        finally:
+            self.close()
+            pending = list(self.pending.values())
+            self.pending.clear()
+            for on_reply in pending:
+                on_reply(Reply(LOST, lost))
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.outbox is not None:
+            self.outbox.close()
+        shut(self.sock)
+        here.forget(self)
+
+
+def _reply(kind: int, payload: bytes) -> Reply:
+    if kind == VALUE:
+        return Reply(VALUE, pickle.loads(payload))
+    if kind == FETCH:
+        return Reply(FETCH, int.from_bytes(payload, "little"))
+    return Reply(RETRY, None)
+
+
+def lane_to(dest: Any, main: bool) -> Lane | None:
+    """This process's lane to ``dest`` (a WorkerInfo), opened on first use; None if the
+    peer has none (its calls go through TensorPipe from then on)."""
+    table = here.main if main else here.shared
+    lane = table.get(dest.id)
+    if lane is not None and not lane.closed:
+        return lane
+    directory = here.directory
+    if directory is None:
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path_of(directory, dest.name))
+    except OSError:
+        sock.close()
+        here.unreachable.add(dest.id)
+        return None
+    lane = Lane(sock, dest.name, main)
+    with here.lock:
+        opened = here.directory is not None  # else closed meanwhile
+        if opened:
+            table[dest.id] = lane
+    if not opened:
+        lane.close()
+        return None
+    return lane

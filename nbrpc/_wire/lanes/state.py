@@ -1,0 +1,79 @@
+"""What this process's lanes hold, and the words a lane speaks on the wire.
+
+One record per process (:data:`here`): the caller's lanes (:mod:`.caller`), the callee's
+connections and the replies it keeps (:mod:`.callee`), the socket directory and the
+listener (:mod:`.setup`). The three modules share it; each changes only its own fields.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import socket
+import struct
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from .pool import Pool
+
+#: a frame's kind, on the wire: a call the callee runs on the lane's thread (``INLINE``,
+#: the main thread's lane) or on its pool (``POOLED``); a reply: the value (``VALUE``),
+#: a key for the reply the callee kept (``FETCH``), or "send it again through TensorPipe"
+#: (``RETRY``: the callee could not unpickle the call)
+INLINE, POOLED, VALUE, FETCH, RETRY = 1, 2, 3, 4, 5
+REPLIES = frozenset({VALUE, FETCH, RETRY})
+CALLS = frozenset({INLINE, POOLED})
+
+
+class LaneLost(ConnectionError):
+    """The peer's end of a lane closed: its process is gone (or the cluster closed)."""
+
+
+@dataclass
+class Lanes:
+    """This process's side: where the sockets are (None: lanes off), its listener, the
+    lanes it opened (``main``, ``shared``: :class:`.caller.Lane`), and what its callee
+    side keeps."""
+
+    directory: str | None = None
+    listener: socket.socket | None = None
+    unreachable: set[int] = field(default_factory=set)  # peer ranks with no lane
+    main: dict[int, Any] = field(default_factory=dict)  # the main thread's, by rank
+    shared: dict[int, Any] = field(default_factory=dict)  # everyone else's, by rank
+    served: set[socket.socket] = field(default_factory=set)  # connections from peers
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    held: dict[int, Any] = field(default_factory=dict)  # replies kept for take()
+    held_ids: Any = field(default_factory=lambda: itertools.count(1))
+    pool: Pool | None = None
+    made_directory: bool = False  # the kernel's: it removes it at close
+    paused: bool = False  # this process sends its calls through TensorPipe for now
+
+    def forget(self, lane: Any) -> None:
+        """A lane closed: the next call to its peer opens another."""
+        with self.lock:
+            for table in (self.main, self.shared):
+                for rank, kept in list(table.items()):
+                    if kept is lane:
+                        del table[rank]
+
+
+here = Lanes()
+#: ``.lane``: set on a lane's reader thread. A call a future's callback makes there
+#: (torch's ``fut.then(...)`` runs it on the thread that completes the future) goes
+#: through TensorPipe: waiting for its answer on a lane would wait for this very thread
+reading = threading.local()
+#: how the peer's user is read from a Unix socket (pid, uid, gid)
+PEERCRED = struct.Struct("3i")
+
+
+def socket_path(directory: str, name: str) -> str:
+    return os.path.join(directory, f"{name}.sock")
+
+
+def shut(sock: socket.socket) -> None:
+    """Close ``sock`` both ways (a thread blocked reading it wakes up)."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
