@@ -44,7 +44,7 @@ from ipyparallel.cluster.launcher import MPIEngineSetLauncher, SlurmEngineSetLau
 
 from nbrpc import _fence, _options
 from nbrpc._errors import BootError, ConfigError
-from nbrpc._placement import Slurm
+from nbrpc._source_options import Slurm
 from nbrpc._wire import stacks
 
 from . import worker

@@ -45,6 +45,7 @@ from ipyparallel.cluster.launcher import SSHEngineLauncher, SSHEngineSetLauncher
 
 from nbrpc import _options
 from nbrpc._errors import BootError
+from nbrpc._source_options import Hosts
 from nbrpc._wire import stacks
 
 from . import controller, hosts, watchdog, worker
@@ -375,25 +376,30 @@ class SshSource(ControllerSource[HostController]):
 
     @classmethod
     def wants(cls, settings: _options.Settings) -> bool:
-        return settings.hosts is not None
+        return settings.options_of(Hosts) is not None
 
     @classmethod
     def resolve(cls, settings: _options.Settings) -> _options.Settings:
         """``--listen`` defaults to this host's address on the route to the first host."""
-        if settings.listen or not settings.hosts:
+        asked = settings.options_of(Hosts)
+        if settings.listen or asked is None or not asked.entries:
             return settings
-        return replace(settings, listen=hosts.infer_listen(settings.hosts[0], settings.ssh_args))
+        return replace(settings, listen=hosts.infer_listen(asked.entries[0], asked.ssh_args))
+
+    def _asked(self) -> Hosts:
+        asked = self.settings.options_of(Hosts)
+        assert asked is not None, "wants() took it for these settings"
+        return asked
 
     def start(self) -> None:
-        s = self.settings
+        s, asked = self.settings, self._asked()
         assert s.listen, "resolve() works out --listen"
-        assert s.hosts, "wants() took it for these settings"
-        plan = hosts.HostPlan(s.hosts, s.ssh_args, s.remote_python or "")
+        plan = hosts.HostPlan(asked.entries, asked.ssh_args, s.remote_python or "")
         self.controller = HostController(s.listen, plan, s.python)
 
     def hosts(self) -> list[str]:
-        s = self.settings
-        return hosts.addresses(s.hosts or (), s.ssh_args)
+        asked = self._asked()
+        return hosts.addresses(asked.entries, asked.ssh_args)
 
     def last_output(self, pid: int) -> str:
         return ""  # pids of other hosts: their logs stay there
