@@ -60,8 +60,8 @@ from ._lifecycle.cluster import (
     status,
 )
 from ._lifecycle.ranks import rank
-from ._placement import Slurm
 from ._rows import CallRow, OwnershipRow, StackRow, StatusRow, Trace, WorkerRecord
+from ._source_options import Slurm
 from ._torch import TorchVersionWarning
 from ._wire.pickling import register_by_value
 from .autograd import trace_backward

@@ -13,9 +13,11 @@ the flag's text becomes the value. From it come:
 fields are the options' names (the test holds the two together), with defaults worked out
 and every bad value refused with a :class:`~nbrpc.ConfigError` before a process starts
 (:meth:`Settings.make`). An engine source's own options are one value of its own class
-(``slurm``: an :class:`nbrpc.Slurm`, a :class:`~nbrpc._placement.SourceOptions` registered
-once); the flags that give its fields one by one (``--nodes``, ...) are options marked
-``part_of`` the field they give, folded into that value. Whichever source's value was asked
+(``slurm``: an :class:`nbrpc.Slurm`; ``hosts``: a ``Hosts``; ``profile``: an ``Attached``;
+each a :class:`~nbrpc._placement.SourceOptions` in :mod:`nbrpc._source_options`,
+registered once); the flags that give its fields one by one (``--nodes``, ``--ssh-args``,
+``--cluster-id``, ...) are options marked ``part_of`` the field they give, folded into
+that value. Whichever source's value was asked
 for, :class:`Settings` holds it in one field, ``source_options`` (``options_of(Slurm)``):
 a new source adds no field here. What only the engine source can work out (``--hosts``:
 ``--listen`` on the route to the first host) it completes (:func:`nbrpc._engines.resolve`).
@@ -35,7 +37,8 @@ from typing import Annotated, Any, TypedDict, get_type_hints
 
 from . import _devices, _group, _process
 from ._errors import ConfigError
-from ._placement import Opts, Slurm, SourceOptions, source_options, where
+from ._placement import Opts, SourceOptions, source_options, where
+from ._source_options import Attached, Slurm
 from ._wire import shm
 
 DEFAULT_RPC_TIMEOUT_S = 60.0
@@ -146,7 +149,11 @@ class Options(TypedDict, total=False):
     ]
     cluster_id: Annotated[
         str | None,
-        Opt("--cluster-id", "attach to the ipyparallel cluster with this id"),
+        Opt(
+            "--cluster-id",
+            "attach to the ipyparallel cluster with this id",
+            part_of="profile.cluster_id",
+        ),
     ]
     progress: Annotated[
         str | bool,
@@ -269,6 +276,7 @@ class Options(TypedDict, total=False):
             "BatchMode is always on).",
             metavar="ARGS",
             parse=_unquote,
+            part_of="hosts.ssh_args",
         ),
     ]
     remote_python: Annotated[
@@ -484,8 +492,6 @@ class Settings:
     num_worker_threads: int
     rpc_timeout: float
     init_method: str | None
-    profile: str | None
-    cluster_id: str | None
     progress: str  # "widget", "text" or "off"
     listen: str | None
     gpus: str | None
@@ -498,15 +504,14 @@ class Settings:
     #: workers are in it, in rank order (None: all of them)
     process_group: str | None = None
     process_group_workers: tuple[str, ...] | None = None
-    #: workers on other hosts over ssh, one per entry in order (see nbrpc._engines.ssh)
-    hosts: tuple[str, ...] | None = None
-    ssh_args: tuple[str, ...] = ()
+    #: the interpreter on other hosts (--hosts) or Slurm's nodes: read by both sources
     remote_python: str | None = None
     #: "dead": replace workers that died before the next cell (nbrpc._lifecycle.restart)
     restart: str | None = None
     #: the engine source's own options value, of whichever source was asked for (an
-    #: nbrpc.Slurm: see nbrpc._engines.slurm), whether given as the value or as its
-    #: flags/keywords (--nodes, ...: the options part_of it); read it with options_of
+    #: nbrpc.Slurm, a Hosts, an Attached: see nbrpc._source_options), whether given as the
+    #: value or as its flags/keywords (--nodes, --ssh-args, ...: the options part_of it);
+    #: read it with options_of
     source_options: SourceOptions | None = None
 
     @classmethod
@@ -531,7 +536,8 @@ class Settings:
 
     @classmethod
     def _checked(cls, v: dict[str, Any]) -> Settings:
-        n, names, entries, ssh_args, listen = where(v)
+        asked = source_options(v, declared())
+        n, names, listen = where(v, asked)
         init_method, gpus, shm_threshold = v["init_method"], v["gpus"], v["shm_threshold"]
         if init_method:
             _group.spec_from_init_method(init_method)  # refuse a bad URL before any start
@@ -545,7 +551,6 @@ class Settings:
             )
         process_group, members = _process_group(v)
         threads, timeout = v["num_worker_threads"], v["rpc_timeout"]
-        asked = source_options(v, declared())
         if asked is not None and gpus is None:
             gpus = asked.implies().get("gpus")
         return cls(
@@ -555,8 +560,6 @@ class Settings:
             num_worker_threads=int(threads or DEFAULT_THREADS),
             rpc_timeout=float(DEFAULT_RPC_TIMEOUT_S if timeout is None else timeout),
             init_method=init_method,
-            profile=v["profile"],
-            cluster_id=v["cluster_id"],
             progress=_progress_mode(v["progress"]),
             listen=listen,
             gpus=gpus,
@@ -566,8 +569,6 @@ class Settings:
             python=v["python"] or sys.executable,
             process_group=process_group,
             process_group_workers=members,
-            hosts=entries,
-            ssh_args=ssh_args,
             remote_python=v["remote_python"],
             restart=_restart_mode(v["restart"]),
             source_options=asked,
@@ -585,7 +586,7 @@ class Settings:
     @property
     def attached(self) -> bool:
         """Engines of an ipyparallel cluster someone else started (not stopped by us)."""
-        return self.profile is not None or self.cluster_id is not None
+        return self.options_of(Attached) is not None
 
     @property
     def wants_devices(self) -> bool:

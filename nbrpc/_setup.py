@@ -1,24 +1,31 @@
 """What a process installs to take part in a cluster: every step, in order, per role.
 
-Two roles, one function each, each called from one place:
+Two roles, and everything a worker is given in this module, each step called from one
+place:
 
 * :func:`kernel` -- the notebook's kernel, or a script's main process; run by
   ``Cluster.start`` before each boot (every step is idempotent);
-* :func:`worker` -- an engine that becomes a worker; run by ``_engines.worker.join``.
+* :func:`worker` -- an engine that becomes a worker: its steps, its join, and what it
+  turns on once joined; run by ``_engines.worker.join``;
+* :func:`fast_path` -- run by the kernel once workers joined (a boot's, or a restart's):
+  shared memory for large tensors and, in a local cluster, lanes for small calls, set up
+  on those workers over RPC (:mod:`nbrpc._wire.shm`, :mod:`nbrpc._wire.lanes`).
 
-Both finish before the process's ``init_rpc``: torch's C++ looks up the Python hooks that
-:func:`nbrpc._wire.pickling.install` sets when its first agent starts.
+The steps before a join finish before the process's ``init_rpc``: torch's C++ looks up
+the Python hooks that :func:`nbrpc._wire.pickling.install` sets when its first agent
+starts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from . import _group, _process, _torch, autograd
-from ._calls import rrefs, spelling
+from . import _fence, _group, _process, _torch, autograd
+from ._calls import facade, rrefs, spelling
 from ._debugger import remote_pdb
-from ._wire import bars, namespace, native_output, output, pickling, stacks
+from ._wire import bars, lanes, namespace, native_output, output, pickling, shm, stacks
 
 
 def _both() -> None:
@@ -43,8 +50,21 @@ def kernel(torch_shutdown: Callable[..., Any]) -> None:
     output.remember_stderr()  # a failed call is logged only to a stderr code put there
 
 
-def worker(kernel_name: str, name: str) -> None:
-    """A worker's steps, before it joins as ``name``; its output goes to ``kernel_name``."""
+def worker(
+    kernel_name: str,
+    name: str,
+    rank: int,
+    spec: _group.StoreSpec,
+    rpc_timeout: float,
+    num_worker_threads: int,
+    device_maps: dict | None,
+    devices: list[str] | None,
+    members: list[str] | None,
+) -> None:
+    """A worker's steps, in order: before it joins as ``name`` (its output goes to
+    ``kernel_name``), the join (rank ``rank`` in the group of store ``spec``), and after
+    it. ``members``: the cluster's addresses, when it listens beyond loopback: then this
+    process's listening sockets admit those alone (:mod:`nbrpc._fence`)."""
     _both()
     output.forward_output_to(kernel_name, name)  # print() during a call: the calling cell
     native_output.start_tail()  # what C and C++ write too
@@ -52,3 +72,51 @@ def worker(kernel_name: str, name: str) -> None:
     remote_pdb.install()  # breakpoint() opens pdb in the calling cell
     namespace.share()  # notebook functions keep their module-level names here
     output.remember_stderr()  # a failed call is logged only to a stderr code put there
+    _group.join(
+        name,
+        rank,
+        spec,
+        rpc_timeout=rpc_timeout,
+        num_worker_threads=num_worker_threads,
+        device_maps=device_maps,
+        devices=devices,
+    )
+    _fence.admit(members)  # before the first call reaches this worker's listeners
+    facade.set_active(True)  # code running here may call nbrpc.rpc_sync & co. too
+    _process.resources()  # the first %rpc_status's CPU figure counts from the join
+
+
+@dataclass
+class FastPath:
+    """What :func:`fast_path` set up: shared memory with any worker (``shm``), the
+    workers each one shares it with across hosts (``shm_peers``; None: a local
+    cluster), and whether the kernel's lanes are open (``lanes``; None: not asked)."""
+
+    shm: bool
+    shm_peers: dict[str, list[str]] | None = None
+    lanes: bool | None = None
+
+
+def fast_path(
+    prefix: str,
+    threshold: int | None,
+    kernel_name: str,
+    names: list[str],
+    *,
+    remote: bool,
+    loopback: bool,
+    lanes_asked: bool,
+    threads: int,
+) -> FastPath:
+    """On the kernel, once the workers ``names`` joined: shared memory for large tensors
+    with them (across hosts: host by host, and ``names`` are then every worker, whose
+    peers are worked out again); in a local cluster on loopback, lanes for small calls
+    when ``lanes_asked`` (the settings ask for them and for no device maps)."""
+    if remote:
+        peers = shm.set_up_by_host(prefix, threshold, kernel_name, names)
+        done = FastPath(any(peers.values()), shm_peers=peers)
+    else:
+        done = FastPath(shm.set_up(prefix, threshold, names, loopback))
+    if lanes_asked and not remote and loopback:
+        done.lanes = lanes.set_up(prefix, names, threads)
+    return done

@@ -10,8 +10,10 @@ way is an *engine source*, one module of this folder:
 * :mod:`.slurm` -- the tasks of one Slurm job, or a step of the kernel's (``--slurm``);
 * :mod:`.attached` -- an ipyparallel cluster someone else started (``--profile``).
 
-Beside them: :mod:`.controller` (the ipyparallel controller and watchdog the local and
-ssh sources start), :mod:`.zygote` (the process local engines fork from),
+Beside them: :mod:`.controller` (the controller tier: the ipyparallel controller and
+watchdog of this host that the local, ssh and Slurm sources start, with its hooks
+``spawn`` / ``take`` / ``retire`` / ``release``, and ``ControllerSource``, which makes a
+source of them), :mod:`.zygote` (the process local engines fork from),
 :mod:`.watchdog` (stops them all if the kernel dies), :mod:`.hosts` (ssh options and the
 preflight of ``--hosts``) and :mod:`.worker` (what runs inside an engine to join).
 
@@ -27,7 +29,9 @@ source it has; what the source knows is asked of the source itself (``engines.so
    ``wants(settings)`` says which options ask for it, ``start`` / ``launch`` / ``client``
    / ``take`` bring engines up in worker order, ``stop`` ends what it started; the rest
    (``resolve``, ``replace``, ``dump_stacks``, ...) where it can do better than the
-   default;
+   default. A source with a controller of this host extends
+   :class:`~.controller.ControllerSource` instead and writes its controller's four hooks
+   rather than ``launch`` / ``take`` / ``stop``;
 2. its options in :class:`nbrpc._options.Options`; options of its own are one class
    extending :class:`~nbrpc._placement.SourceOptions`, registered once, whose fields its
    flags give (``part_of="slurm.nodes"``): no field of :class:`~nbrpc._options.Settings`,

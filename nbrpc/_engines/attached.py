@@ -25,6 +25,7 @@ from typing import Any
 
 from nbrpc import _options
 from nbrpc._errors import BootError
+from nbrpc._source_options import Attached
 
 from .base import EngineSource
 
@@ -68,15 +69,16 @@ class AttachedSource(EngineSource):
 
     @classmethod
     def wants(cls, settings: _options.Settings) -> bool:
-        return settings.attached
+        return settings.options_of(Attached) is not None
 
     @classmethod
     def resolve(cls, settings: _options.Settings) -> _options.Settings:
         """Without ``-n``: as many workers as the cluster was started with, when its
         cluster file says (so the boot waits for all of them, with its progress)."""
-        if settings.n is not None:
+        asked = settings.options_of(Attached)
+        if settings.n is not None or asked is None:
             return settings
-        expected = started_with(settings.profile, settings.cluster_id)
+        expected = started_with(asked.profile, asked.cluster_id)
         return settings if expected is None else replace(settings, n=expected)
 
     def start(self) -> None:
@@ -89,7 +91,9 @@ class AttachedSource(EngineSource):
         import ipyparallel as ipp
 
         if self._client is None:
-            profile, cluster_id = self.settings.profile, self.settings.cluster_id
+            asked = self.settings.options_of(Attached)
+            assert asked is not None, "wants() took it for these settings"
+            profile, cluster_id = asked.profile, asked.cluster_id
             try:
                 self._client = ipp.Client(profile=profile, cluster_id=cluster_id or "")
             except Exception as exc:

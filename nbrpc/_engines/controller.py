@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import psutil
@@ -67,8 +68,14 @@ ENGINE_ARGS = (
 
 class Controller:
     """An ipyparallel controller nbrpc runs on this host, and the watchdog that stops its
-    processes should the kernel die. :class:`.local.LocalController` (engines here) and
-    :class:`.ssh.HostController` (engines over ssh) build on it.
+    processes should the kernel die. :class:`.local.LocalController` (engines here),
+    :class:`.ssh.HostController` (engines over ssh) and :class:`.slurm.SlurmController`
+    (a Slurm job's tasks) build on it.
+
+    The controller tier: every controller writes :meth:`spawn`, :meth:`take` and
+    :meth:`retire`, with these signatures, and may override :meth:`release`;
+    :class:`ControllerSource` turns them into an engine source's ``launch``, ``take`` and
+    ``stop``. ``tests/unit/test_layers.py`` holds every controller to these signatures.
 
     ``listen``: the controller's address. ``workdir``: a private directory of this
     controller's (the watchdog's pid file; removed at release). Subclasses add their own
@@ -131,6 +138,25 @@ class Controller:
         """Every process of this host that the watchdog stops should the kernel die."""
         return self.controller_pids()
 
+    # -- the tier: what every controller writes -----------------------------------------
+
+    def spawn(self, n: int) -> None:
+        """Have ``n`` engines for the next :meth:`take` registered or on their way; they
+        register in the background (returns once they are asked for)."""
+        raise NotImplementedError
+
+    def take(self, n: int, timeout: float, registered: Callable[..., None]) -> list[int]:
+        """Ids of ``n`` registered engines in worker order, never handed out again;
+        ``registered(count)`` as engines arrive, or ``registered(count, note)`` with what
+        they wait for (a job in Slurm's queue). ``timeout``: how long they may take to
+        register (a source with a queue bounds the wait in it with its own options)."""
+        raise NotImplementedError
+
+    def retire(self, engine_ids: list[int], pids: list[int]) -> None:
+        """Stop the engines a cluster used (``pids``: those of this host, where known);
+        the controller stays up (:meth:`release` stops it)."""
+        raise NotImplementedError
+
     def client(self) -> Any:
         """The ipyparallel client, connected once the controller is up."""
         if self._client is None:
@@ -173,8 +199,16 @@ class Controller:
         watchdog.reap(sorted({p for p in ours if p != os.getpid()}))
 
     def release(self) -> None:
+        """Stop the controller, whatever engines are left and the watchdog."""
         self._stop_processes()
         self._stop_watchdog()
+
+    def dump_stacks(
+        self, engine_ids: list[int], pids: list[int], timeout: float
+    ) -> dict[int, dict[str, Any]]:
+        """Every thread's stack of the engines, read on their hosts (see
+        ``EngineSource.dump_stacks``); {} where this controller cannot reach them."""
+        return {}
 
     def _stop_watchdog(self) -> None:
         shutil.rmtree(self._workdir, ignore_errors=True)  # alone, it would exit within 1 s
@@ -188,9 +222,13 @@ C = TypeVar("C", bound=Controller)
 
 
 class ControllerSource(EngineSource, Generic[C]):
-    """What the sources of engines on other hosts (``--hosts``, ``--slurm``) do alike: a
-    :class:`Controller` of this host (``controller``, made by ``start``) and engines that
-    import torch where they run; nothing kept between clusters."""
+    """A source whose engines come with a :class:`Controller` of this host (local, ssh,
+    Slurm): ``start`` makes the controller (``controller``), and the rest is the
+    controller tier's: ``launch`` is its :meth:`~Controller.spawn`, ``take`` its
+    :meth:`~Controller.take`, ``stop`` its :meth:`~Controller.retire` then
+    :meth:`~Controller.release` (a source that keeps its controller between clusters
+    overrides ``stop``). By default its engines run on other hosts and import torch
+    there; nothing is kept between clusters."""
 
     remote = True
 
@@ -202,14 +240,36 @@ class ControllerSource(EngineSource, Generic[C]):
         assert self.controller is not None, "start() comes first"
         return self.controller
 
+    def launch(self, n: int) -> None:
+        self._ours().spawn(n)
+
     def client(self) -> Any:
         return self._ours().client()
 
+    def take(self, n: int | None, timeout: float, registered: Callable[..., None]) -> list[int]:
+        assert n is not None, "only an attached cluster's size can be unknown"
+        return self._ours().take(n, timeout, registered)
+
+    def stop(self, engine_ids: list[int], pids: list[int], keep_warm: bool) -> None:
+        ours = self.controller
+        if ours is None:  # its start failed: nothing of it runs
+            return
+        try:
+            ours.retire(engine_ids, pids)
+        finally:
+            ours.release()
+            self.controller = None
+
     def controller_seconds(self) -> float | None:
-        return self._ours().controller_seconds
+        return 0.0 if self.reused else self._ours().controller_seconds
 
     def controller_pid(self) -> int | None:
         return self._ours().controller_pid
+
+    def dump_stacks(
+        self, engine_ids: list[int], pids: list[int], timeout: float
+    ) -> dict[int, dict[str, Any]]:
+        return self._ours().dump_stacks(engine_ids, pids, timeout)
 
 
 def tail(text: str, lines: int = 25) -> str:

@@ -50,8 +50,7 @@ from nbrpc._errors import BootError
 from nbrpc._wire import stacks
 
 from . import controller, watchdog
-from .base import EngineSource
-from .controller import ENGINE_ARGS, Controller, tail
+from .controller import ENGINE_ARGS, Controller, ControllerSource, tail
 from .watchdog import process_alive
 
 log = logging.getLogger("nbrpc")
@@ -198,7 +197,7 @@ class LocalController(Controller):
 
     # -- engines ---------------------------------------------------------------------
 
-    def spawn(self, n: int) -> None:
+    def _fork(self, n: int) -> None:
         """Start ``n`` engines now; they register in the background."""
         if n <= 0:
             return
@@ -237,34 +236,32 @@ class LocalController(Controller):
         registered = len(self.client().ids)
         return max(0, running - registered)
 
-    def reserve(self, n: int) -> None:
-        """Make sure ``n`` unused engines are registered or on their way."""
+    def spawn(self, n: int) -> None:
+        """Make sure ``n`` unused engines are registered or on their way: spares count,
+        the rest are forked now."""
         if self._client is None:
             have = sum(1 for la in self._launchers.values() if la.state == "running")
         else:
             have = len(self._spare_ids()) + self._starting()
-        self.spawn(n - have)
+        self._fork(n - have)
 
-    def take(
-        self, n: int, timeout: float, on_registered: Callable[[int], None] | None = None
-    ) -> list[int]:
+    def take(self, n: int, timeout: float, registered: Callable[..., None]) -> list[int]:
         """Wait for ``n`` unused registered engines and hand them out (never again).
 
         An engine that exits before it registers (a bad interpreter, an import error) is
         a :class:`BootError` at once, with the end of the engine's own output.
         """
-        self.reserve(n)
+        self.spawn(n)
         deadline = time.monotonic() + timeout
         while True:
             spare = self._spare_ids()
-            if on_registered is not None:
-                on_registered(len(spare))
+            registered(len(spare))
             if len(spare) >= n:
                 ids = spare[:n]
                 self._handed_out.update(ids)
                 return ids
             if self._raise_if_an_engine_failed():
-                self.reserve(n)  # a spare died while idle: start another
+                self.spawn(n)  # a spare died while idle: start another
             if time.monotonic() > deadline:
                 raise BootError(
                     f"only {len(spare)} of {n} engines registered with the controller "
@@ -299,7 +296,7 @@ class LocalController(Controller):
             self._watch()
         return dropped
 
-    def retire(self, pids: list[int], engine_ids: list[int]) -> None:
+    def retire(self, engine_ids: list[int], pids: list[int]) -> None:
         """Stop engines a cluster used: ask them to exit, then signal what is left."""
         if not engine_ids and not pids:
             return
@@ -323,7 +320,7 @@ class LocalController(Controller):
 
     def warm(self, n: int) -> None:
         """Keep up to ``n`` spare engines (at most :data:`SPARES_MAX`), started now."""
-        self.reserve(min(n, SPARES_MAX))
+        self.spawn(min(n, SPARES_MAX))
 
     def registered_spares(self) -> int:
         """Spare engines that are registered and idle: the next ``init`` only joins them."""
@@ -341,6 +338,13 @@ class LocalController(Controller):
         if hasattr(self, "zygote") and self.zygote.proc.poll() is None:
             pids.append(self.zygote.pid)
         return pids + self.controller_pids()
+
+    def dump_stacks(
+        self, engine_ids: list[int], pids: list[int], timeout: float
+    ) -> dict[int, dict[str, Any]]:
+        """Read on this host: one engine per pid."""
+        found = stacks.collect(pids, timeout)
+        return {eid: found[pid] for eid, pid in zip(engine_ids, pids, strict=True)}
 
     def _forget_stopped_sets(self) -> None:
         for set_id, engine_set in list(self._ipp.engines.items()):
@@ -486,14 +490,12 @@ def release() -> None:
         ours.release()
 
 
-class LocalSource(EngineSource):
-    """Engines forked on this host from the kept controller's zygote (the default)."""
+class LocalSource(ControllerSource[LocalController]):
+    """Engines forked on this host from the kept controller's zygote (the default): the
+    controller and spares stay between clusters (``stop`` keeps them)."""
 
+    remote = False
     cannot_replace = ""
-
-    def __init__(self, settings: _options.Settings) -> None:
-        super().__init__(settings)
-        self.controller: LocalController | None = None
 
     @classmethod
     def wants(cls, settings: _options.Settings) -> bool:
@@ -515,51 +517,20 @@ class LocalSource(EngineSource):
         _kept.origin = KEPT  # for the next cluster, if this one keeps it
         self.controller = _kept.controller
 
-    def _ours(self) -> LocalController:
-        assert self.controller is not None, "start() comes first"
-        return self.controller
-
-    def hosts(self) -> list[str]:
-        return []  # this host's
-
-    def launch(self, n: int) -> None:
-        self._ours().reserve(n)
-
-    def client(self) -> Any:
-        return self._ours().client()
-
-    def take(self, n: int | None, timeout: float, registered: Callable[..., None]) -> list[int]:
-        assert n is not None, "a local cluster's size is known"
-        return self._ours().take(n, timeout, registered)
-
-    def controller_seconds(self) -> float | None:
-        return 0.0 if self.reused else self._ours().controller_seconds
-
     def import_seconds(self) -> float | None:
         return 0.0 if self.reused else (self._ours().zygote.ready_seconds or 0.0)
-
-    def controller_pid(self) -> int | None:
-        return self._ours().controller_pid
 
     def last_output(self, pid: int) -> str:
         return self._ours().last_output(pid)
 
-    def summary_note(self) -> str:
-        return ""
-
     def stop(self, engine_ids: list[int], pids: list[int], keep_warm: bool) -> None:
+        """Retire the engines; the controller stays (kept), with spares if asked."""
         ours = self.controller
         if ours is None:  # its start failed: nothing of it runs
             return
-        ours.retire(pids, engine_ids)
+        ours.retire(engine_ids, pids)
         if keep_warm and engine_ids:
             ours.warm(len(engine_ids))
-
-    def dump_stacks(
-        self, engine_ids: list[int], pids: list[int], timeout: float
-    ) -> dict[int, dict[str, Any]]:
-        found = stacks.collect(pids, timeout)  # pids of this host: one engine each
-        return {eid: found[pid] for eid, pid in zip(engine_ids, pids, strict=True)}
 
     def replace(self, engine_ids: list[int], pids: list[int], timeout: float) -> list[int]:
         """Kill them (a restart is for a worker that is broken or stuck: no waiting for a
@@ -568,5 +539,5 @@ class LocalSource(EngineSource):
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        ours.retire(pids, engine_ids)
-        return ours.take(len(engine_ids), timeout)
+        ours.retire(engine_ids, pids)
+        return ours.take(len(engine_ids), timeout, lambda *_: None)

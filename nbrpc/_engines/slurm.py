@@ -44,7 +44,7 @@ from ipyparallel.cluster.launcher import MPIEngineSetLauncher, SlurmEngineSetLau
 
 from nbrpc import _fence, _options
 from nbrpc._errors import BootError, ConfigError
-from nbrpc._placement import Slurm
+from nbrpc._source_options import Slurm
 from nbrpc._wire import stacks
 
 from . import worker
@@ -257,11 +257,12 @@ class SlurmController(Controller):
         srun = getattr(self._launcher, "pid", None) if self.step else None
         return super().pids() + ([srun] if srun else [])
 
-    def take(
-        self, n: int, queue_timeout: float | None, registered: Callable[..., None]
-    ) -> list[int]:
+    def take(self, n: int, timeout: float, registered: Callable[..., None]) -> list[int]:
         """Engine ids in task order, once every engine registered; the job's wait in the
-        queue is reported with ``registered(0, note)``."""
+        queue is reported with ``registered(0, note)`` and bounded by the job's own
+        ``queue_timeout``, its engines' registration by :data:`START_AFTER_RUNNING_S` from
+        the job's start (``timeout`` is not Slurm's to use: a queue has no bound)."""
+        queue_timeout = self.plan.queue_timeout
         client = self.client()
         t0 = time.monotonic()
         running_since: float | None = None
@@ -400,9 +401,9 @@ class SlurmController(Controller):
             while time.monotonic() < deadline and job_state(self.job)[0] not in ("", *ENDED):
                 time.sleep(0.2)
 
-    def retire(self, engine_ids: list[int]) -> None:
+    def retire(self, engine_ids: list[int], pids: list[int]) -> None:
         """Stop the engines (ask ipyparallel), then cancel the job: nothing of ours stays
-        in ``squeue``, no engine on any node."""
+        in ``squeue``, no engine on any node (``pids`` are the nodes': Slurm stops them)."""
         if self._client is not None and engine_ids:
             live = [i for i in engine_ids if i in self._client.ids]
             if live:
@@ -455,12 +456,6 @@ class SlurmSource(ControllerSource[SlurmController]):
         assert s.listen, "resolve() works out --listen"
         self.controller = SlurmController(s.listen, plan, s.remote_python or s.python)
 
-    def launch(self, n: int) -> None:
-        self._ours().spawn(n)
-
-    def take(self, n: int | None, timeout: float, registered: Callable[..., None]) -> list[int]:
-        return self._ours().take(n or 1, self._plan().queue_timeout, registered)
-
     def _plan(self) -> Slurm:
         plan = self.settings.options_of(Slurm)
         assert plan is not None, "wants() took it for these settings"
@@ -480,18 +475,3 @@ class SlurmSource(ControllerSource[SlurmController]):
             else f"Slurm job {ours.job}"
         )
         return f"workers from {what}, on {', '.join(nodes) or 'its nodes'}"
-
-    def stop(self, engine_ids: list[int], pids: list[int], keep_warm: bool) -> None:
-        ours = self.controller
-        if ours is None:
-            return
-        try:
-            ours.retire(engine_ids)
-        finally:
-            ours.release()
-            self.controller = None
-
-    def dump_stacks(
-        self, engine_ids: list[int], pids: list[int], timeout: float
-    ) -> dict[int, dict[str, Any]]:
-        return self._ours().dump_stacks(engine_ids, pids, timeout)

@@ -45,6 +45,7 @@ from ipyparallel.cluster.launcher import SSHEngineLauncher, SSHEngineSetLauncher
 
 from nbrpc import _options
 from nbrpc._errors import BootError
+from nbrpc._source_options import Hosts
 from nbrpc._wire import stacks
 
 from . import controller, hosts, watchdog, worker
@@ -193,10 +194,13 @@ class HostController(Controller):
 
     # -- engines ---------------------------------------------------------------------
 
-    def spawn(self, entries: list[str] | None = None) -> None:
-        """Start one engine per ``--hosts`` entry (one ssh session each, hosts in parallel);
-        ``entries``: only these (a restart)."""
-        entries = list(self.plan.entries) if entries is None else entries
+    def spawn(self, n: int) -> None:
+        """Start one engine per ``--hosts`` entry (one ssh session each, hosts in
+        parallel): ``n`` is their count (the settings made it so)."""
+        self._start_on(list(self.plan.entries))
+
+    def _start_on(self, entries: list[str]) -> None:
+        """Start one engine on each of ``entries`` (all of them, or a restart's)."""
         engines = {
             host: {"n": n, "environment": {HOST_ENV: host}}
             for host, n in hosts.counts(tuple(entries)).items()
@@ -219,15 +223,15 @@ class HostController(Controller):
             raise BootError(f"could not start engines over ssh: {exc}") from exc
         self._launchers += list(self._ipp.engines[set_id].launchers.values())
 
-    def take(self, timeout: float, on_registered: Callable[[int], None] | None = None) -> list[int]:
-        """Engine ids in ``--hosts`` order, once every engine registered."""
+    def take(self, n: int, timeout: float, registered: Callable[..., None]) -> list[int]:
+        """Engine ids in ``--hosts`` order, once every engine registered (one per entry:
+        ``n`` is their count)."""
         n = len(self.plan.entries)
         client = self.client()
         deadline = time.monotonic() + timeout
         while True:
             ids = sorted(client.ids)
-            if on_registered is not None:
-                on_registered(len(ids))
+            registered(len(ids))
             if len(ids) >= n:
                 break
             for la in self._launchers:
@@ -266,7 +270,7 @@ class HostController(Controller):
         while any(eid in client.ids for eid in engine_ids) and time.monotonic() < deadline:
             time.sleep(0.05)  # the heart monitor notices (about 2 s)
         known = set(client.ids) | set(self.entry_of)
-        self.spawn(entries)
+        self._start_on(entries)
         new: list[int] = []
         while True:
             fresh = sorted(set(client.ids) - known)
@@ -304,8 +308,9 @@ class HostController(Controller):
         where = zip(engine_ids, pids, strict=True)
         return stacks.gather({eid: (self.entry_of.get(eid, ""), pid) for eid, pid in where}, run)
 
-    def retire(self, engine_ids: list[int], kernel_pid: int) -> None:
-        """Stop the engines (ask, then kill what is left) and remove the run's files."""
+    def retire(self, engine_ids: list[int], pids: list[int]) -> None:
+        """Stop the engines (ask, then kill what is left on each host: the pids its
+        launchers know) and remove the run's files there."""
         if self._client is not None and engine_ids:
             live = [i for i in engine_ids if i in self._client.ids]
             if live:
@@ -314,7 +319,7 @@ class HostController(Controller):
         deadline = time.monotonic() + controller.ENGINE_EXIT_WAIT_S
         by_host = {la.location: la for la in self._launchers}
         pids = {h: [la.pid for la in self._launchers if la.location == h] for h in by_host}
-        segments = f"/dev/shm/{watchdog.segment_prefix(kernel_pid)}-*"
+        segments = f"/dev/shm/{watchdog.segment_prefix(os.getpid())}-*"
         threads = []
         for host, la in by_host.items():
             alive = " ".join(str(p) for p in pids[host])
@@ -371,52 +376,33 @@ class SshSource(ControllerSource[HostController]):
 
     @classmethod
     def wants(cls, settings: _options.Settings) -> bool:
-        return settings.hosts is not None
+        return settings.options_of(Hosts) is not None
 
     @classmethod
     def resolve(cls, settings: _options.Settings) -> _options.Settings:
         """``--listen`` defaults to this host's address on the route to the first host."""
-        if settings.listen or not settings.hosts:
+        asked = settings.options_of(Hosts)
+        if settings.listen or asked is None or not asked.entries:
             return settings
-        return replace(settings, listen=hosts.infer_listen(settings.hosts[0], settings.ssh_args))
+        return replace(settings, listen=hosts.infer_listen(asked.entries[0], asked.ssh_args))
+
+    def _asked(self) -> Hosts:
+        asked = self.settings.options_of(Hosts)
+        assert asked is not None, "wants() took it for these settings"
+        return asked
 
     def start(self) -> None:
-        s = self.settings
+        s, asked = self.settings, self._asked()
         assert s.listen, "resolve() works out --listen"
-        assert s.hosts, "wants() took it for these settings"
-        plan = hosts.HostPlan(s.hosts, s.ssh_args, s.remote_python or "")
+        plan = hosts.HostPlan(asked.entries, asked.ssh_args, s.remote_python or "")
         self.controller = HostController(s.listen, plan, s.python)
 
     def hosts(self) -> list[str]:
-        s = self.settings
-        return hosts.addresses(s.hosts or (), s.ssh_args)
-
-    def launch(self, n: int) -> None:
-        self._ours().spawn()
-
-    def take(self, n: int | None, timeout: float, registered: Callable[..., None]) -> list[int]:
-        return self._ours().take(timeout, registered)
+        asked = self._asked()
+        return hosts.addresses(asked.entries, asked.ssh_args)
 
     def last_output(self, pid: int) -> str:
         return ""  # pids of other hosts: their logs stay there
 
-    def summary_note(self) -> str:
-        return ""
-
-    def stop(self, engine_ids: list[int], pids: list[int], keep_warm: bool) -> None:
-        ours = self.controller
-        if ours is None:  # its start failed: the preflight or the controller
-            return
-        try:
-            ours.retire(engine_ids, os.getpid())
-        finally:
-            ours.release()
-            self.controller = None
-
     def replace(self, engine_ids: list[int], pids: list[int], timeout: float) -> list[int]:
         return self._ours().replace(engine_ids, pids, timeout)
-
-    def dump_stacks(
-        self, engine_ids: list[int], pids: list[int], timeout: float
-    ) -> dict[int, dict[str, Any]]:
-        return self._ours().dump_stacks(engine_ids, pids, timeout)

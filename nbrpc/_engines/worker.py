@@ -43,8 +43,7 @@ def join(
 
     ``members``: the cluster's addresses, when it listens beyond loopback: then this
     process's listening sockets admit those alone (:mod:`nbrpc._fence`)."""
-    from nbrpc import _fence, _group, _process, _setup
-    from nbrpc._calls import facade as calls
+    from nbrpc import _group, _setup
     from nbrpc._errors import BootError
 
     spec = _group.StoreSpec(**store)
@@ -55,19 +54,17 @@ def join(
             "(an address of the kernel's host that this host reaches), so the kernel's store "
             "and RPC endpoint listen there."
         )
-    _setup.worker(kernel, name)  # every step a worker installs, in order
-    _group.join(
+    _setup.worker(  # every step a worker installs, its join, and what follows, in order
+        kernel,
         name,
         rank,
         spec,
-        rpc_timeout=rpc_timeout,
-        num_worker_threads=num_worker_threads,
-        device_maps=device_maps,
-        devices=devices,
+        rpc_timeout,
+        num_worker_threads,
+        device_maps,
+        devices,
+        members,
     )
-    _fence.admit(members)  # before the first call reaches this worker's listeners
-    calls.set_active(True)  # code running here may call nbrpc.rpc_sync & co. too
-    _process.resources()  # the first %rpc_status's CPU figure counts from the join
     info = describe_process()
     info.update(name=name, rank=rank)
     return info

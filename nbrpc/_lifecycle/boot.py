@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbrpc import _devices, _fence, _group
+from nbrpc import _devices, _fence, _group, _setup
 from nbrpc._engines import JOIN_TIMEOUT_S, Engines, remote_message, worker
 from nbrpc._engines.watchdog import hold_store, segment_prefix, sweep_dead_kernels_stores
 from nbrpc._errors import BootError
@@ -40,7 +40,6 @@ from nbrpc._group import KernelMembership
 from nbrpc._options import Settings
 from nbrpc._placement import validate_names
 from nbrpc._rows import WorkerRecord
-from nbrpc._wire import lanes, shm
 
 from . import collective
 from .progress import BootProgress
@@ -279,21 +278,24 @@ class Joining:
         )
 
     def set_up_fast_path(self, names: list[str]) -> None:
-        """Shared memory for large tensors with the workers ``names`` (across hosts: host
-        by host, and ``names`` are then every worker, whose peers are worked out again); in
-        a local cluster, lanes for small calls (not with device maps: CUDA calls need torch's)."""
-        booted, prefix = self.booted, segment_prefix(os.getpid())
-        threshold = self.settings.shm_threshold
-        if self.engines.source.remote:
-            booted.shm_peers = shm.set_up_by_host(prefix, threshold, self.member.name, names)
-            booted.fast_path = any(booted.shm_peers.values())
-        else:
-            loopback = self.member.spec.loopback_only
-            booted.fast_path = shm.set_up(prefix, threshold, names, loopback)
-        local = not self.engines.source.remote and self.member.spec.loopback_only
-        if self.settings.fast_calls and local and not self.settings.wants_devices:
-            threads = self.settings.num_worker_threads
-            booted.lanes = lanes.set_up(prefix, names, threads)
+        """The workers ``names``' shared memory and lanes (:func:`nbrpc._setup.fast_path`;
+        not lanes with device maps: CUDA calls need torch's), kept in the boot's record."""
+        settings, booted = self.settings, self.booted
+        done = _setup.fast_path(
+            segment_prefix(os.getpid()),
+            settings.shm_threshold,
+            self.member.name,
+            names,
+            remote=self.engines.source.remote,
+            loopback=self.member.spec.loopback_only,
+            lanes_asked=settings.fast_calls and not settings.wants_devices,
+            threads=settings.num_worker_threads,
+        )
+        booted.fast_path = done.shm
+        if done.shm_peers is not None:
+            booted.shm_peers = done.shm_peers
+        if done.lanes is not None:
+            booted.lanes = done.lanes
 
     def start_process_group(self, backend: str, members: list[str], devices: dict) -> None:
         """The workers' torch.distributed group among ``members`` (a boot's, or a restart's

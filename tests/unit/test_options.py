@@ -53,13 +53,23 @@ def test_an_option_part_of_a_value_names_one_of_its_fields():
 
 def test_every_registered_source_options_class_is_an_option_of_its_own_type():
     """``slurm: bool | Slurm | None``: the option a source's value is given as takes its
-    class; nbrpc.Slurm is registered under ``slurm`` and exported."""
+    class; nbrpc.Slurm is registered under ``slurm`` and exported. ``--hosts`` and
+    ``--profile`` take text (``typed = False``): their classes stay private."""
     assert _placement.SOURCE_OPTIONS["slurm"] is nbrpc.Slurm
+    assert [c.__name__ for c in _placement.SOURCE_OPTIONS.values()] == [
+        "Hosts",
+        "Attached",
+        "Slurm",
+    ]
     hints = typing.get_type_hints(_options.Options)
     for source, cls in _placement.SOURCE_OPTIONS.items():
         assert cls.source == source
         assert OPTIONS[source].flag, f"{source} has no %rpc_init flag"
-        assert cls in typing.get_args(hints[source]), (source, cls)
+        if cls.typed:
+            assert cls in typing.get_args(hints[source]), (source, cls)
+            assert getattr(nbrpc, cls.__name__) is cls, f"nbrpc does not export {cls.__name__}"
+        else:
+            assert cls not in typing.get_args(hints[source]), (source, cls)
 
 
 @dataclasses.dataclass(frozen=True)
