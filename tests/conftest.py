@@ -9,6 +9,7 @@ behind through :func:`ensure_cluster`.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import json
 import linecache
@@ -70,6 +71,24 @@ def ensure_cluster() -> nbrpc.Cluster:
         return nbrpc.current()
     except nbrpc.NotInitializedError:
         return nbrpc.init(n=2, progress=False)
+
+
+def signature_strays(base: type, made: type, names) -> list[str]:
+    """How class ``made`` strays from ``base`` for the methods ``names``: a different
+    signature, or (for a protocol the subclass must write) the base's own method kept.
+    Each a sentence naming both; ``names`` maps a name to whether ``made`` must write it."""
+    strays = []
+    for name, must_write in names.items():
+        want = inspect.signature(getattr(base, name))
+        got = inspect.signature(getattr(made, name))
+        if got != want:
+            strays.append(
+                f"{made.__module__}.{made.__name__}.{name}{got} differs from "
+                f"{base.__name__}'s {name}{want}: every one takes the same arguments"
+            )
+        if must_write and getattr(made, name) is getattr(base, name):
+            strays.append(f"{made.__name__} does not write {name}, which every one must")
+    return strays
 
 
 def wait_until(predicate, timeout: float = 10.0) -> bool:
