@@ -103,3 +103,22 @@ def test_a_transition_the_table_lacks_is_refused(told):
     _states.stopped(["test-w1"])
     with pytest.raises(ClusterClosedError, match="test-w1 is stopped and cannot become"):
         _states.restarting(["test-w1"], "being restarted")
+
+
+def test_a_live_view_redraws_at_once_on_a_change_and_stops_listening_when_closed():
+    import threading
+
+    from nbrpc.widgets import ClusterView
+
+    asked = threading.Event()
+    view = ClusterView(interval=60.0)  # no cluster: it shows none, and would wait a minute
+    try:
+        view.refresh = lambda: asked.set() or False  # type: ignore[method-assign]
+        _states.leaving(["test-w9"])
+        assert asked.wait(5), "the view did not ask for its data when a worker changed"
+    finally:
+        view.close()
+    assert not view.live
+    asked.clear()
+    _states.leaving(["test-w9"])
+    assert not asked.wait(0.2)
