@@ -33,7 +33,7 @@ class StatusRow(TypedDict):
     role: str  # "kernel" or "engine N"
     devices: list[str]
     engine_id: int | None
-    state: str  # a WorkerState: "ready", "dead", "restarting", "stopped"
+    state: WorkerState  # a str: "ready", "dead", "restarting", "stopped"
     calls_in_flight: int | None  # None: not ready, or did not answer in time
     calls_done: int | None
     rrefs_owned: int | None

@@ -6,10 +6,11 @@ the widget as ``.data``, so tests check it without a browser, and every view has
 text/HTML repr for front ends without widgets (nbconvert, a terminal).
 
 :class:`ClusterView` and :class:`OwnershipView` are live: a daemon thread asks the workers
-for their figures every ``interval`` seconds and redraws when something changed. It runs
-beside the kernel's main thread, so the views update while a cell is busy too. It never
-touches the ipyparallel client (which is not thread-safe); dead workers show up through
-their pids and failed calls. ``close()`` stops it.
+for their figures every ``interval`` seconds and redraws when something changed; a change
+of a worker's state (:mod:`nbrpc._states`, which the views listen to) asks at once. It
+runs beside the kernel's main thread, so the views update while a cell is busy too. It
+never touches the ipyparallel client (which is not thread-safe); dead workers show up
+through their pids and failed calls. ``close()`` stops it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 import anywidget
 import traitlets
 
-from . import _views
+from . import _states, _views
 from ._calls import facade as calls
 from ._errors import NbrpcError
 from ._gather import census, timeline
@@ -48,6 +49,7 @@ class _View(anywidget.AnyWidget):
         super().__init__(**kwargs)
         self.data: Any = None
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a worker's state changed, or the view closes
         self._thread: threading.Thread | None = None
 
     # -- drawing ------------------------------------------------------------------------
@@ -78,10 +80,20 @@ class _View(anywidget.AnyWidget):
         self._thread = threading.Thread(
             target=self._poll, name=f"nbrpc-{type(self).__name__}", daemon=True
         )
+        _states.listen(self._on_worker_change)
         self._thread.start()
 
+    def _on_worker_change(self, change: _states.WorkerChange) -> None:
+        """A listener of :mod:`nbrpc._states`: the next redraw comes now, not at the
+        interval's end (on the view's own thread: this one made the change)."""
+        self._wake.set()
+
     def _poll(self) -> None:
-        while not self._stop.wait(self.interval):
+        while True:
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self.refresh()
             except Exception as exc:  # a worker mid-shutdown, a closed comm: try again later
@@ -94,6 +106,8 @@ class _View(anywidget.AnyWidget):
     def close(self) -> None:
         """Stop live updates and close the widget."""
         self._stop.set()
+        self._wake.set()
+        _states.unlisten(self._on_worker_change)
         super().close()
 
     # -- front ends without widgets -----------------------------------------------------

@@ -23,7 +23,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.distributed.rpc import RRef, WorkerInfo
 
-from nbrpc import _group, _ledger, _torch
+from nbrpc import _group, _ledger, _states, _torch
 from nbrpc._debugger import deadlines, prompts
 from nbrpc._errors import (
     ClusterClosedError,
@@ -43,13 +43,12 @@ T = TypeVar("T")
 class _Calls:
     """Set by the cluster layer: ``cancelled`` from the moment a non-graceful shutdown
     starts, so calls it cuts off say so instead of "worker died"; ``last_output``: what a
-    dead worker printed last, by name, for its WorkerDiedError; ``dead``: workers known
-    dead, whose calls fail here, unsent (torch logs a C++ error line for every one it
-    tries to send to a closed pipe)."""
+    dead worker printed last, by name, for its WorkerDiedError. Which workers are dead is
+    :mod:`nbrpc._states`' to say (``_states.unreachable``): their calls fail here, unsent
+    (torch logs a C++ error line for every one it tries to send to a closed pipe)."""
 
     cancelled: bool = False
     last_output: Callable[[str], str] | None = None
-    dead: dict[str, str] = field(default_factory=dict)  # name -> what torch said
     #: ranks of processes nbrpc.restart replaced -> their name: what they owned is gone
     replaced: dict[int, str] = field(default_factory=dict)
     #: a name or rank -> its WorkerInfo, found once per membership (torch's lookup lets go
@@ -98,25 +97,17 @@ def set_active(active: bool, last_output: Callable[[str], str] | None = None) ->
     _calls.infos.clear()
     if active:
         _calls.cancelled = False
-        _calls.dead.clear()
 
 
-def mark_dead(name: str, detail: str = "") -> None:
-    """Worker ``name`` is gone: later calls to it fail at once (WorkerDiedError)."""
-    _calls.dead.setdefault(name, detail)
-
-
-def restarted(names: list[str], old_ranks: list[int]) -> None:
-    """``names`` are being replaced by new processes: their old ranks' RRefs are gone."""
-    for name, rank in zip(names, old_ranks, strict=True):
-        _calls.replaced[rank] = name
-    _calls.infos.clear()
-
-
-def revived(names: list[str]) -> None:
-    """``names`` joined again (a restart): calls to them go out again."""
-    for name in names:
-        _calls.dead.pop(name, None)
+def on_worker_change(change: _states.WorkerChange) -> None:
+    """A listener of :mod:`nbrpc._states` (registered by the lifecycle): the old ranks of
+    workers a restart replaces are remembered (what they owned is gone), and the workers'
+    ``WorkerInfo`` is looked up afresh after a restart or a death."""
+    if change.kind is _states.Change.LEFT and change.replaced:
+        for name, rank in zip(change.names, change.ranks, strict=True):
+            _calls.replaced[rank] = name
+    elif change.kind not in (_states.Change.REJOINED, _states.Change.DIED):
+        return
     _calls.infos.clear()
 
 
@@ -125,12 +116,6 @@ def replaced_error(rank: int) -> WorkerDiedError | None:
     if name is None:
         return None
     return WorkerDiedError(name, restarted=rank)
-
-
-def known_dead() -> set[str]:
-    """Workers whose calls failed because their process is gone (seen before ipyparallel
-    misses their heartbeats, which takes seconds for a worker on another host)."""
-    return set(_calls.dead)
 
 
 def cancel_calls_in_flight() -> None:
@@ -158,8 +143,8 @@ def _destination(to: str | WorkerInfo | int, what: str) -> WorkerInfo:
         if replaced is not None:
             raise replaced
         return to
-    if isinstance(to, str) and to in _calls.dead:
-        raise WorkerDiedError(to, _calls.dead[to], _last_output(to))
+    if isinstance(to, str) and to in _states.unreachable:  # dead, or being restarted
+        raise WorkerDiedError(to, _states.unreachable[to], _last_output(to))
     if isinstance(to, str | int) and not isinstance(to, bool):
         agent = _torch.agent()
         if agent is not _calls.infos_of:  # torch's RPC started again (its own init_rpc)
@@ -172,8 +157,9 @@ def _destination(to: str | WorkerInfo | int, what: str) -> WorkerInfo:
         except RuntimeError:
             pass
         else:
-            if info.name in _calls.dead:
-                raise WorkerDiedError(info.name, _calls.dead[info.name], _last_output(info.name))
+            if info.name in _states.unreachable:
+                why = _states.unreachable[info.name]
+                raise WorkerDiedError(info.name, why, _last_output(info.name))
             return info
     raise UnknownWorkerError(to, _group.member_names())
 
@@ -369,7 +355,7 @@ def translate(exc: BaseException, what: str, dest: str, timeout: float | None) -
                 "(the default) to let calls in flight finish."
             )
         detail = str(exc).splitlines()[0]
-        mark_dead(dest, detail)
+        _states.mark_dead(dest, detail)  # the owner of its state: calls to it now fail at once
         return WorkerDiedError(dest, detail, _last_output(dest))
     return exc
 

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbrpc import _states
 from nbrpc._process import shell as ipython_shell
 from nbrpc._wire import failures
 
@@ -228,6 +229,14 @@ def _answer_waiting(answer: tuple, worker: str | None = None) -> None:
 def forget_worker(name: str) -> None:
     """A worker died: its prompts are dropped and its open session ends."""
     _answer_waiting(("skip", ""), name)
+
+
+def on_worker_change(change: _states.WorkerChange) -> None:
+    """A listener of :mod:`nbrpc._states` (registered by the lifecycle): a worker that
+    died is forgotten (:func:`forget_worker`)."""
+    if change.kind is _states.Change.DIED:
+        for name in change.names:
+            forget_worker(name)
 
 
 def reset(why: str = "the cluster is shutting down") -> None:

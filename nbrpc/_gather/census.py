@@ -13,7 +13,7 @@ from typing import Any
 
 import torch.distributed.rpc as rpc
 
-from nbrpc import _group, _ledger, _process
+from nbrpc import _group, _ledger, _process, _states
 from nbrpc._calls import facade as calls
 from nbrpc._errors import NbrpcError, RpcTimeoutError, UnknownWorkerError, WorkerDiedError
 from nbrpc._rows import OwnershipRow
@@ -29,7 +29,7 @@ def _pong() -> None:
 
 def probe(names: list[str], timeout: float = PROBE_TIMEOUT_S) -> None:
     """Ask ``names`` for an answer at once: a worker whose process is gone refuses the
-    connection and is marked dead (``calls.known_dead``), a live one answers at once."""
+    connection and is marked dead (``_states.unreachable``), a live one answers at once."""
     asked = []
     for name in names:
         with contextlib.suppress(NbrpcError):
@@ -63,7 +63,7 @@ def snapshots(
     """
     _group.require_active("nbrpc.ownership()")
     me = rpc.get_worker_info().name
-    skip = frozenset({*skip, *calls.known_dead()})
+    skip = frozenset({*skip, *_states.unreachable})
     others = [name for name in _group.member_names() if name != me and name not in skip]
     return {me: figures(skip), **ask_all(others, figures, (skip,), timeout)}
 

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Unpack
 
-from nbrpc import _devices, _engines, _group, _ledger, _process, _setup, _torch, _views
+from nbrpc import _devices, _engines, _group, _ledger, _process, _setup, _states, _torch, _views
 from nbrpc._calls import facade as calls
 from nbrpc._debugger import prompts
 from nbrpc._engines import worker
@@ -82,6 +82,11 @@ class _Current:
 
 
 _current = _Current()
+
+# What reacts to a change of a worker's state (nbrpc._states owns it), registered once.
+_states.listen(calls.on_worker_change)
+_states.listen(native_output.on_worker_change)
+_states.listen(prompts.on_worker_change)
 
 
 class Cluster:
@@ -154,7 +159,7 @@ class Cluster:
         try:
             _setup.kernel(_torch_shutdown)  # every step the kernel installs, in order
             boot.boot(self.settings, self.engines, self.booted)
-            native_output.joined([r.name for r in self.records[1:]])
+            _states.adopt(self.records[1:])  # their states are owned there from now on
             if self.settings.restart == "dead":
                 restarts.watch_for_dead(_restart_dead_of_current)
         except BaseException as exc:
@@ -175,7 +180,7 @@ class Cluster:
         release = release or bool(self.engines.taken)
         self._enter(ClusterState.SHUTTING_DOWN)
         names = list(self.booted.engine_of)  # every worker asked to join, joined or not
-        native_output.expect_leaving(names)
+        _states.leaving(names)
         try:
             # stopped, not asked to leave: torch's leave waits for the group's join token,
             # which a worker whose join failed half way may hold (30 s, then an error)
@@ -195,26 +200,23 @@ class Cluster:
 
         An engine that ipyparallel no longer lists (its heartbeat stopped, or its nanny
         reported the exit) is dead; so is a worker on this host whose pid is gone, and one
-        whose calls already failed because its process is gone.
+        whose calls already failed because its process is gone (the call facade told
+        :mod:`nbrpc._states`, which made it dead then).
         ``ask_ipyparallel=False`` checks pids only: the ipyparallel client is not
         thread-safe, and the live views call this from their own thread.
         """
         if self.engines.client is None:
-            return [r.name for r in self.records[1:] if r.state == WorkerState.DEAD]
+            return [r.name for r in self.records[1:] if r.state is WorkerState.DEAD]
         engines = self.engines.alive() if ask_ipyparallel else None
-        seen_dead = calls.known_dead()
         for record in self.records[1:]:
-            if record.state != WorkerState.READY:
+            if record.state is not WorkerState.READY:
                 continue
-            gone = record.name in seen_dead
-            gone = gone or (engines is not None and record.engine_id not in engines)
+            gone = engines is not None and record.engine_id not in engines
             if not gone and record.local:
                 gone = not process_alive(record.pid)
             if gone:
-                record.move(WorkerState.DEAD)
-                calls.mark_dead(record.name)
-                prompts.forget_worker(record.name)
-        return [r.name for r in self.records[1:] if r.state == WorkerState.DEAD]
+                _states.mark_dead(record.name)
+        return [r.name for r in self.records[1:] if r.state is WorkerState.DEAD]
 
     def restart(self, *names: str) -> restarts.Restarted:
         """Replace workers ``names``, dead or alive, with fresh processes under the same
@@ -278,8 +280,8 @@ class Cluster:
                 _engines.release_kept()
             return
         self._enter(ClusterState.SHUTTING_DOWN)
-        leaving = [r.name for r in self.records[1:] if r.state == WorkerState.READY]
-        native_output.expect_leaving([r.name for r in self.records[1:]])
+        leaving = [r.name for r in self.records[1:] if r.state is WorkerState.READY]
+        _states.leaving(r.name for r in self.records[1:])
         with native_output.quiet_stderr_while_leaving(leaving):  # a script's, as a kernel's
             try:
                 self._leave(graceful, timeout)
@@ -290,27 +292,24 @@ class Cluster:
                 if release:
                     _engines.release_kept()
                 sweep_segments(segment_prefix(os.getpid()))
-                for record in self.records[1:]:
-                    if record.state == WorkerState.READY:
-                        record.move(WorkerState.STOPPED)
+                _states.stopped([r.name for r in self.records[1:] if r.state is WorkerState.READY])
                 self._enter(ClusterState.CLOSED)
 
     def _leave(self, graceful: bool, timeout: float) -> None:
         """The workers leave the RPC group (the dead ones are removed on their behalf)."""
         if graceful:  # a worker that died on another host is known by its heartbeats only
             # after seconds: one that refuses a call now is dead, and must not be waited on
-            census.probe([r.name for r in self.records[1:] if r.state == WorkerState.READY])
+            census.probe([r.name for r in self.records[1:] if r.state is WorkerState.READY])
         dead = self.dead_workers()
         if graceful:
             self._wait_for_calls_in_flight(timeout)
         else:  # nobody leaves by themselves: the kernel forgets them all
             calls.cancel_calls_in_flight()
             dead = [r.name for r in self.records[1:]]
-            for record in self.records[1:]:
-                record.move(WorkerState.STOPPED)
+            _states.stopped(dead)
         if dead:
-            live = [r.name for r in self.records[1:] if r.state == WorkerState.READY]
-            native_output.expect_gone([r.rank for r in self.records[1:] if r.name in dead])
+            live = [r.name for r in self.records[1:] if r.state is WorkerState.READY]
+            _states.left(dead, [r.rank for r in self.records[1:] if r.name in dead])
             try:
                 _group.forget(dead, live)
             except Exception as exc:
@@ -318,7 +317,7 @@ class Cluster:
         if graceful:
             self._release_rrefs(self._release_timeout(timeout, bool(dead)))
             if self.process_group:
-                live = [r.name for r in self.records[1:] if r.state == WorkerState.READY]
+                live = [r.name for r in self.records[1:] if r.state is WorkerState.READY]
                 collective.destroy(self.process_group, live)
             failed = self.engines.leave(self._live_engine_ids(), graceful, timeout)
             if failed:
@@ -412,7 +411,7 @@ class Cluster:
             snaps = census.snapshots(timeout, skip=dead)
         rows: list[StatusRow] = []
         for r in self.records:
-            snap = snaps.get(r.name) if r.state == WorkerState.READY else None
+            snap = snaps.get(r.name) if r.state is WorkerState.READY else None
             rows.append(
                 StatusRow(
                     name=r.name,

@@ -31,8 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from nbrpc import _fence, _group, _process
-from nbrpc._calls import facade as calls
+from nbrpc import _fence, _group, _process, _states
 from nbrpc._engines import JOIN_TIMEOUT_S, Engines
 from nbrpc._errors import BootError, ConfigError
 from nbrpc._options import Settings
@@ -91,13 +90,8 @@ def run(cluster: Cluster, names: list[str]) -> Restarted:
     try:
         return _run(cluster, names)
     except BootError as exc:
-        records = {r.name: r for r in cluster.records[1:]}
-        failed = [n for n in names if records.get(n) and records[n].state == WorkerState.RESTARTING]
-        for name in failed:
-            records[name].move(WorkerState.DEAD)
-        calls.revived(failed)
-        for name in failed:
-            calls.mark_dead(name, f"its restart failed: {str(exc).splitlines()[0]}")
+        failed = [n for n in names if _states.state_of(n) is WorkerState.RESTARTING]
+        _states.failed(failed, f"its restart failed: {str(exc).splitlines()[0]}")
         raise BootError(
             f"{', '.join(failed or names)} could not be restarted: {exc}\nThe rest of the "
             f"cluster works without {'them' if len(failed) > 1 else 'it'}; "
@@ -112,19 +106,16 @@ def _run(cluster: Cluster, names: list[str]) -> Restarted:
     settings, booted, engines = cluster.settings, cluster.booted, cluster.engines
     pg = booted.process_group
     others = [
-        r.name for r in cluster.records[1:] if r.name not in names and r.state == WorkerState.READY
+        r.name for r in cluster.records[1:] if r.name not in names and r.state is WorkerState.READY
     ]
     old = {n: (records[n].pid, records[n].rank) for n in names}
+    live = [n for n in names if records[n].state is WorkerState.READY]  # their pipes close now
 
-    native_output.expect_leaving(names)  # torch's "EOF" lines about them are expected
-    for name in names:  # calls to them fail at once meanwhile, naming why
-        calls.mark_dead(name, "it is being restarted (nbrpc.restart)")
+    # calls to them fail at once meanwhile, naming why; torch's "EOF" lines are expected
+    _states.restarting(names, "it is being restarted (nbrpc.restart)")
     if pg:  # every member leaves it: it is rebuilt among all of them below
         collective.destroy(pg, others)
         booted.process_group = None
-    live = [n for n in names if records[n].state == WorkerState.READY]  # their pipes close now
-    for name in names:
-        records[name].move(WorkerState.RESTARTING)
     old_ids = [eid for n in names if (eid := records[n].engine_id) is not None]
     assert len(old_ids) == len(names), "every worker runs in an engine"
     try:
@@ -133,8 +124,7 @@ def _run(cluster: Cluster, names: list[str]) -> Restarted:
     finally:  # the old processes are gone either way: out of the group, on their behalf
         _group.forget(names, others)
         _group.release_stale_token()
-        calls.restarted(names, [old[n][1] for n in names])
-        native_output.expect_gone([old[n][1] for n in names])
+        _states.left(names, [old[n][1] for n in names])  # what they owned is gone
 
     member = _group.current_kernel_membership()
     assert member is not None, "the kernel joined at the boot"
@@ -146,10 +136,7 @@ def _run(cluster: Cluster, names: list[str]) -> Restarted:
     except BootError:
         _group.forget_names(names)  # half joined: neither its name nor torch's token stay
         raise
-    calls.revived(names)
-    for name in names:
-        records[name].rejoin(joining.record(name, infos[name]))
-    native_output.joined(names)
+    _states.rejoined([joining.record(name, infos[name]) for name in names])
     if booted.fast_path or booted.lanes:  # across hosts: every worker's peers, again
         remote = engines.source.remote
         joining.set_up_fast_path([r.name for r in cluster.records[1:]] if remote else names)

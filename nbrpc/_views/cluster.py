@@ -6,13 +6,16 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
+from nbrpc._rows import WorkerState
+
 from .draw import FONT, bytes_text, columns
 
 _STATE_COLOR = {
-    "ready": "#2e7d32",
+    WorkerState.READY: "#2e7d32",
+    WorkerState.DEAD: "#c62828",
+    WorkerState.STOPPED: "#757575",
+    # a cluster's own states, for a row that carries one (the text of ClusterState's)
     "booting": "#f9a825",
-    "dead": "#c62828",
-    "stopped": "#757575",
     "shutting down": "#f9a825",
 }
 
@@ -103,7 +106,7 @@ def headline(rows: list[dict[str, Any]], state: str) -> str:
     others named: "3 processes: 2 ready, worker2 dead" (the cluster's own state first when
     it is not ready: "3 processes, shutting down: ...")."""
     count = f"{len(rows)} process{'es' if len(rows) != 1 else ''}"
-    off = [f"{r['name']} {r['state']}" for r in rows if r["state"] != "ready"]
+    off = [f"{r['name']} {r['state']}" for r in rows if r["state"] != WorkerState.READY]
     if not off or all(r["state"] == state for r in rows):
         return f"{count}, {state}"
     ready = len(rows) - len(off)

@@ -41,7 +41,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbrpc import _process, _torch
+from nbrpc import _process, _states, _torch
 
 from . import output
 
@@ -104,6 +104,19 @@ def joined(names: list[str]) -> None:
     """``names`` joined a new cluster: a closing connection of theirs is news again."""
     for name in names:
         _leaving.until.pop(name, None)
+
+
+def on_worker_change(change: _states.WorkerChange) -> None:
+    """A listener of :mod:`nbrpc._states` (registered by the lifecycle): workers nbrpc
+    makes leave (a shutdown, a restart) close their connections as expected; the ranks
+    of processes that left for good drop references with an expected error; workers that
+    joined, or joined again, are news again."""
+    if change.kind in (_states.Change.LEAVING, _states.Change.RESTARTING):
+        expect_leaving(list(change.names))
+    elif change.kind is _states.Change.LEFT:
+        expect_gone(list(change.ranks))
+    elif change.kind in (_states.Change.JOINED, _states.Change.REJOINED):
+        joined(list(change.names))
 
 
 def expected(line: str) -> bool:

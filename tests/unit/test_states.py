@@ -1,0 +1,124 @@
+"""The one owner of a worker's state (``nbrpc._states``): its transitions, what calls to a
+worker find, and what its listeners are told (no workers needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from nbrpc import _states
+from nbrpc._errors import ClusterClosedError
+from nbrpc._rows import WorkerRecord, WorkerState
+from nbrpc._states import Change, WorkerChange
+
+
+@pytest.fixture
+def told():
+    """Two workers of a pretend cluster, adopted; the changes a listener was told since."""
+    heard: list[WorkerChange] = []
+    _states.listen(heard.append)
+    _states.listen(heard.append)  # registered once however often it is asked
+    _states.adopt([WorkerRecord(n, r, 100 + r, "h", f"engine {r}") for n, r in _WORKERS])
+    yield heard
+    _states.unlisten(heard.append)
+    _states.adopt([])  # the owner forgets them: nothing of theirs fails later calls
+    assert not _states.unreachable
+
+
+_WORKERS = [("test-w1", 9001), ("test-w2", 9002)]
+
+
+def test_a_new_cluster_is_told_as_joined_and_its_workers_are_ready(told):
+    assert told == [WorkerChange(Change.JOINED, ("test-w1", "test-w2"))]
+    assert _states.state_of("test-w1") is WorkerState.READY
+    assert _states.state_of("nobody") is None
+    assert "test-w1" not in _states.unreachable
+
+
+def test_a_worker_found_dead_fails_calls_with_the_first_reason_and_is_told_once(told):
+    _states.mark_dead("test-w1", "EOF")
+    _states.mark_dead("test-w1", "later")  # a second failed call: nothing new
+    assert _states.state_of("test-w1") is WorkerState.DEAD
+    assert _states.unreachable["test-w1"] == "EOF"
+    assert told[1:] == [WorkerChange(Change.DIED, ("test-w1",), detail="EOF")]
+    with pytest.raises(TypeError):
+        _states.unreachable["test-w2"] = "x"  # type: ignore[index]  # read-only
+
+
+def test_a_name_the_cluster_does_not_have_still_fails_its_calls():
+    """On a worker (no cluster of its own) a call that lost its peer marks it too."""
+    _states.mark_dead("test-elsewhere", "ECONNRESET")
+    try:
+        assert _states.unreachable["test-elsewhere"] == "ECONNRESET"
+        assert _states.state_of("test-elsewhere") is None
+    finally:
+        _states.adopt([])
+
+
+def test_a_restart_is_told_in_its_steps_and_ready_again_at_the_end(told):
+    _states.mark_dead("test-w2", "EOF")
+    _states.restarting(["test-w1", "test-w2"], "being restarted")
+    assert _states.state_of("test-w1") is WorkerState.RESTARTING
+    assert _states.unreachable == {"test-w1": "being restarted", "test-w2": "EOF"}
+    _states.mark_dead("test-w1", "EOF")  # a call to the old process fails meanwhile
+    assert _states.state_of("test-w1") is WorkerState.RESTARTING
+    _states.left(["test-w1", "test-w2"], [9001, 9002])
+    fresh = [WorkerRecord(n, r + 10, 200 + r, "h", "engine 7") for n, r in _WORKERS]
+    _states.rejoined(fresh)
+    assert _states.state_of("test-w1") is WorkerState.READY
+    assert "test-w1" not in _states.unreachable
+    assert [(c.kind, c.names) for c in told[1:]] == [
+        (Change.DIED, ("test-w2",)),
+        (Change.RESTARTING, ("test-w1", "test-w2")),
+        (Change.LEFT, ("test-w1", "test-w2")),
+        (Change.REJOINED, ("test-w1", "test-w2")),
+    ]
+    assert told[3].ranks == (9001, 9002)
+    assert told[3].replaced
+
+
+def test_a_failed_restart_leaves_the_worker_dead_saying_why(told):
+    _states.restarting(["test-w1"], "being restarted")
+    _states.failed(["test-w1"], "its restart failed: no engine")
+    assert _states.state_of("test-w1") is WorkerState.DEAD
+    assert _states.unreachable["test-w1"] == "its restart failed: no engine"
+    assert told[-1] == WorkerChange(
+        Change.DIED, ("test-w1",), detail="its restart failed: no engine"
+    )
+
+
+def test_a_shutdown_tells_leaving_left_and_stopped(told):
+    _states.mark_dead("test-w2")
+    _states.leaving(["test-w1", "test-w2"])
+    _states.left(["test-w2"], [9002])
+    _states.stopped(["test-w1"])
+    assert _states.state_of("test-w1") is WorkerState.STOPPED
+    assert [(c.kind, c.names, c.replaced) for c in told[2:]] == [
+        (Change.LEAVING, ("test-w1", "test-w2"), False),
+        (Change.LEFT, ("test-w2",), False),
+        (Change.STOPPED, ("test-w1",), False),
+    ]
+
+
+def test_a_transition_the_table_lacks_is_refused(told):
+    _states.stopped(["test-w1"])
+    with pytest.raises(ClusterClosedError, match="test-w1 is stopped and cannot become"):
+        _states.restarting(["test-w1"], "being restarted")
+
+
+def test_a_live_view_redraws_at_once_on_a_change_and_stops_listening_when_closed():
+    import threading
+
+    from nbrpc.widgets import ClusterView
+
+    asked = threading.Event()
+    view = ClusterView(interval=60.0)  # no cluster: it shows none, and would wait a minute
+    try:
+        view.refresh = lambda: asked.set() or False  # type: ignore[method-assign]
+        _states.leaving(["test-w9"])
+        assert asked.wait(5), "the view did not ask for its data when a worker changed"
+    finally:
+        view.close()
+    assert not view.live
+    asked.clear()
+    _states.leaving(["test-w9"])
+    assert not asked.wait(0.2)
