@@ -318,11 +318,11 @@ class HostController(Controller):
                     self._client.shutdown(targets=live, hub=False, block=False)
         deadline = time.monotonic() + controller.ENGINE_EXIT_WAIT_S
         by_host = {la.location: la for la in self._launchers}
-        pids = {h: [la.pid for la in self._launchers if la.location == h] for h in by_host}
+        on_host = {h: [la.pid for la in self._launchers if la.location == h] for h in by_host}
         segments = f"/dev/shm/{watchdog.segment_prefix(os.getpid())}-*"
         threads = []
         for host, la in by_host.items():
-            alive = " ".join(str(p) for p in pids[host])
+            alive = " ".join(str(p) for p in on_host[host])
             script = (
                 f"for i in $(seq {int(controller.ENGINE_EXIT_WAIT_S * 10)}); do "
                 f"alive=0; for p in {alive}; do kill -0 $p 2>/dev/null && alive=1; done; "
