@@ -14,6 +14,9 @@ Figures (medians and p90 over interleaved repeats):
 - 1000 concurrent small calls: ``rpc_async`` 1000 times to one worker, then wait for all;
   nbrpc on its lane and through TensorPipe, torch RPC in the same processes.
 - idle CPU: what the cluster's 3 processes use together, idle for 5 s, lanes open.
+- CPU per small call (``lane_cpu.py``): the kernel's main thread and process, the worker's
+  lane thread and process, for nbrpc on its lane and torch RPC; and a lane call's steps,
+  each timed alone on the side that runs it.
 - tensor round trips of 4, 64 and 256 MB float32: nbrpc (its shared-memory fast path on,
   the default) and nbrpc with TensorPipe only, torch RPC, ipyparallel, bare torch; the
   floor is one in-process copy (``clone``) of that size. The fast path is switched per
@@ -50,6 +53,7 @@ import torch  # noqa: E402
 import torch.distributed.rpc as rpc  # noqa: E402
 
 import nbrpc  # noqa: E402
+from benchmarks import lane_cpu  # noqa: E402
 from benchmarks.peers import Shard, echo  # noqa: E402
 from benchmarks.stats import stats  # noqa: E402
 from nbrpc import _torch  # noqa: E402
@@ -346,6 +350,7 @@ def report(results: dict) -> None:
         "(goal: at most 0.35x)"
     )
     print(f"  idle, the cluster's 3 processes use {results['idle CPU %']:.2f} % of one core")
+    lane_cpu.report(results["cpu per call"])
     print(
         "  recording a timeline (nbrpc.record()) costs a small call "
         f"{small['nbrpc, recording a timeline']['median'] / small['nbrpc']['median']:.2f}x "
@@ -466,6 +471,7 @@ def main() -> int:
     cluster = nbrpc.init(n=2, progress=False)
     results["calls"] = bench_calls(small_n, big_n)
     results["idle CPU %"] = idle_cpu(cluster)
+    results["cpu per call"] = lane_cpu.measure(small_n, notebook_echo(), torch.ones(1))
     results["model_split_step_s"] = bench_model_split(10 if args.quick else 50)
     nbrpc.shutdown()
 

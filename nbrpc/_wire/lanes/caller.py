@@ -100,13 +100,13 @@ def route(dest: Any, func: Any, args: tuple, kwargs: dict | None, main: bool) ->
     """The route of a call of ``func`` to worker ``dest`` (a WorkerInfo) from this thread
     (``main``: the main thread's ``rpc_sync``, which reads its own answer): a lane and
     the call pickled for it, or why TensorPipe carries it (the module's docstring)."""
-    why = _why_not(dest, func)
+    why = why_not(dest, func)
     if why is not None:
         return why
     if _torch.is_builtin(func):
         func, args, kwargs = call_builtin, (func, args, kwargs), None
     try:
-        payload = _call_bytes(func, args, kwargs or {})
+        payload = call_bytes(func, args, kwargs or {})
     except Exception:  # NotLane, or what TensorPipe's pickling will report in its words
         return _NONE[Why.NOT_LANE]
     lane = lane_to(dest, main)
@@ -119,7 +119,7 @@ def route(dest: Any, func: Any, args: tuple, kwargs: dict | None, main: bool) ->
     return Route(lane, payload)
 
 
-def _why_not(dest: Any, func: Any) -> Route | None:
+def why_not(dest: Any, func: Any) -> Route | None:
     """A route with no lane, for what rules a lane out before the call is pickled."""
     if here.directory is None:
         return _NONE[Why.OFF]
@@ -140,7 +140,7 @@ def _why_not(dest: Any, func: Any) -> Route | None:
     return None
 
 
-def _call_bytes(func: Any, args: tuple, kwargs: dict) -> bytes:
+def call_bytes(func: Any, args: tuple, kwargs: dict) -> bytes:
     """A call pickled for a lane: ``(func, args, kwargs, header)``, the header
     (:mod:`nbrpc._wire.recording`) beside the call, not wrapped around torch's call record."""
     out = pickling.lane_message()
