@@ -74,6 +74,8 @@ HOPELESS = (
     "ReqNodeNotAvail",
     "JobHeldAdmin",
 )
+#: seconds lost() waits for a job that is COMPLETING to say how it ended
+ENDING_WAIT_S = 5.0
 #: squeue states of a job that will not run (any more)
 ENDED = (
     "CANCELLED",
@@ -197,6 +199,7 @@ class SlurmController(Controller):
         super().__init__(listen, self.workdir, _Step if self.step else _Job)
         self._launcher: Any = None
         self._task_of: dict[int, tuple[int, str]] = {}  # engine id -> (task, node)
+        self._ended = ""  # how the job ended, once Slurm says it for good (lost())
         self._start_controller()
 
     # -- engines ---------------------------------------------------------------------
@@ -357,14 +360,25 @@ class SlurmController(Controller):
         return ""
 
     def lost(self) -> str:
-        """Why the engines are gone, when the job (or step) ended: Slurm's state."""
+        """Why the engines are gone, when the job (or step) ended: Slurm's state, the final
+        one. A job that ends is ``COMPLETING`` while its nodes let go of it (about a
+        second): that is waited out, up to :data:`ENDING_WAIT_S`, once; the answer is kept."""
         if self.step or not self.job:
             return ""
+        if self._ended:
+            return self._ended
         state, reason = job_state(self.job)
+        deadline = time.monotonic() + ENDING_WAIT_S
+        while state == "COMPLETING" and time.monotonic() < deadline:
+            time.sleep(0.2)
+            state, reason = job_state(self.job)
         if state in ("RUNNING", "PENDING", "CONFIGURING"):
             return ""
         how = f"{state} ({reason})" if state else ended_state(self.job)
-        return f"Slurm job {self.job} ended: {how}"
+        said = f"Slurm job {self.job} ended: {how}"
+        if state != "COMPLETING":
+            self._ended = said
+        return said
 
     def dump_stacks(self, engine_ids: list[int], pids: list[int], timeout: float) -> dict:
         """Run :mod:`nbrpc._wire.stacks` on each node, as a step of the job (``srun

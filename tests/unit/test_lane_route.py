@@ -1,10 +1,13 @@
 """The lanes' route seam (nbrpc/_wire/lanes/caller.py): what :func:`lanes.route` answers,
 and why, for each reason a call takes no lane; a lane's :class:`Reply` for each kind of
 answer. One process: this one listens on a lane in a temporary directory and calls itself
-(no worker, no torch RPC group)."""
+(no worker). In the whole suite this process is also the kernel of the shared cluster,
+whose lanes are this process's too: the cluster is shut down first (the next test that
+needs one starts one, ``conftest.ensure_cluster``)."""
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import threading
 from types import SimpleNamespace
@@ -13,6 +16,8 @@ import pytest
 import torch
 import torch.distributed.rpc as rpc
 
+import nbrpc
+from nbrpc import _process
 from nbrpc._wire import lanes
 from nbrpc._wire.lanes.callee import take
 
@@ -37,19 +42,27 @@ def wait(one_slice, limit):
     return True
 
 
+@pytest.fixture(autouse=True)
+def no_cluster():
+    """No cluster, so no lanes of its own, in this process."""
+    with contextlib.suppress(nbrpc.NotInitializedError):
+        nbrpc.current()
+        nbrpc.shutdown()
+    assert lanes.directory() is None
+
+
 @pytest.fixture
 def me():
-    """This process listening for lanes as "?" (its name outside a group), and a
-    WorkerInfo-like destination for itself (a short directory: a socket's path holds
-    108 bytes)."""
+    """This process listening for lanes under its name, and a WorkerInfo-like
+    destination for itself (a short directory: a socket's path holds 108 bytes)."""
     with tempfile.TemporaryDirectory(prefix="lanes-", dir="/tmp") as directory:
         assert lanes.open_here(directory, threads=2)
-        yield SimpleNamespace(id=0, name="?")
+        yield SimpleNamespace(id=0, name=_process.name())
         lanes.close()
 
 
 def test_with_lanes_off_no_call_takes_one():
-    route = lanes.route(SimpleNamespace(id=0, name="?"), add, (1, 2), None, main=True)
+    route = lanes.route(SimpleNamespace(id=0, name=_process.name()), add, (1, 2), None, main=True)
     assert route.lane is None
     assert route.why is lanes.Why.OFF
     assert "--no-fast-calls" in route.why.value  # the reason, in words
