@@ -86,6 +86,7 @@ class Future(torch.futures.Future):
             if isinstance(kept, KeyboardInterrupt):  # the stop button, between two waits
                 failures.show_short(kept)  # the cell's lines, not this frame
             error = failures.raisable(kept)  # the future keeps ``kept`` (see there)
+        failures.show_short_unless_rendered(error)  # torch's own error: short too
         raise error
 
 
@@ -194,6 +195,7 @@ def timeout_error(
     )
 
 
+@failures.shown_short
 def rpc_sync(
     to: str | WorkerInfo | int,
     func: Callable[..., T],
@@ -250,6 +252,7 @@ def _outcome(reply: lanes.Reply | None, sent: tuple, call: Sent) -> tuple[Any, A
     return value, error, None
 
 
+@failures.shown_short
 def rpc_async(
     to: str | WorkerInfo | int,
     func: Callable[..., T],
@@ -344,6 +347,15 @@ def translate(exc: BaseException, what: str, dest: str, timeout: float | None) -
             "or send it by value with "
             f"nbrpc.register_by_value({missing.split('.')[0]}) before the call."
         )
+    undefined = _torch.undefined_script_function(exc)
+    if undefined and not any("%%rpc" in note for note in getattr(exc, "__notes__", ())):
+        exc.add_note(  # torch's error as it is (its type and words), and nbrpc's fix
+            f"nbrpc: {dest} does not know the TorchScript function {undefined}. A function "
+            "compiled with @torch.jit.script in this kernel is compiled here only: run its "
+            "cell on the workers too (%%rpc as the cell's first line, the imports it needs "
+            "in it), then call it."
+        )
+        return exc
     unsent = _torch.serialization_failure(exc)
     if unsent:
         return SerializationError(f"{unsent} (the {what} on {dest})")
@@ -393,6 +405,7 @@ def _as_python_call(func: Any, args: tuple, kwargs: dict | None) -> tuple:
     return callee.call_builtin, (func, args, kwargs), None
 
 
+@failures.shown_short
 def remote(
     to: str | WorkerInfo | int,
     func: Callable[..., T],

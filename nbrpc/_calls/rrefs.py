@@ -116,7 +116,7 @@ def install() -> None:
     translation, and its proxies (``rref.rpc_sync().f()``, ``rpc_async()``, ``remote()``)
     nbrpc's calls, so a method's exception keeps its type as a call's does, and so does
     the failed creation of the value they call (idempotent)."""
-    _torch.patch_rref_method("to_here", _to_here)
+    _torch.patch_rref_method("to_here", failures.shown_short(_to_here))
     _torch.patch_rref_method("owner", _owner)
     _torch.patch_rref_method("_get_type", _get_type)
     for name, call in spelling.torchs_spelling().items():

@@ -135,6 +135,7 @@ from .wording import (
     is_timeout as is_timeout,
     missing_module as missing_module,
     serialization_failure as serialization_failure,
+    undefined_script_function as undefined_script_function,
 )
 
 warn_if_untested()  # one line, where torch is outside the tested releases

@@ -62,3 +62,15 @@ def is_connection_loss(exc: BaseException) -> bool:
     """Whether torch's error means the peer's process went away (TensorPipe's wording)."""
     text = str(exc)
     return isinstance(exc, RuntimeError) and any(s in text for s in CONNECTION_LOST)
+
+
+_UNDEFINED_SCRIPT = re.compile(r"attempted to get undefined function (\S+)")
+
+
+def undefined_script_function(exc: BaseException) -> str | None:
+    """The TorchScript function a callee does not know (torch's caller gets its
+    ``get_function`` failure as a RuntimeError, C++ frames appended), else ``None``."""
+    if not isinstance(exc, RuntimeError):
+        return None
+    match = _UNDEFINED_SCRIPT.search(str(exc))
+    return match.group(1) if match else None

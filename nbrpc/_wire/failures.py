@@ -18,7 +18,9 @@ that travels with the failure; the kernel remembers the last failure it received
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
+import functools
 import itertools
 import linecache
 import os
@@ -27,14 +29,17 @@ import re
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import cloudpickle
 
 from nbrpc import _process
 from nbrpc._errors import RemoteError, SerializationError, format_frames, short_traceback
 from nbrpc._torch import NOT_ON_CALLEE, RemoteException
+
+T = TypeVar("T")
 
 
 class _FailureText(str):
@@ -211,6 +216,32 @@ class _Arrived:
 
     def __reduce__(self) -> tuple:
         return (_Arrived, (None,))
+
+
+def shown_short(call: Callable[..., T]) -> Callable[..., T]:
+    """``call`` (one of nbrpc's calls a notebook makes), whose errors a notebook shows
+    short, as nbrpc's own: the cell's lines and the error, not the frames of nbrpc and
+    torch an error of torch's passed through. Type, message and traceback unchanged (a
+    script, ``except RuntimeError`` and torch's ``assertRaisesRegex`` see torch's error)."""
+
+    @functools.wraps(call)
+    def shown(*args: Any, **kwargs: Any) -> T:
+        try:
+            return call(*args, **kwargs)
+        except Exception as exc:
+            show_short_unless_rendered(exc)
+            raise
+
+    return shown
+
+
+def show_short_unless_rendered(exc: BaseException) -> None:
+    """:func:`show_short`, for an error that does not render itself already (nbrpc's own
+    errors, a worker's rebuilt exception); one whose type takes no attribute (``__slots__``)
+    stays as it is."""
+    if getattr(exc, "_render_traceback_", None) is None:
+        with contextlib.suppress(Exception):
+            show_short(exc)
 
 
 def show_short(exc: BaseException) -> None:
