@@ -86,7 +86,25 @@ def backward(
         _refuse_hang(context_id)
     if timed:
         _trace.instrument_all(context_id)
-    dist_autograd.backward(context_id, roots, retain_graph)
+    _torch.dist_backward(context_id, roots, retain_graph)
+
+
+def _torchs_backward(context_id: int, roots: list, retain_graph: bool = False) -> None:
+    """``torch.distributed.autograd.backward`` in a process of an nbrpc cluster: torch's,
+    after the check :func:`backward` makes (``check=True``), so code written for torch
+    gets the same refusal of a graph torch would never finish (it waits for ever, or until
+    the RPC timeout ends it as a RuntimeError). Any other graph goes to torch as it came:
+    where the check itself cannot run (a context torch does not know, a worker gone),
+    torch's backward runs and gives torch's own error."""
+    try:
+        roots = list(roots)
+        _trace.remember_roots(int(context_id), roots)
+        _refuse_hang(int(context_id))
+    except AutogradContextError:
+        raise
+    except Exception:  # torch's own call says what is wrong, in its words
+        pass
+    _torch.dist_backward(context_id, roots, retain_graph)
 
 
 def _refuse_hang(context_id: int) -> None:
@@ -138,8 +156,10 @@ def _local_backward(*args: Any, **kwargs: Any) -> Any:
 
 
 def install() -> None:
-    """``loss.backward()`` on a graph that crossed workers says what to use instead."""
+    """``loss.backward()`` on a graph that crossed workers says what to use instead, and
+    torch's spelling of the distributed backward refuses a graph that would never finish."""
     _torch.route_local_backward(_local_backward)
+    _torch.route_dist_backward(_torchs_backward)
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:

@@ -384,3 +384,39 @@ def test_module_names_and_the_callees_hint_are_where_the_seam_says():
         "the unpickler's hint for a function missing on the callee",
         "NOT_ON_CALLEE",
     )
+
+
+SCRIPTED_SOURCE = """
+import torch
+
+def seam_script_add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a + b
+"""
+
+
+def test_a_notebook_script_function_compiles_elsewhere_under_its_name(tmp_path):
+    """What nbrpc._torch.script relies on: torch.jit.script keeps the Python function
+    (``_torchdynamo_inline``), the global compilation unit finds a function by its
+    qualified name, and ``_jit_script_compile`` compiles one under a name given."""
+    import importlib.util
+
+    path = tmp_path / "seam_scripted.py"
+    path.write_text(SCRIPTED_SOURCE)
+    spec = importlib.util.spec_from_file_location("seam_scripted", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    scripted = torch.jit.script(module.seam_script_add)
+    found = _torch.script_source(scripted)
+    _pin(found is not None, "torch.jit.script keeps no Python function", "script_source")
+    original, lines = found
+    _pin(
+        original is module.seam_script_add, "_torchdynamo_inline is another object", "script_source"
+    )
+    assert "".join(lines) == SCRIPTED_SOURCE
+    name = "__torch__.___torch_mangle_999.seam_script_add"  # as a cell run again names it
+    _pin(_torch.compile_script_as(name, original, lines), "nothing compiled", "compile_script_as")
+    assert not _torch.compile_script_as(name, original, lines)  # there already
+    again = _torch.script_function_named(name)
+    _pin(again.qualified_name == name, "compiled under another name", "compile_script_as")
+    assert torch.equal(again(torch.ones(2), torch.ones(2)), torch.full((2,), 2.0))
+    assert _torch.script_functions_used(original) == []

@@ -5,6 +5,7 @@ from collections import Counter
 
 import pytest
 import torch
+import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from conftest import STAGE_CELL, notebook_code
 
@@ -213,6 +214,44 @@ def test_unused_rpc_result_is_refused_instead_of_hanging(cell):
         unused = s2.rpc_sync().forward(x)
         autograd.backward(ctx, [used.sum() + 0 * unused.sum()])
         assert autograd.get_gradients(ctx)[x].shape == x.shape
+
+
+UNUSED_ON_A_WORKER = """
+import torch.distributed.autograd as dist_autograd
+
+def backward_with_an_unused_result(stage_rref, x):
+    # a trainer on a worker, as torch's docs write it: torch's own spelling
+    with dist_autograd.context() as ctx:
+        used = (x * 2).sum()
+        _unused = stage_rref.rpc_sync().forward(x)  # requires grad, never reaches the loss
+        try:
+            dist_autograd.backward(ctx, [used])
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+    return "finished"
+"""
+
+
+def test_torchs_spelling_gets_the_same_refusal_in_the_kernel_and_on_a_worker(cell):
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    s1 = nbrpc.remote("worker1", cell.Stage, args=(1, 3, 3))
+    s2 = nbrpc.remote("worker2", cell.Stage, args=(2, 3, 3))
+    with dist_autograd.context() as ctx:  # unguarded, torch waits 60 s, then a RuntimeError
+        used = s1.rpc_sync().forward(x)
+        _unused = s2.rpc_sync().forward(x)
+        with pytest.raises(autograd.AutogradContextError, match=r"would wait forever.*worker2"):
+            dist_autograd.backward(ctx, [used.sum()])
+    with dist_autograd.context() as ctx:  # a graph that finishes: torch's, as it was
+        dist_autograd.backward(ctx, [s1.rpc_sync().forward(x).sum()])
+        got = [nbrpc.rpc_sync("worker1", cell.grads_of, args=(s1, ctx))]
+        x_grad = dist_autograd.get_gradients(ctx)[x]
+    twin, local_x = cell.Stage(1, 3, 3), x.detach().clone().requires_grad_()
+    twin(local_x).sum().backward()
+    grads_match(cell, got, [twin])
+    assert torch.allclose(x_grad, local_x.grad)
+    trainer = notebook_code(UNUSED_ON_A_WORKER)
+    said = nbrpc.rpc_sync("worker1", trainer.backward_with_an_unused_result, args=(s2, x))
+    assert said.startswith("AutogradContextError: this backward pass would wait forever"), said
 
 
 def test_two_contexts_from_two_threads_stay_separate(cell):

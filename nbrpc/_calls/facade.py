@@ -34,7 +34,7 @@ from nbrpc._errors import (
 )
 from nbrpc._wire import callee, failures, lanes, recording, shm
 
-from . import deadlock
+from . import deadlock, scripts
 
 T = TypeVar("T")
 
@@ -98,6 +98,7 @@ def set_active(active: bool, last_output: Callable[[str], str] | None = None) ->
     _calls.infos.clear()
     if active:
         _calls.cancelled = False
+        scripts.forget()  # a new cluster's workers compiled no TorchScript function yet
 
 
 def on_worker_change(change: _states.WorkerChange) -> None:
@@ -107,6 +108,7 @@ def on_worker_change(change: _states.WorkerChange) -> None:
     if change.kind is _states.Change.LEFT and change.replaced:
         for name, rank in zip(change.names, change.ranks, strict=True):
             _calls.replaced[rank] = name
+        scripts.forget(change.names)  # their fresh processes compiled no TorchScript yet
     elif change.kind not in (_states.Change.REJOINED, _states.Change.DIED):
         return
     _calls.infos.clear()
@@ -293,6 +295,7 @@ def _addressed(what: str, to: Any, func: Any, timeout: float | None) -> tuple[Wo
 def _send_to(dest: WorkerInfo, func: Any, args: tuple, kwargs: dict | None) -> torch.futures.Future:
     """Start the call with torch: its raw future (torch's errors)."""
     sent, args, kwargs = _as_python_call(func, tuple(args), kwargs)
+    scripts.ensure_on(dest.name, func)  # a notebook's TorchScript function: compiled there
     with shm.sending_to(dest.name):  # torch's timeout: none; nbrpc's clock keeps it
         return _torch.rpc_async(dest, sent, args=args, kwargs=kwargs, timeout=0)
 
@@ -422,6 +425,7 @@ def remote(
     """
     dest = _destination(to, "remote")
     sent, args, kwargs = _as_python_call(func, tuple(args), kwargs)
+    scripts.ensure_on(dest.name, func)
     limit = 0 if timeout is None else limit_of(timeout)
     try:
         with shm.sending_to(dest.name, "remote"):

@@ -33,6 +33,8 @@ What is here, by module:
 * :mod:`.autograd`: distributed autograd's context internals
   (``current_autograd_context_id``, ...), the local backward's routing, and the notices
   ``DistributedOptimizer`` prints about torch's own internals;
+* :mod:`.script`: a notebook's TorchScript function compiled on a worker under the
+  kernel's name (``script_source``, ``compile_script_as``);
 * :mod:`.wording`: torch's error wording (``is_timeout``, ``missing_module``,
   ``is_connection_loss``).
 """
@@ -46,11 +48,13 @@ from .autograd import (
     autograd_known_workers as autograd_known_workers,
     autograd_messages as autograd_messages,
     current_autograd_context_id as current_autograd_context_id,
+    dist_backward as dist_backward,
     in_autograd_context as in_autograd_context,
     local_backward as local_backward,
     no_optimizer_notice as no_optimizer_notice,
     quiet_internal_deprecations as quiet_internal_deprecations,
     quiet_optimizer_notice_if_loaded as quiet_optimizer_notice_if_loaded,
+    route_dist_backward as route_dist_backward,
     route_local_backward as route_local_backward,
     track_autograd_contexts as track_autograd_contexts,
     validate_autograd_context as validate_autograd_context,
@@ -114,6 +118,12 @@ from .rrefs import (
     rref_from_fork as rref_from_fork,
     rref_id as rref_id,
     rref_type_future as rref_type_future,
+)
+from .script import (
+    compile_script_as as compile_script_as,
+    script_function_named as script_function_named,
+    script_functions_used as script_functions_used,
+    script_source as script_source,
 )
 from .versions import (
     NEWEST_TESTED as NEWEST_TESTED,

@@ -131,6 +131,20 @@ LOCAL_BACKWARD_ACROSS_WORKERS = "graphTask_ INTERNAL ASSERT FAILED"
 _torch_backward = torch.autograd.backward
 
 
+_dist_backward = dist_autograd.backward
+
+
+def route_dist_backward(replacement: Callable[..., Any]) -> None:
+    """Make ``torch.distributed.autograd.backward`` (torch's spelling of the distributed
+    backward pass, a C++ function) ``replacement``."""
+    dist_autograd.backward = replacement
+
+
+def dist_backward(context_id: int, roots: list, retain_graph: bool = False) -> None:
+    """torch's own ``torch.distributed.autograd.backward``."""
+    _dist_backward(context_id, roots, retain_graph)
+
+
 def route_local_backward(replacement: Callable[..., Any]) -> None:
     """Make ``torch.autograd.backward`` (what ``Tensor.backward`` calls) ``replacement``."""
     torch.autograd.backward = replacement

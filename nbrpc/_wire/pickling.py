@@ -120,7 +120,18 @@ def _load_code(key: str, data: bytes) -> CodeType:
     return code
 
 
-_BASE_TABLE = {**_CLOUDPICKLE_TABLE, MethodType: _reduce_method, CodeType: reduce_code}
+def _reduce_script_function(fn: torch.jit.ScriptFunction) -> Any:
+    """A TorchScript function travels by its qualified name: the receiver has one compiled
+    under that name (:mod:`nbrpc._calls.scripts` sees to it for a notebook's own)."""
+    return _torch.script_function_named, (fn.qualified_name,)
+
+
+_BASE_TABLE = {
+    **_CLOUDPICKLE_TABLE,
+    MethodType: _reduce_method,
+    CodeType: reduce_code,
+    torch.jit.ScriptFunction: _reduce_script_function,
+}
 _BY_REFERENCE_KEEP = 8192
 _BY_VALUE_MODULES = cloudpickle.cloudpickle._PICKLE_BY_VALUE_MODULES  # cloudpickle's own set
 
@@ -482,6 +493,7 @@ def lane_reducers(recording_on: bool) -> dict:
     if table is None:
         tensor = recording.counted(_reduce_tensor, "lane") if recording_on else _reduce_tensor
         table = {torch.Tensor: tensor, _torch.PyRRef: _refuse, torch.distributed.rpc.RRef: _refuse}
+        table[torch.jit.ScriptFunction] = _refuse  # torch's script call: TensorPipe's
         table.update(dict.fromkeys(_torch.custom_reducer_classes(), _refuse))
         table = _lane_tables[recording_on] = over_base_table(table)
     return table
