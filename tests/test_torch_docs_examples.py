@@ -1,8 +1,9 @@
 """The code examples of torch's ``torch.distributed.rpc`` documentation page, run in one real
 kernel as a notebook user runs them: every example's steps as torch 2.13 prints them, with
 only the start-up (``init_rpc``, ``mp.spawn``, ``rpc.shutdown``) replaced by
-``%rpc_init -n 2``. The kernel is ``worker0``, the workers ``worker1`` and ``worker2``, the
-names torch's examples use.
+``%rpc_init -n 2 --threads 8 --timeout 20`` (the page's TensorPipe backend example's
+options, as flags). The kernel is ``worker0``, the workers ``worker1`` and ``worker2``, the
+names torch's examples use. The whole module takes about 10 s here.
 
 torch's docs do not ship in its wheel, so each test writes its example's steps in its own
 code, in a comment naming the page's section (the docstrings it renders, and its two design
@@ -23,7 +24,18 @@ was fixed:
   ``dist.rpc_async``;
 - ``DistributedOptimizer``'s example optimizes tensors that do not require grad, which
   torch refuses in any process ("requires_grad not set on root"): shown as printed, then
-  run with leaves that require grad.
+  run with leaves that require grad;
+- ``backward``'s pseudo-code (``model``, ``loss_func(pred, loss)``) gets a model (a Linear
+  on worker1) and a target; ``RRef.backward``'s example gets the scalar RRef it assumes;
+- ``RemoteModule``: the workers import its module first (``%%rpc``). A forward call names
+  a module torch generates when that module is imported; a forward that overtakes the
+  module's creation fails with ``ModuleNotFoundError``, in a plain torch script of the
+  example too (1 run in 6 here);
+- the design note's end-to-end example runs on all three processes, as ``mp.spawn`` runs
+  every rank, and returns its RRefs so that the kernel's step can be compared.
+
+Nothing is skipped or expected to fail: under nbrpc each example runs as in a plain torch
+script.
 
 Functions and classes an example defines "on all workers" in plain Python are defined once
 in the kernel (nbrpc sends them by value); TorchScript functions are also defined on the
