@@ -43,8 +43,9 @@ workers with a ``%%rpc`` cell, as a notebook user does.
 
 Left out: the examples that need several GPUs (``TensorPipeRpcBackendOptions.set_device_map``
 and ``device_maps`` with CUDA devices). The design note's unused-output graph (``d`` and
-``e``) runs its forward only, as printed: a backward over it waits for the RPC timeout in
-torch's FAST mode, which the note describes.
+``e``): its forward as printed, and a backward over it with torch's spelling inside a
+context, which torch's FAST mode would wait on until the RPC timeout (the note describes
+it) and nbrpc refuses at once.
 """
 
 from __future__ import annotations
@@ -624,6 +625,19 @@ def test_design_note_computing_dependencies(kernel):
         "torch.equal(d, torch.add(a, b)) and torch.equal(e, torch.mul(b, c))",
         "torch.equal(loss, torch.add(a, b).sum())",
     )
+    # the same graph inside a context, backward in torch's spelling: e's send function
+    # never gets a gradient, so torch waits for the RPC timeout; nbrpc refuses it at once
+    out = kernel.run(
+        "import torch.distributed.autograd as dist_autograd\n"
+        "with dist_autograd.context() as context_id:\n"
+        '    d = rpc.rpc_sync("worker1", torch.add, args=(a, b))\n'
+        '    e = rpc.rpc_sync("worker1", torch.mul, args=(b, c))\n'
+        "    try:\n"
+        "        dist_autograd.backward(context_id, [d.sum()])\n"
+        "    except Exception as exc:\n"
+        "        print('REFUSED', type(exc).__name__, exc)\n"
+    )
+    assert "REFUSED AutogradContextError this backward pass would wait forever" in out, out
 
 
 def test_design_note_fast_mode(kernel):
