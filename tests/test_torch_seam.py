@@ -420,3 +420,24 @@ def test_a_notebook_script_function_compiles_elsewhere_under_its_name(tmp_path):
     _pin(again.qualified_name == name, "compiled under another name", "compile_script_as")
     assert torch.equal(again(torch.ones(2), torch.ones(2)), torch.full((2,), 2.0))
     assert _torch.script_functions_used(original) == []
+
+
+def test_torchscript_calling_torchs_backward_compiles_to_torchs_operator():
+    """nbrpc routes ``torch.distributed.autograd.backward`` through its check; TorchScript
+    code that calls it (torch's JitDistAutogradTest) must still find torch's operator."""
+    import torch.distributed.autograd as dist_autograd
+
+    from nbrpc import autograd
+
+    autograd.install()
+    _pin(
+        torch.jit._builtins._find_builtin(dist_autograd.backward) == "aten::dist_backward",
+        "TorchScript's builtin table no longer takes a registered function",
+        "route_dist_backward",
+    )
+
+    def backward_in_script(context_id: int, loss: torch.Tensor) -> None:
+        dist_autograd.backward(context_id, [loss])
+
+    scripted = torch.jit.script(backward_in_script)
+    assert "dist_backward" in str(scripted.graph)

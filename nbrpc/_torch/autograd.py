@@ -136,8 +136,11 @@ _dist_backward = dist_autograd.backward
 
 def route_dist_backward(replacement: Callable[..., Any]) -> None:
     """Make ``torch.distributed.autograd.backward`` (torch's spelling of the distributed
-    backward pass, a C++ function) ``replacement``."""
+    backward pass, a C++ function) ``replacement``. TorchScript code that calls it still
+    compiles to torch's own operator (``aten::dist_backward``): TorchScript looks a
+    builtin up by the function object, which is ``replacement`` now."""
     dist_autograd.backward = replacement
+    torch.jit._builtins._register_builtin(replacement, "aten::dist_backward")
 
 
 def dist_backward(context_id: int, roots: list, retain_graph: bool = False) -> None:
