@@ -20,6 +20,7 @@ partition, a time over its limit) it judges with ``sbatch --test-only``
 from __future__ import annotations
 
 import re
+import shlex
 from typing import Any, ClassVar, TypeVar
 
 from . import _group
@@ -134,7 +135,7 @@ def source_options(v: dict[str, Any], opts: dict[str, Any]) -> SourceOptions | N
                 value = cls.given(value, dict(flat.values()))
             asked[source] = value
         elif given:
-            raise ConfigError(cls.alone(", ".join("--" + k.replace("_", "-") for k in given), opts))
+            raise ConfigError(cls.alone(", ".join(_flag(k) for k in given), opts))
     for value in asked.values():
         value.check(v)
     if len(asked) > 1:
@@ -201,6 +202,11 @@ def where(v: dict[str, Any], asked: SourceOptions | None) -> tuple:
         raise ConfigError(f"-n must be at least 1, got {n}")
     validate_names(names or (), v["self_name"])
     return n, names, listen
+
+
+def split_args(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+    """Extra command-line options as given: one text (split as a shell would) or a list."""
+    return tuple(shlex.split(value) if isinstance(value, str) else value or ())
 
 
 def _flag(option: str) -> str:

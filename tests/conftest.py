@@ -191,6 +191,10 @@ class Kernel:
         self.stderr = "".join(err)
         return "".join(out), errors
 
+    def shown_error(self) -> str:
+        """The last cell's errors as the notebook shows them, as one text."""
+        return "\n".join(line for tb in self.tracebacks for line in tb)
+
     def stop_after(self, code: str, seconds: float, timeout: float = 120) -> tuple[float, list]:
         """Run ``code`` and press the stop button ``seconds`` into it: how long the cell
         ran on after the press, and its errors."""

@@ -76,11 +76,6 @@ def kernel():
         yield k
 
 
-def _traceback(k: Kernel) -> str:
-    """The last cell's error as the notebook shows it."""
-    return "\n".join(line for tb in k.tracebacks for line in tb)
-
-
 def test_magics_take_a_trailing_comment_and_spaced_names(kernel):
     out = kernel.run("%%rpc worker1  # only the first\nwho = 'w1'\nwho")
     assert "Out[worker1]: 'w1'" in out
@@ -105,7 +100,7 @@ def test_the_stop_button_ends_torch_style_waits(kernel, cell):
     assert errors
     assert errors[0].startswith("KeyboardInterrupt")
     assert ran_on < 5, f"the cell ran {ran_on:.1f} s after the stop button (the call: 10 s)"
-    text = _traceback(kernel)
+    text = kernel.shown_error()
     assert "Cell In[" in text, text  # the cell's own line, as IPython names it
     for hidden in ("calls.py", "prompts.py", "torch/futures", "ipykernel_"):
         assert hidden not in text, text
@@ -240,11 +235,11 @@ def test_a_rank_or_a_worker_info_names_a_destination_as_in_torch(kernel):
 def test_tracebacks_show_the_users_lines_not_nbrpcs(kernel):
     _, errors = kernel.execute("nbrpc.rpc_sync('worker1', recurse, args=(0,))")
     assert errors[0].startswith("RecursionError")
-    text = _traceback(kernel)
+    text = kernel.shown_error()
     assert "Previous line repeated" in text
     assert len(text.splitlines()) < 40, text[:3000]  # it was 2,000 lines
     _, errors = kernel.execute("%%rpc\nraise ValueError('on both')")
-    text = _traceback(kernel)
+    text = kernel.shown_error()
     assert "%%rpc failed on worker1, worker2" in text
     assert "_cells.py" not in text
     assert "calls.py" not in text
@@ -263,7 +258,7 @@ def test_an_nbrpc_error_names_the_cell_as_ipython_does(kernel):
     kernel.execute("def keeps():\n    return __import__('threading').Lock()")
     _, errors = kernel.execute("nbrpc.rpc_sync('worker1', keeps)")
     assert errors[0].startswith("SerializationError")
-    text = _traceback(kernel)
+    text = kernel.shown_error()
     assert "Cell In[" in text, text
     assert "ipykernel_" not in text, text
 
@@ -277,7 +272,7 @@ def test_a_crashed_worker_s_last_words_reach_the_cell_and_it_stays_quiet_after(k
     message = "terminate called after throwing an instance of 'c10::Error'\n"
     _, errors = kernel.execute(f"nbrpc.rpc_sync('worker2', crash, args=({message!r},))")
     assert errors[0].startswith("WorkerDiedError: worker2 is gone")
-    text = _traceback(kernel)
+    text = kernel.shown_error()
     assert "terminate called after throwing an instance of 'c10::Error'" in text
     assert "Fatal Python error: Aborted" in text
     _, errors = kernel.execute("nbrpc.rpc_sync('worker2', min, args=(1, 2))")

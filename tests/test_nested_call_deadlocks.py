@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import Kernel, running_kernel
+from conftest import running_kernel
 
 FUNCS = """
 import nbrpc
@@ -30,11 +30,6 @@ def kernel():
         yield k
 
 
-def _traceback(k: Kernel) -> str:
-    """The last cell's error as the notebook shows it."""
-    return "\n".join(line for tb in k.tracebacks for line in tb)
-
-
 def test_nested_calls_within_the_threads_answer(kernel):
     assert (
         kernel.value("nbrpc.rpc_sync('worker1', ping, args=(10, 'worker1', 'worker2'))") == "done"
@@ -49,7 +44,7 @@ def test_nested_calls_that_use_up_the_threads_say_why_and_free_the_cluster(kerne
     took = time.monotonic() - t0
     assert errors
     assert errors[0].startswith("ThreadsExhaustedError")
-    text = _traceback(kernel)
+    text = kernel.shown_error()
     for words in ("RPC threads of worker1, worker2", "--threads", "async_execution"):
         assert words in text
     assert took < 15, f"the jam was noticed after {took:.1f} s (the timeout: 20 s)"

@@ -71,7 +71,7 @@ def kernel():
 def test_an_error_keeps_its_type_and_shows_once_per_hop(kernel, call):
     _, errors = kernel.execute(call)
     assert errors == ["IndexError: list index out of range"]
-    text = "\n".join(line for tb in kernel.tracebacks for line in tb)
+    text = kernel.shown_error()
     assert text.count("IndexError: list index out of range") == 1 + text.count(
         "Remote traceback"
     ), text

@@ -26,11 +26,6 @@ def kernel():
         yield k
 
 
-def shown(kernel) -> str:
-    """The last cell's error as the notebook shows it."""
-    return "\n".join(line for tb in kernel.tracebacks for line in tb)
-
-
 def test_a_torchscript_function_the_notebook_defines_runs_on_the_workers(kernel):
     kernel.run(SCRIPT_ADD)
     call = "print(rpc.rpc_sync('worker1', my_script_add, args=(torch.ones(2), torch.ones(2))))"
@@ -77,7 +72,7 @@ def test_a_torchscript_function_a_worker_cannot_compile_names_itself_and_the_fix
         _, errors = kernel.execute(
             "rpc.rpc_sync('worker1', my_script_mul, args=(torch.ones(2), torch.ones(2)))"
         )
-        text = shown(kernel)
+        text = kernel.shown_error()
         caught = kernel.run(  # the type and words are torch's: code for torch matches them
             "try:\n"
             "    rpc.rpc_async('worker2', my_script_mul, args=(torch.ones(2),) * 2).wait()\n"
@@ -128,6 +123,6 @@ def test_a_torchscript_argument_error_is_torchs_in_a_few_lines(kernel, cell):
     _, errors = kernel.execute(cell)
     assert errors, "a str where a Tensor goes: torch refuses it"
     assert errors[0].startswith("RuntimeError: my_script_add() Expected a value of type 'Tensor'")
-    text = shown(kernel)
+    text = kernel.shown_error()
     assert not [f for f in NBRPC_FRAMES if f in text], text
     assert len(text.splitlines()) <= 20, text

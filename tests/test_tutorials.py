@@ -506,7 +506,7 @@ class TestRpcTutorial:
         ran_on, errors = kernel.stop_after(forever, seconds=2)
         assert errors == ["KeyboardInterrupt: "], errors
         assert ran_on < 5, f"the cell ran {ran_on:.1f} s after the stop button"
-        text = "\n".join(line for tb in kernel.tracebacks for line in tb)
+        text = kernel.shown_error()
         text = re.sub(r"\x1b\[[0-9;]*m", "", text)  # IPython colours a traceback it formats
         # the cell's lines, wherever the button landed (in fut.wait() or between calls:
         # small calls take a lane, so most of an episode is the kernel's own work now)
@@ -888,7 +888,7 @@ class TestPipelineTutorial:
             "p1_rref.remote().parameter_rrefs().to_here()"
         )
         assert errors == ["AssertionError: Torch not compiled with CUDA enabled"], errors
-        text = "\n".join(line for tb in kernel.tracebacks for line in tb)
+        text = kernel.shown_error()
         assert text.count("Remote traceback (most recent call last), on worker1:") == 1, text
         hop = text.split("on worker1:", 1)[1]
         assert "in __init__" in hop.split("\n")[1], text  # the shard's line in its cell

@@ -8,13 +8,12 @@ Its flags (``--nodes``, ``--partition``, ``--time``, ``--gpus-per-node``,
 from __future__ import annotations
 
 import re
-import shlex
 from dataclasses import dataclass
 from typing import Any
 
 from nbrpc import _group
 from nbrpc._errors import ConfigError
-from nbrpc._placement import SourceOptions
+from nbrpc._placement import SourceOptions, split_args
 
 
 @dataclass(frozen=True)
@@ -57,8 +56,7 @@ class Slurm(SourceOptions):
     @classmethod
     def from_parts(cls, parts: dict[str, Any]) -> Slurm:
         """The job of ``slurm=True`` and its flat options (``--sbatch-args`` as one text)."""
-        extra = parts.get("args")
-        args = tuple(shlex.split(extra) if isinstance(extra, str) else extra or ())
+        args = split_args(parts.get("args"))
         return cls(**{**parts, "args": args})
 
     def check(self, v: dict[str, Any]) -> None:

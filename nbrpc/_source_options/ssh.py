@@ -8,13 +8,12 @@ ssh_args=...)``): the ``hosts`` option's text is the entries, ``ssh_args`` is de
 
 from __future__ import annotations
 
-import shlex
 from dataclasses import dataclass
 from typing import Any
 
 from nbrpc import _group
 from nbrpc._errors import ConfigError
-from nbrpc._placement import SourceOptions, parse_hosts
+from nbrpc._placement import SourceOptions, parse_hosts, split_args
 
 
 @dataclass(frozen=True)
@@ -37,8 +36,7 @@ class Hosts(SourceOptions):
 
     @classmethod
     def given(cls, value: Any, parts: dict[str, Any]) -> Hosts:
-        extra = parts.get("ssh_args")
-        args = tuple(shlex.split(extra) if isinstance(extra, str) else extra or ())
+        args = split_args(parts.get("ssh_args"))
         return cls(entries=parse_hosts(value), ssh_args=args)
 
     @classmethod
