@@ -40,9 +40,16 @@ def test_stacks_come_within_2_s_when_every_rpc_thread_is_busy_or_holds_the_gil(c
     busy = [nbrpc.rpc_async("worker1", code.spin, (10.0,)) for _ in range(threads)]
     held = nbrpc.rpc_async("worker2", code.regex_in_c, (28,))  # seconds in C, GIL held
 
-    def started() -> bool:  # every call runs (a busy machine starts them late)
+    def started() -> bool:  # every call runs its function (a busy machine starts them late:
+        # a thread is labelled serving from the call's start, before it enters the function)
         rows = {r["name"]: r for r in nbrpc.stacks("worker1", "worker2")}
-        return len([t for r in rows.values() for t in r["threads"] if t["serving"]]) == threads + 1
+        inside = [
+            t
+            for r in rows.values()
+            for t in r["threads"]
+            if t["serving"] and {"spin", "regex_in_c"} & {f["function"] for f in t["frames"]}
+        ]
+        return len(inside) == threads + 1
 
     assert wait_until(started, timeout=8.0), "the calls did not all start"
     me = nbrpc.get_worker_info().name
