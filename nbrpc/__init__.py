@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from torch.distributed.rpc import RRef, WorkerInfo
 
 from . import autograd
+from ._calls.cancel import cancel
 from ._calls.facade import get_worker_info, remote, rpc_async, rpc_sync, workers
 from ._cells import CellResults, RpcCellError, pull, push, worker_namespace
 from ._debugger.postmortem import post_mortem
@@ -33,6 +34,7 @@ from ._errors import (
     AlreadyInitializedError,
     AutogradContextError,
     BootError,
+    CallCancelledError,
     ClusterClosedError,
     ConfigError,
     DebuggerQuitError,
@@ -72,6 +74,7 @@ __all__ = [
     "AlreadyInitializedError",
     "AutogradContextError",
     "BootError",
+    "CallCancelledError",
     "CallRow",
     "CellResults",
     "Cluster",
@@ -102,6 +105,7 @@ __all__ = [
     "WorkerRecord",
     "__version__",
     "autograd",
+    "cancel",
     "current",
     "get_worker_info",
     "init",

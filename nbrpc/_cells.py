@@ -9,8 +9,8 @@ reference on that worker, as in a notebook's kernel. Notebook functions sent wit
 
 This module holds both sides:
 
-* worker side (run by RPC): :func:`run_cell`, :func:`interrupt`, :func:`push_values`,
-  :func:`pull_value`, :func:`worker_namespace`;
+* worker side (run by RPC): :func:`run_cell`, :func:`push_values`, :func:`pull_value`,
+  :func:`worker_namespace`;
 * kernel side: :func:`run`, which the magic calls, and :func:`push` / :func:`pull`.
 
 A cell's output is forwarded like any call's (:mod:`nbrpc._wire.output`): live, line by line,
@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import ctypes
 import itertools
 import linecache
-import threading
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -38,9 +36,6 @@ INTERRUPT_GRACE_S = 2.0  # how long the kernel waits for interrupted cells to st
 
 # -- worker side -------------------------------------------------------------------------
 
-_running: dict[int, int] = {}  # cell id -> the thread id running it here
-_running_lock = threading.Lock()
-
 
 def worker_namespace() -> dict[str, Any]:
     """This worker's persistent namespace (its ``__main__``), which ``%%rpc`` cells use.
@@ -49,10 +44,6 @@ def worker_namespace() -> dict[str, Any]:
     ``global`` assignments land here (:mod:`nbrpc._wire.namespace`).
     """
     return namespace.namespace()
-
-
-class CellInterrupted(Exception):
-    """A ``%%rpc`` cell stopped by the stop button (``KeyboardInterrupt`` on the worker)."""
 
 
 def run_cell(cell_id: int, filename: str, source: str) -> Any:
@@ -65,41 +56,12 @@ def run_cell(cell_id: int, filename: str, source: str) -> Any:
         last = ast.Expression(tree.body[-1].value)
         tree.body.pop()
     namespace = worker_namespace()
-    ident = threading.get_ident()
-    try:
-        with _running_lock:
-            _running[cell_id] = ident
-        try:
-            exec(compile(tree, filename, "exec"), namespace)
-            return eval(compile(last, filename, "eval"), namespace) if last is not None else None
-        finally:
-            with _running_lock:
-                _running.pop(cell_id, None)
-                _set_async_exc(ident, None)  # one sent as the cell ended must not fire later
-    except KeyboardInterrupt:
-        raise CellInterrupted("the cell was interrupted (the stop button)") from None
+    # the stop button cancels it as any call the cell made (nbrpc._wire.cancelling)
+    exec(compile(tree, filename, "exec"), namespace)
+    return eval(compile(last, filename, "eval"), namespace) if last is not None else None
 
 
 run_cell.user_call = True  # type: ignore[attr-defined]  # counted in status() as user calls
-
-
-def _set_async_exc(ident: int, exc: type[BaseException] | None) -> None:
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(
-        ctypes.c_ulong(ident), ctypes.py_object(exc) if exc is not None else None
-    )
-
-
-def interrupt(cell_id: int) -> bool:
-    """Runs on a worker: raise ``KeyboardInterrupt`` in the thread running that cell.
-
-    Python delivers it between bytecodes: a cell inside one long C call (``time.sleep``)
-    stops when that call returns.
-    """
-    with _running_lock:  # held: the cell cannot end between the check and the raise
-        ident = _running.get(cell_id)
-        if ident is not None:
-            _set_async_exc(ident, KeyboardInterrupt)
-    return ident is not None
 
 
 def push_values(values: dict[str, Any]) -> list[str]:
@@ -190,7 +152,7 @@ def run(source: str, targets: str | Iterable[str] | None = "all") -> CellResults
 
     One failure is raised with its own type (``.results``: the other workers' values);
     several are raised together as :class:`RpcCellError`. The stop button interrupts the
-    cell on every target.
+    cell on every target (as it cancels any call a cell made: :mod:`nbrpc._calls.cancel`).
     """
     if not source.strip():
         raise ConfigError("the %%rpc cell is empty: write the code to run on the workers")
@@ -208,16 +170,13 @@ def run(source: str, targets: str | Iterable[str] | None = "all") -> CellResults
         for fut in futures.values():
             with contextlib.suppress(Exception):  # collected below, once all are done
                 fut.wait()
-    except KeyboardInterrupt:
-        _interrupt_all(cell_id, futures)
+    except KeyboardInterrupt:  # cancelled on every worker as the wait ended: let them end
+        _let_end(futures)
         raise
     return _collect(futures)
 
 
-def _interrupt_all(cell_id: int, futures: dict[str, Any]) -> None:
-    for worker in futures:
-        with contextlib.suppress(Exception):  # a worker that died or finished meanwhile
-            calls.rpc_sync(worker, interrupt, args=(cell_id,), timeout=5)
+def _let_end(futures: dict[str, Any]) -> None:
     deadline = time.monotonic() + INTERRUPT_GRACE_S
     while time.monotonic() < deadline and not all(f.done() for f in futures.values()):
         time.sleep(0.02)

@@ -81,6 +81,11 @@ def _users_frame(frame: traceback.FrameSummary, libraries: tuple[str, ...]) -> b
     return not (frame.line or "").startswith("get_ipython().run_")
 
 
+def _stdlib_frame(frame: traceback.FrameSummary) -> bool:
+    """A frame of the standard library (``threading.py``'s waits, under nbrpc's)."""
+    return os.path.dirname(os.path.abspath(frame.filename)) == os.path.dirname(os.__file__)
+
+
 def cell_name(filename: str) -> str | None:
     """``"Cell In[5]"`` for the file a notebook cell was compiled as (ipykernel names it
     ``/tmp/ipykernel_PID/NNN.py``), as IPython's own tracebacks say; None for other files."""
@@ -114,7 +119,12 @@ def short_traceback(exc: BaseException) -> list[str]:
     frames, the error in one line, and its notes (a worker's traceback), not the frames of
     nbrpc, IPython and torch it passed through."""
     libraries = _library_dirs()
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if _users_frame(f, libraries)]
+    frames = []
+    inside = False  # in a library's code: the standard library it calls is not the user's
+    for f in traceback.extract_tb(exc.__traceback__):
+        if _users_frame(f, libraries) and not (inside and _stdlib_frame(f)):
+            frames.append(f)
+        inside = inside or os.path.abspath(f.filename).startswith(libraries)
     lines = []
     if frames:
         lines.append("Traceback (most recent call last):")
@@ -257,6 +267,21 @@ class DebuggerQuitError(NbrpcError, RuntimeError):
         super().__init__(
             f"the call of {call} on {worker} was ended in the debugger (q, or the stop "
             "button). Type c (continue) at the (Pdb) prompt to let a call run on and return."
+        )
+
+
+class CallCancelledError(NbrpcError, RuntimeError):
+    """The call was cancelled where it ran: the stop button was pressed in the cell that
+    started it (or ``nbrpc.cancel``, or a script's Ctrl-C), before it returned."""
+
+    def __init__(self, worker: str, call: str = "?", started: bool = True) -> None:
+        self.worker = worker
+        self._init_args = (worker, call, started)
+        how = "while it ran" if started else "before it started"
+        super().__init__(
+            f"the call of {call} on {worker} was cancelled {how}: the stop button was "
+            "pressed in the cell that started it (or nbrpc.cancel, or Ctrl-C). Run the "
+            "cell again to make the call again."
         )
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _fence, _group, _process, _torch, autograd
-from ._calls import facade, rrefs, spelling
+from ._calls import cancel, facade, rrefs, spelling
 from ._debugger import remote_pdb
 from ._wire import bars, lanes, namespace, native_output, output, pickling, shm, stacks
 
@@ -47,6 +47,7 @@ def kernel(torch_shutdown: Callable[..., Any]) -> None:
     _torch.route_user_shutdown(torch_shutdown)  # tutorials end with rpc.shutdown()
     native_output.quiet_kernel_stderr()  # torch's lines about workers nbrpc stops
     _process.watch_cells()  # a worker's native output goes to the running cell
+    cancel.watch_cells()  # the stop button cancels the cell's calls on the workers
     output.remember_stderr()  # a failed call is logged only to a stderr code put there
 
 

@@ -60,7 +60,7 @@ def test_a_call_names_its_caller_and_whether_a_reply_goes_back():
     sent, _ = recording.outgoing(udf, _process.name(), reply=True, user=False)
     got = pickle.loads(pickle.dumps(sent))
     assert (got.func, got.args, got.kwargs) == (len, ([1, 2],), {})
-    call, caller, _parent, _sent, reply = recording.header_of(got)
+    call, caller, _parent, _sent, reply, _origin = recording.header_of(got)
     assert reply is True
     assert caller == _process.name()
     assert call == 0  # not recorded

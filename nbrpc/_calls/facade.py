@@ -32,7 +32,7 @@ from nbrpc._errors import (
     UnknownWorkerError,
     WorkerDiedError,
 )
-from nbrpc._wire import callee, failures, lanes, recording, shm
+from nbrpc._wire import callee, cancelling, failures, lanes, recording, shm
 
 from . import deadlock, scripts
 
@@ -72,6 +72,8 @@ class Future(torch.futures.Future):
 
     #: the worker the call went to (set by rpc_async)
     dest: str = ""
+    #: the call's origin (nbrpc._wire.cancelling), for nbrpc.cancel; None: not cancellable
+    origin: int | None = None
 
     def wait(self) -> Any:
         try:
@@ -309,11 +311,13 @@ def start_call(
     out = Future()
     out.dest = call.dest
     sent = (func, tuple(args), kwargs)
+    cancelling.forget_last()
     way = lanes.route(dest, func, sent[1], kwargs, main=False)
     if way.lane is None:
         _settle_through_torch(dest, sent, call, out)
     else:
         way.lane.post(way.payload, lambda reply: _settle_from_lane(reply, dest, sent, call, out))
+    out.origin = cancelling.last_origin()  # what nbrpc.cancel(out) cancels
     if call.limit > 0:
         deadlines.expire_after(call.limit, out, call.expired)
     return out

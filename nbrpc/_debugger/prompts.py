@@ -29,7 +29,7 @@ from typing import Any
 
 from nbrpc import _states
 from nbrpc._process import shell as ipython_shell
-from nbrpc._wire import failures
+from nbrpc._wire import cancelling, failures
 
 from . import deadlines
 
@@ -285,5 +285,6 @@ def _wait(one_slice: Any, woke: threading.Event, limit: float) -> bool:
                     return False
     except KeyboardInterrupt as stop:  # the stop button: the cell's lines, not nbrpc's waits
         failures.show_short(stop)
+        cancelling.stopped()  # and the cell's calls are cancelled where they run
         raise
     return True

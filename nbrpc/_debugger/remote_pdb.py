@@ -55,6 +55,12 @@ class _KernelIO:
         return text
 
     def readline(self) -> str:
+        try:
+            return self._readline()
+        except KeyboardInterrupt:  # the stop button cancelled the call (nbrpc._calls.cancel)
+            return "q\n"  # pdb's own loop would catch it and prompt again
+
+    def _readline(self) -> str:
         assert self.debugger is not None
         prompt = self.debugger.prompt
         text = self._take_text().removesuffix(prompt)

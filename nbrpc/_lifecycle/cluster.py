@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Unpack
 
 from nbrpc import _devices, _engines, _group, _ledger, _process, _setup, _states, _torch, _views
-from nbrpc._calls import facade as calls
+from nbrpc._calls import cancel, facade as calls
 from nbrpc._debugger import prompts
 from nbrpc._engines import worker
 from nbrpc._engines.watchdog import process_alive, segment_prefix, sweep_segments
@@ -43,7 +43,7 @@ from nbrpc._errors import (
 from nbrpc._gather import census, stacks as gathered_stacks
 from nbrpc._options import Options, Settings, options_doc
 from nbrpc._rows import StackRow, StatusRow, WorkerRecord, WorkerState
-from nbrpc._wire import lanes, native_output, shm
+from nbrpc._wire import cancelling, lanes, native_output, shm
 
 from . import boot, collective, restart as restarts
 
@@ -55,6 +55,7 @@ DEAD_RELEASE_TIMEOUT_S = 2.0  # RRefs owned by a dead worker are never confirmed
 # in an earlier cluster leaves torch waiting for the whole timeout, so bound it.
 RELEASE_TIMEOUT_S = 5.0
 NOTHING_HELD_RELEASE_TIMEOUT_S = 0.2
+CANCEL_REACH_S = 3.0  # beyond the grace: how long a cancel waits for an engine to answer
 
 
 class ClusterState(enum.Enum):
@@ -134,6 +135,10 @@ class Cluster:
             )
         self.state = state
         calls.set_active(state is ClusterState.READY, last_output=self.last_output)
+        if state is ClusterState.READY:  # the stop button reaches the workers' calls
+            cancel.set_cluster(self._cancel_everywhere, lambda name: stacks(name))
+        else:
+            cancel.set_cluster(None)
         if state in (ClusterState.SHUTTING_DOWN, ClusterState.CLOSED):
             prompts.reset()  # a prompt waiting for the kernel must not hold shutdown up
         if state is ClusterState.CLOSED and _current.cluster is self:
@@ -254,6 +259,28 @@ class Cluster:
         if record is None:
             return ""
         return self.engines.source.last_output(record.pid)
+
+    def _cancel_everywhere(
+        self, lo: int, hi: int, grace: float, ask: bool
+    ) -> dict[str, list[dict[str, Any]]]:
+        """:func:`nbrpc._wire.cancelling.cancel` in every live process, through the
+        engines (their main threads, which busy RPC threads do not hold), in parallel."""
+        rows = {self.self_name: cancelling.cancel(lo, hi, 0.0, ask)}
+        asked = {}
+        for name, eid in self.booted.engine_of.items():
+            if name in _states.unreachable:
+                continue
+            try:
+                asked[name] = self.engines.apply(eid, cancelling.cancel, lo, hi, grace, ask)
+            except Exception as exc:  # an engine ipyparallel lost meanwhile
+                log.warning("cancelling on %s: %s", name, exc)
+        deadline = time.monotonic() + grace + CANCEL_REACH_S
+        for name, ar in asked.items():
+            try:
+                rows[name] = ar.get(timeout=max(0.1, deadline - time.monotonic()))
+            except Exception as exc:
+                log.warning("cancelling on %s: %s", name, _engines.remote_message(exc))
+        return rows
 
     def _live_engine_ids(self) -> list[int]:
         if self.engines.client is None or not self.booted.engine_of:

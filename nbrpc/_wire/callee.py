@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from nbrpc import _process, _torch
-from nbrpc._errors import DebuggerQuitError, SerializationError
+from nbrpc._errors import CallCancelledError, DebuggerQuitError, SerializationError
 
-from . import failures, native_output, output, recording, shm, stacks
+from . import cancelling, failures, native_output, output, recording, shm, stacks
 
 # nbrpc's own RPCs (output, ledger, trace) and torch's (group membership, RRef type
 # queries, shutdown) are not user calls: not counted.
@@ -134,7 +134,7 @@ def run_function(python_udf: Any) -> Any:
     if counted:
         with _served.lock:
             _served.in_flight += 1
-    row = None
+    row = running = None
     header = recording.header_of(python_udf)  # its caller, and more (nbrpc._wire.recording)
     if counted:  # what this thread serves, for a stack dump; a row, while recording
         name = recording.function_name(func, python_udf.args, func is call_builtin)
@@ -150,7 +150,13 @@ def run_function(python_udf: Any) -> Any:
     try:
         if isinstance(python_udf, AttributeError):
             raise python_udf
-        result = _torch.run_udf(python_udf)
+        if counted and header and header[5] is not None:  # the stop button reaches it
+            running = cancelling.enter(header[5], name, header[1])
+        try:
+            result = _torch.run_udf(python_udf)
+        finally:
+            if running is not None:  # no interrupt fires after this (see cancelling)
+                cancelling.leave(running)
         unsendable = _unsendable(result, func)
         if unsendable is not None:
             raised = type(unsendable).__name__
@@ -164,9 +170,19 @@ def run_function(python_udf: Any) -> Any:
         raised = type(quit_).__name__
         result = failures.failure(quit_)
         return result
+    except cancelling.Cancelled:  # its cell's calls were cancelled before it started
+        cancelled = CallCancelledError(_process.name(), name, started=False)
+        raised = type(cancelled).__name__
+        result = failures.failure(cancelled)
+        return result
     except BaseException as exc:  # sys.exit() or KeyboardInterrupt must not reach torch's C++
-        raised = type(exc).__name__
-        result = failures.failure(exc, keep=counted)
+        error = exc
+        if running is not None:
+            cancelling.leave(running)  # the interrupt fired in the first leave, before it ended
+            if running.interrupted:  # whatever it raised then: the stop button ended it
+                error = CallCancelledError(_process.name(), running.name)
+        raised = type(error).__name__
+        result = failures.failure(error, keep=counted)
         if output.stderr_replaced():
             # where code replaced sys.stderr, it is logged there, as torch's callee does
             # (on the stream nbrpc set up, a calling cell would show it twice)

@@ -35,7 +35,7 @@ import torch.distributed.rpc as rpc
 
 from nbrpc import _torch
 
-from . import shm
+from . import cancelling, shm
 
 #: call ids: the caller's rank above these bits, its own counter below
 _RANK_SHIFT = 40
@@ -118,10 +118,12 @@ def active() -> _Recording | None:
 # -- the caller's side: a header on every user call --------------------------------------
 
 
-#: A call's header: ``(call id, caller, parent id, sent, reply)``. ``call`` is 0 when the
-#: call is not recorded (then ``parent`` is None and ``sent`` 0.0); ``reply``: the caller
-#: expects its reply through shared memory if the two share a host (nbrpc._wire.shm).
-Header = tuple[int, str, "int | None", float, bool]
+#: A call's header: ``(call id, caller, parent id, sent, reply, origin)``. ``call`` is 0
+#: when the call is not recorded (then ``parent`` is None and ``sent`` 0.0); ``reply``:
+#: the caller expects its reply through shared memory if the two share a host
+#: (nbrpc._wire.shm); ``origin``: the cell whose stop button cancels it, None if none
+#: (nbrpc._wire.cancelling).
+Header = tuple[int, str, "int | None", float, bool, "int | None"]
 
 
 class Recorded:
@@ -164,14 +166,15 @@ def header_for(caller: str, reply: bool, user: bool) -> tuple[Header, dict | Non
     to count the request's bytes (see :func:`outgoing`; a lane sends the header beside
     the call, :mod:`nbrpc._wire.lanes`)."""
     rec = _on if user else None
+    origin = cancelling.origin_here() if user else None
     if rec is None:
-        return (0, caller, None, 0.0, reply), None
+        return (0, caller, None, 0.0, reply, origin), None
     stack = getattr(_thread, "calls", None)
     parent = stack[-1]["id"] if stack else None
     call = rec.rank << _RANK_SHIFT | next(rec.counter)
     message: dict[str, Any] = {"call": call, "bytes": 0, "paths": set()}
     _thread.message = message
-    return (call, caller, parent, clock(), reply), message
+    return (call, caller, parent, clock(), reply, origin), message
 
 
 def counted(reducer: Any, path: str = "tensorpipe") -> Any:
@@ -245,7 +248,7 @@ def begin(python_udf: Any, name: str) -> dict | None:
     rec = _on
     if header is None or rec is None or not header[0]:
         return None
-    call, caller, parent, sent, _ = header
+    call, caller, parent, sent = header[:4]
     row = {
         "id": call,
         "parent": parent,

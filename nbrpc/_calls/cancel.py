@@ -1,0 +1,191 @@
+"""The stop button stops the work it started: the caller's side of cancelling.
+
+When the stop button ends a cell (its ``KeyboardInterrupt`` seen in one of nbrpc's
+waits, or, for a cell stopped anywhere else, IPython's ``post_run_cell``) or a script's
+Ctrl-C ends an nbrpc wait, :func:`stop_pressed` cancels the calls of the main thread's
+current cell (their *origins*, :mod:`nbrpc._wire.cancelling`) in every process of the
+cluster: those the cell made, still running or not started yet, and the calls they made
+in turn. The
+kernel asks each worker through its engine (ipyparallel's channel, served on the
+worker's main thread, which busy RPC threads do not hold), so a worker whose every RPC
+thread is busy is reached too. Then:
+
+* one line per cancelled function and worker is printed in the cell;
+* a call that did not end within :data:`nbrpc._wire.cancelling.GRACE_S` (inside C code,
+  or catching ``BaseException``) is named at once, and :data:`REPORT_AFTER_S` after the
+  stop, if it still runs, the cell shows its stack and how to restart its worker.
+
+:func:`cancel` does the same for one future (``nbrpc.cancel(fut)``), from any thread.
+Calls made from other threads than the main one, and futures of earlier cells, are left
+alone (docs/errors.md).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nbrpc import _process
+from nbrpc._wire import cancelling
+
+#: seconds after the stop at which calls still running are shown with their stacks
+REPORT_AFTER_S = 5.0
+
+#: ``broadcast(lo, hi, grace, ask)`` -> ``{process name: rows}`` (set by the lifecycle
+#: while a cluster is up): :func:`nbrpc._wire.cancelling.cancel` in every process, the
+#: kernel included
+Broadcast = Callable[[int, int, float, bool], dict[str, list[dict[str, Any]]]]
+
+
+@dataclass
+class _Cancel:
+    broadcast: Broadcast | None = None
+    #: ``stacks(name)`` -> the process's thread rows (nbrpc.stacks), for the late report
+    stacks: Callable[[str], list[dict[str, Any]]] | None = None
+
+
+_cancel = _Cancel()
+
+
+def set_cluster(broadcast: Broadcast | None, stacks: Any = None) -> None:
+    """A cluster is up (its broadcast) or gone (None)."""
+    _cancel.broadcast, _cancel.stacks = broadcast, stacks
+
+
+def new_cell(*_: Any) -> None:
+    """A cell starts: its calls get origins of their own (IPython's ``pre_run_cell``)."""
+    cancelling.next_cell()
+
+
+@dataclass
+class _Watched:
+    cells: bool = False
+
+
+_watched = _Watched()
+
+
+def watch_cells() -> None:
+    """In an IPython kernel, once: each cell's calls are its own, and a cell the stop
+    button ended has them cancelled (IPython's events)."""
+    ipython = _process.shell()
+    if ipython is None or _watched.cells:
+        return
+    _watched.cells = True
+    ipython.events.register("pre_run_cell", new_cell)
+    ipython.events.register("post_run_cell", cell_ended)
+
+
+def cell_ended(result: Any) -> None:
+    """IPython's ``post_run_cell``: a cell the stop button ended outside nbrpc's waits
+    (``time.sleep`` after ``rpc_async``) has its calls cancelled too."""
+    if isinstance(getattr(result, "error_in_exec", None), KeyboardInterrupt):
+        stop_pressed()
+
+
+def stop_pressed() -> None:
+    """The main thread was stopped: cancel its cell's calls everywhere, say what stopped."""
+    origins = cancelling.cell_origins()
+    if origins is None or _cancel.broadcast is None:
+        return  # no call since the cell started (or since the last cancel)
+    cancelling.next_cell()  # calls made from now on are not this cancel's
+    _report(_cancel.broadcast(*origins, cancelling.GRACE_S, False), origins)
+
+
+def _report(rows: dict[str, list[dict[str, Any]]], origins: tuple[int, int]) -> None:
+    counts: dict[tuple[str, str], int] = {}
+    running: dict[str, list[dict[str, Any]]] = {}
+    for worker, mine in rows.items():
+        for row in mine:
+            if row["stopped"]:
+                counts[worker, row["name"]] = counts.get((worker, row["name"]), 0) + 1
+            else:
+                running.setdefault(worker, []).append(row)
+    lines = []
+    for (worker, name), n in counts.items():
+        several = f" ({n} calls)" if n > 1 else ""
+        lines.append(f"nbrpc: cancelled {name} on {worker}{several}")
+    for worker, mine in running.items():
+        names = ", ".join(sorted({r["name"] for r in mine}))
+        lines.append(
+            f"nbrpc: cancelling {names} on {worker}: it still runs, inside C code (time.sleep,"
+            " a long operation) or catching BaseException, and stops at its next Python line."
+            f" If it still runs {REPORT_AFTER_S:g} s after the stop, this cell shows its stack."
+        )
+    if lines:
+        print("\n".join(lines), file=sys.stderr, flush=True)
+    if running:
+        context = contextvars.copy_context()  # the cell's: the late report goes there
+        timer = threading.Timer(
+            REPORT_AFTER_S - cancelling.GRACE_S, context.run, (_late_report, origins)
+        )
+        timer.daemon = True
+        timer.start()
+
+
+def _late_report(origins: tuple[int, int]) -> None:
+    broadcast, stacks = _cancel.broadcast, _cancel.stacks
+    if broadcast is None:
+        return
+    try:
+        still = broadcast(*origins, 0.0, True)
+    except Exception:
+        return
+    lines = []
+    for worker, rows in still.items():
+        if not rows:
+            continue
+        frames = _frames(stacks, worker, {r["thread"] for r in rows})
+        names = ", ".join(sorted({r["name"] for r in rows}))
+        lines.append(
+            f"nbrpc: {names} on {worker} still runs {REPORT_AFTER_S:g} s after the stop "
+            f"button; it ends when its C code returns to Python.{frames}\n"
+            f"  To stop it now: %rpc_restart {worker} (a new process under the same name; "
+            "its state is lost)."
+        )
+    if lines:
+        print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def _frames(stacks: Any, worker: str, threads: set[int]) -> str:
+    if stacks is None:
+        return ""
+    try:
+        (row,) = stacks(worker)
+    except Exception:
+        return ""
+    out = []
+    for t in row["threads"]:
+        if t["thread"] in threads:
+            frames = [f for f in t["frames"] if not f["file"].startswith(_NOT_USERS)][-4:]
+            out.extend(f"\n    {f['file']}:{f['line']} in {f['function']}" for f in frames)
+    return "\n  Its stack (innermost last):" + "".join(out) if out else ""
+
+
+#: frames of nbrpc's and torch's own code, left out of a stuck call's stack
+_NOT_USERS = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))
+
+
+def cancel(fut: Any) -> bool:
+    """Cancel the call behind ``fut`` (a future nbrpc's ``rpc_async`` returned) where it
+    runs, with the calls it made; True if it had not finished. Its ``wait()`` then raises
+    :class:`~nbrpc.CallCancelledError`."""
+    origin = getattr(fut, "origin", None)
+    if fut.done() or origin is None or _cancel.broadcast is None:
+        return False
+    _cancel.broadcast(origin, origin, cancelling.GRACE_S, False)
+    deadline = time.monotonic() + cancelling.GRACE_S
+    while not fut.done() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return True
+
+
+cancelling.on_stop(stop_pressed)

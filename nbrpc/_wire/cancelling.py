@@ -1,0 +1,204 @@
+"""Calls cancelled where they run: the stop button's reach beyond the kernel.
+
+torch has no cancellation. nbrpc gives every user call an *origin*, in its header
+(:mod:`nbrpc._wire.recording`): a number unique in the cluster, the caller's random prefix
+above a count. A call made inside a call, on the thread serving it, has the origin of the
+call it serves, however deep the chain goes; any other call has a new one. The main
+thread's (a notebook's cells, a script's) count up in their own range, so the calls of
+one cell are the origins from its first call to its last (:func:`cell_origins`; the kernel
+starts a new range as each cell starts, and after each cancel). Calls from other threads
+(a ``.then`` callback, a thread the user started) count elsewhere: the stop button
+leaves them alone, ``nbrpc.cancel(fut)`` reaches them one by one.
+
+Cancelling a range of origins (:func:`cancel`, run on every process of the cluster by the kernel,
+on each worker's engine thread, which the busy RPC threads do not hold) does two things:
+
+* every thread serving a call of that origin gets ``KeyboardInterrupt`` raised in it, once,
+  asynchronously (``PyThreadState_SetAsyncExc``: Python delivers it at the thread's next
+  bytecode; a thread inside one long C call, ``time.sleep`` or a C loop, stops when it
+  returns to Python). A thread waiting in torch's C++ wait on a call it made to another
+  worker stops when that call, cancelled there too, answers;
+* the origin is remembered: a call of it that starts later (queued behind busy threads,
+  or still on its way) fails at once, unrun.
+
+The race ``%%rpc`` cells guard against is guarded here the same way: the interrupt is set
+only while the thread is registered as running that call, under the lock that
+:func:`leave` takes to unregister it and to clear an interrupt set but not yet delivered.
+So an interrupt never fires after the function returned, inside the reply's pickling
+(which torch runs in C++ right after), and a call that finished keeps its result.
+
+The cancelled call fails with :class:`~nbrpc.CallCancelledError`, which its caller
+raises: ``fut.wait()`` of a future the cell never waited on, ``to_here()`` of an RRef
+whose creation was cancelled.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+#: origins are this process's prefix (random: unique in a cluster, for all practical
+#: purposes) above a counter: the main thread's calls count up from 1, other threads'
+#: from :data:`_OTHERS`
+_PREFIX = (random.getrandbits(30) | 1) << 33
+_OTHERS = 1 << 32
+#: origin ranges cancelled here, remembered for calls of theirs that start later
+_REMEMBERED = 64
+GRACE_S = 0.5  # how long cancel() waits for the interrupted calls to end
+
+
+@dataclass
+class Running:
+    """A call of a cancellable origin, running on ``thread``."""
+
+    origin: int
+    name: str
+    caller: str
+    thread: int
+    outer: int | None  # the origin this thread's nested calls had before this call
+    interrupted: bool = False
+
+
+@dataclass
+class _Here:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    running: dict[int, Running] = field(default_factory=dict)  # id(entry) -> entry
+    cancelled: list[tuple[int, int]] = field(default_factory=list)  # (lo, hi), newest last
+    main: int = 0  # the main thread's last origin (counter part)
+    cell_first: int = 1  # the first origin of the main thread's current cell
+    others: Any = field(default_factory=lambda: itertools.count(_OTHERS + 1))
+
+
+_here = _Here()
+_thread = threading.local()  # .origin: of the call this thread serves; .last: of its last call
+
+
+def origin_here() -> int | None:
+    """The origin of a call made on this thread now: the served call's (a nested call),
+    a new one per call otherwise (the main thread's count within its cell)."""
+    origin = getattr(_thread, "origin", None)
+    if origin is None:
+        if threading.current_thread() is threading.main_thread():
+            _here.main += 1
+            origin = _PREFIX | _here.main
+        else:
+            origin = _PREFIX | next(_here.others)
+    _thread.last = origin
+    return origin
+
+
+def forget_last() -> None:
+    """A call is about to be sent: :func:`last_origin` is its, or None if it has none."""
+    _thread.last = None
+
+
+def last_origin() -> int | None:
+    """The origin of the last call this thread made (read right after it was sent)."""
+    return getattr(_thread, "last", None)
+
+
+def next_cell() -> None:
+    """The main thread's calls from now on are a new cell's (or come after a cancel:
+    they are not its)."""
+    _here.cell_first = _here.main + 1
+
+
+def cell_origins() -> tuple[int, int] | None:
+    """The origins of the main thread's calls in its current cell (None: it made none)."""
+    if _here.main < _here.cell_first:
+        return None
+    return _PREFIX | _here.cell_first, _PREFIX | _here.main
+
+
+class Cancelled(Exception):
+    """Raised in place of running a call of an origin cancelled before it started."""
+
+
+def enter(origin: int, name: str, caller: str) -> Running:
+    """This thread starts serving a call of ``origin``; its nested calls carry it."""
+    entry = Running(origin, name, caller, threading.get_ident(), getattr(_thread, "origin", None))
+    with _here.lock:
+        for lo, hi in _here.cancelled:
+            if lo <= origin <= hi:
+                raise Cancelled(name)
+        _here.running[id(entry)] = entry
+    _thread.origin = origin
+    return entry
+
+
+def leave(entry: Running) -> None:
+    """The call ended (idempotent): no interrupt for it may fire from now on."""
+    _thread.origin = entry.outer
+    with _here.lock:
+        if _here.running.pop(id(entry), None) is not None and entry.interrupted:
+            _set_async_exc(entry.thread, None)  # set, maybe not delivered yet: never after this
+
+
+def _set_async_exc(ident: int, exc: type[BaseException] | None) -> None:
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(ident), ctypes.py_object(exc) if exc is not None else None
+    )
+
+
+def cancel(lo: int, hi: int, grace: float = GRACE_S, ask: bool = False) -> list[dict[str, Any]]:
+    """Cancel the calls of origins ``lo``..``hi`` in this process (see the module's
+    docstring) and wait up to ``grace`` seconds for the running ones to end; ``ask``:
+    cancel nothing, list those still running. One row per call that was running:
+    ``name``, ``caller``, ``thread``, ``pid``, ``stopped`` (it ended within ``grace``)."""
+    with _here.lock:
+        hit = [e for e in _here.running.values() if lo <= e.origin <= hi]
+        if not ask:
+            _here.cancelled.append((lo, hi))
+            del _here.cancelled[:-_REMEMBERED]
+            for entry in hit:
+                if not entry.interrupted:
+                    entry.interrupted = True
+                    _set_async_exc(entry.thread, KeyboardInterrupt)
+    deadline = time.monotonic() + grace
+    while hit and time.monotonic() < deadline and _still([id(e) for e in hit]):
+        time.sleep(0.005)
+    left = set(_still([id(e) for e in hit]))
+    return [
+        {
+            "name": e.name,
+            "caller": e.caller,
+            "thread": e.thread,
+            "pid": os.getpid(),
+            "stopped": id(e) not in left,
+        }
+        for e in hit
+    ]
+
+
+def _still(keys: list[int]) -> list[int]:
+    with _here.lock:
+        return [k for k in keys if k in _here.running]
+
+
+# -- the caller's side: the stop button seen in one of nbrpc's waits -----------------------
+
+
+@dataclass
+class _Stop:
+    handler: Any = None  # set by nbrpc._calls.cancel: cancel the main thread's calls
+
+
+_stop = _Stop()
+
+
+def on_stop(handler: Any) -> None:
+    """``handler()`` runs when the stop button (``KeyboardInterrupt``) ends one of nbrpc's
+    waits on the main thread (:func:`stopped`)."""
+    _stop.handler = handler
+
+
+def stopped() -> None:
+    """The main thread's wait ended with ``KeyboardInterrupt``: its calls are cancelled."""
+    if _stop.handler is not None:
+        _stop.handler()

@@ -1,0 +1,271 @@
+"""The stop button stops the work it started (nbrpc._calls.cancel, nbrpc._wire.cancelling):
+in a real kernel, cells typed as a person types them, the stop button pressed (the
+kernel manager's interrupt, what JupyterLab's button sends); on lanes and on TensorPipe;
+and a script's Ctrl-C."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+from conftest import running_kernel, wait_until
+
+import nbrpc
+
+FUNCS = """
+import os, threading, time
+import nbrpc
+
+def spin(seconds):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+    return seconds
+
+def chain(seconds):
+    return nbrpc.rpc_sync("worker2", spin, args=(seconds,))
+
+def sleeper(seconds):
+    time.sleep(seconds)
+    return seconds
+
+class Slow:
+    def __init__(self, seconds):
+        spin(seconds)
+
+def running():
+    return [r["calls_in_flight"] for r in nbrpc.status()[1:]]
+
+def quick():
+    t = time.perf_counter()
+    nbrpc.rpc_sync("worker1", spin, args=(0,))
+    return time.perf_counter() - t
+
+def pids():
+    return {r["name"]: r["pid"] for r in nbrpc.status()}
+"""
+
+ROUTES = {"lane": "", "tensorpipe": "nbrpc._wire.lanes.pause(True)\n"}
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    with running_kernel("%load_ext nbrpc\n%rpc_init -n 2", FUNCS) as k:
+        yield k
+
+
+@pytest.fixture(params=list(ROUTES))
+def route(request, kernel):
+    kernel.run(f"import nbrpc._wire.lanes\nnbrpc._wire.lanes.pause({request.param != 'lane'})")
+    yield request.param
+    kernel.run("nbrpc._wire.lanes.pause(False)")
+
+
+def stopped_cleanly(kernel, workers=("worker1",)) -> None:
+    """Nothing runs on the workers any more: no call in flight (what %rpc_status shows)
+    within 2 s, their CPU stays under 5 % over 2 s, and a new call answers in 100 ms."""
+    assert wait_until(lambda: kernel.value("running()") == [0, 0], timeout=2.0), kernel.value(
+        "running()"
+    )
+    status = kernel.run("%rpc_status")
+    assert "calls" in status
+    pids = kernel.value("pids()")
+    for name in workers:
+        cpu = psutil.Process(pids[name]).cpu_percent(interval=2.0)
+        assert cpu < 5.0, f"{name} still uses {cpu:.0f} % of a core after the stop"
+    assert kernel.value("min(quick() for _ in range(3))") < 0.1
+
+
+def test_a_long_loop_on_a_worker_stops_within_2_s(kernel, route):
+    ran_on, errors = kernel.stop_after("nbrpc.rpc_sync('worker1', spin, args=(60,))", 1.5)
+    assert errors
+    assert errors[0].startswith("KeyboardInterrupt"), errors
+    assert ran_on < 2.0, f"the cell ran {ran_on:.1f} s after the stop button"
+    assert "nbrpc: cancelled spin on worker1" in kernel.stderr
+    text = kernel.shown_error()
+    for hidden in ("threading.py", "prompts.py", "facade.py", "caller.py"):
+        assert hidden not in text, text
+    stopped_cleanly(kernel)
+
+
+def test_a_chain_through_two_workers_is_cancelled_on_both(kernel, route):
+    ran_on, errors = kernel.stop_after("nbrpc.rpc_sync('worker1', chain, args=(60,))", 1.5)
+    assert errors
+    assert errors[0].startswith("KeyboardInterrupt"), errors
+    assert ran_on < 2.0
+    assert "cancelled chain on worker1" in kernel.stderr
+    assert "cancelled spin on worker2" in kernel.stderr
+    stopped_cleanly(kernel, ("worker1", "worker2"))
+
+
+def test_a_hundred_pending_futures_are_cancelled_and_say_so(kernel, route):
+    cell = "futs = [nbrpc.rpc_async('worker1', spin, args=(60,)) for _ in range(100)]\n"
+    ran_on, errors = kernel.stop_after(cell + "futs[0].wait()", 1.5)
+    assert errors
+    assert errors[0].startswith("KeyboardInterrupt"), errors
+    assert ran_on < 2.0
+    assert "cancelled spin on worker1" in kernel.stderr
+    out = kernel.run(
+        "kinds = set()\n"
+        "for f in futs:\n"
+        "    try:\n"
+        "        f.wait()\n"
+        "    except Exception as e:\n"
+        "        kinds.add(type(e).__name__)\n"
+        "        said = str(e)\n"
+        "print(kinds, said)"
+    )
+    assert "{'CallCancelledError'}" in out, out
+    assert "the call of spin on worker1 was cancelled" in out
+    stopped_cleanly(kernel)
+
+
+def test_futures_a_cell_stopped_outside_nbrpc_are_cancelled_too(kernel):
+    """The stop button lands in the cell's own time.sleep, not in one of nbrpc's waits."""
+    cell = "futs = [nbrpc.rpc_async('worker2', spin, args=(60,)) for _ in range(3)]\ntime.sleep(60)"
+    ran_on, errors = kernel.stop_after(cell, 1.5)
+    assert errors
+    assert errors[0].startswith("KeyboardInterrupt"), errors
+    assert ran_on < 2.0
+    assert "cancelled spin on worker2 (3 calls)" in kernel.stderr
+    assert wait_until(lambda: kernel.value("all(f.done() for f in futs)"), timeout=2.0)
+    out = kernel.run(
+        "for f in futs:\n"
+        "    try:\n"
+        "        f.wait()\n"
+        "    except nbrpc.CallCancelledError as e:\n"
+        "        print('CANCELLED', e.worker)"
+    )
+    assert out.count("CANCELLED worker2") == 3, out
+    stopped_cleanly(kernel, ("worker2",))
+
+
+def test_futures_of_earlier_cells_and_other_threads_are_left_alone(kernel):
+    kernel.run("earlier = nbrpc.rpc_async('worker2', spin, args=(3,))")
+    kernel.run(
+        "box = {}\n"
+        "t = threading.Thread(target=lambda: box.update(f=nbrpc.rpc_async('worker2', spin, "
+        "args=(3,))))\nt.start(); t.join()"
+    )
+    _, errors = kernel.stop_after("nbrpc.rpc_sync('worker1', spin, args=(60,))", 1.0)
+    assert errors
+    assert errors[0].startswith("KeyboardInterrupt")
+    assert "worker2" not in kernel.stderr
+    assert kernel.value("[earlier.wait(), box['f'].wait()]") == [3, 3]
+
+
+def test_a_remote_whose_creation_was_stopped_fails_naming_it(kernel, route):
+    cell = "r = nbrpc.remote('worker1', Slow, args=(60,))\nr.to_here()"
+    ran_on, errors = kernel.stop_after(cell, 1.5)
+    assert errors
+    assert errors[0].startswith("KeyboardInterrupt"), errors
+    assert ran_on < 2.0
+    _, errors = kernel.execute("r.to_here()")
+    assert errors
+    assert errors[0].startswith("CallCancelledError"), errors
+    assert "the call of Slow on worker1 was cancelled while it ran" in errors[0]
+    stopped_cleanly(kernel)
+
+
+def test_a_call_inside_c_code_is_named_and_shown_with_its_stack_after_5_s(kernel):
+    ran_on, errors = kernel.stop_after("nbrpc.rpc_sync('worker1', sleeper, args=(8,))", 1.0)
+    assert errors
+    assert errors[0].startswith("KeyboardInterrupt"), errors
+    assert ran_on < 2.0
+    assert "cancelling sleeper on worker1: it still runs, inside C code" in kernel.stderr
+    later = late_output(kernel, seconds=6.0)  # printed into the stopped cell, after it ended
+    assert "sleeper on worker1 still runs 5 s after the stop button" in later, later
+    assert "in sleeper" in later  # its stack, the user's frames
+    assert "%rpc_restart worker1" in later
+    assert wait_until(lambda: kernel.value("running()") == [0, 0], timeout=5.0)
+
+
+def late_output(kernel, seconds: float) -> str:
+    """What the kernel prints (on iopub) in the next ``seconds``, to any cell."""
+    text = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            msg = kernel.kc.get_iopub_msg(timeout=max(0.05, end - time.monotonic()))
+        except Exception:
+            continue
+        if msg["msg_type"] == "stream":
+            text.append(msg["content"]["text"])
+    return "".join(text)
+
+
+def test_cancel_of_one_future_from_any_thread(cluster, nb):
+    code = nb(FUNCS)
+    box = {}
+    t = threading.Thread(target=lambda: box.update(f=nbrpc.rpc_async("worker1", code.spin, (60,))))
+    t.start()
+    t.join()
+    keep = nbrpc.rpc_async("worker2", code.spin, (1,))
+    time.sleep(0.3)
+    assert nbrpc.cancel(box["f"]) is True
+    with pytest.raises(nbrpc.CallCancelledError, match="spin on worker1 was cancelled"):
+        box["f"].wait()
+    assert keep.wait() == 1  # another call, not cancelled
+    assert nbrpc.cancel(keep) is False  # finished: nothing to cancel
+
+
+def test_cancels_that_land_as_calls_end_lose_no_worker_and_no_result(cluster, nb):
+    """The race %%rpc guards: an interrupt landing just after the function returned never
+    fires inside the reply's pickling (the worker would lose the RPC thread)."""
+    code = nb(FUNCS)
+    rng = random.Random(7)
+    outcomes = {"value": 0, "cancelled": 0}
+    for _ in range(150):
+        fut = nbrpc.rpc_async("worker1", code.spin, (0.004,))
+        time.sleep(rng.uniform(0.0, 0.008))
+        nbrpc.cancel(fut)
+        try:
+            assert fut.wait() == 0.004
+            outcomes["value"] += 1
+        except nbrpc.CallCancelledError:
+            outcomes["cancelled"] += 1
+    print("cancel at a call's end:", outcomes)
+    assert sum(outcomes.values()) == 150
+    assert [r["state"] for r in nbrpc.status()] == ["ready"] * 3
+    assert nbrpc.rpc_sync("worker1", code.spin, (0,)) == 0
+    assert wait_until(lambda: nbrpc.status()[1]["calls_in_flight"] == 0, timeout=2.0)
+
+
+SCRIPT = """
+import os, signal, threading, time
+import nbrpc
+
+def spin(seconds):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+    return seconds
+
+with nbrpc.init(n=1):
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    t = time.monotonic()
+    try:
+        nbrpc.rpc_sync("worker1", spin, args=(60,))
+    except KeyboardInterrupt:
+        print(f"stopped after {time.monotonic() - t:.1f} s")
+    time.sleep(0.3)
+    print("running", nbrpc.status()[1]["calls_in_flight"])
+    print("next", nbrpc.rpc_sync("worker1", spin, args=(0,)))
+"""
+
+
+def test_a_scripts_ctrl_c_cancels_its_call_on_the_worker():
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "nbrpc: cancelled spin on worker1" in out.stderr
+    assert "running 0" in out.stdout
+    assert "next 0" in out.stdout
+    stopped = float(out.stdout.split("stopped after ")[1].split()[0])
+    assert stopped < 2.5
