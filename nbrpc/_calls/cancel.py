@@ -39,10 +39,10 @@ from nbrpc._wire import cancelling
 #: seconds after the stop at which calls still running are shown with their stacks
 REPORT_AFTER_S = 5.0
 
-#: ``broadcast(lo, hi, grace, ask)`` -> ``{process name: rows}`` (set by the lifecycle
+#: ``broadcast(ranges, grace, ask)`` -> ``{process name: rows}`` (set by the lifecycle
 #: while a cluster is up): :func:`nbrpc._wire.cancelling.cancel` in every process, the
 #: kernel included
-Broadcast = Callable[[int, int, float, bool], dict[str, list[dict[str, Any]]]]
+Broadcast = Callable[[cancelling.Ranges, float, bool], dict[str, list[dict[str, Any]]]]
 
 
 @dataclass
@@ -97,7 +97,7 @@ def stop_pressed() -> None:
     if origins is None or _cancel.broadcast is None:
         return  # no call since the cell started (or since the last cancel)
     cancelling.next_cell()  # calls made from now on are not this cancel's
-    _report(_cancel.broadcast(*origins, cancelling.GRACE_S, False), origins)
+    _report(_cancel.broadcast([origins], cancelling.GRACE_S, False), origins)
 
 
 def _report(rows: dict[str, list[dict[str, Any]]], origins: tuple[int, int]) -> None:
@@ -136,7 +136,7 @@ def _late_report(origins: tuple[int, int]) -> None:
     if broadcast is None:
         return
     try:
-        still = broadcast(*origins, 0.0, True)
+        still = broadcast([origins], 0.0, True)
     except Exception:
         return
     lines = []
@@ -174,18 +174,18 @@ def _frames(stacks: Any, worker: str, threads: set[int]) -> str:
 _NOT_USERS = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))
 
 
-def cancel(fut: Any) -> bool:
-    """Cancel the call behind ``fut`` (a future nbrpc's ``rpc_async`` returned) where it
-    runs, with the calls it made; True if it had not finished. Its ``wait()`` then raises
-    :class:`~nbrpc.CallCancelledError`."""
-    origin = getattr(fut, "origin", None)
-    if fut.done() or origin is None or _cancel.broadcast is None:
-        return False
-    _cancel.broadcast(origin, origin, cancelling.GRACE_S, False)
+def cancel(*futures: Any) -> int:
+    """Cancel the calls behind ``futures`` (futures nbrpc's ``rpc_async`` returned) where
+    they run, with the calls they made, from any thread; how many had not finished.
+    Their ``wait()`` then raises :class:`~nbrpc.CallCancelledError`."""
+    pending = [f for f in futures if not f.done() and getattr(f, "origin", None) is not None]
+    if not pending or _cancel.broadcast is None:
+        return 0
+    _cancel.broadcast([(f.origin, f.origin) for f in pending], cancelling.GRACE_S, False)
     deadline = time.monotonic() + cancelling.GRACE_S
-    while not fut.done() and time.monotonic() < deadline:
+    while not all(f.done() for f in pending) and time.monotonic() < deadline:
         time.sleep(0.005)
-    return True
+    return len(pending)
 
 
 cancelling.on_stop(stop_pressed)

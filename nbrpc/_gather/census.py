@@ -8,6 +8,7 @@ a process that died, left, or did not answer in time is left out (unknown, not a
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -17,9 +18,10 @@ from nbrpc import _group, _ledger, _process, _states
 from nbrpc._calls import facade as calls
 from nbrpc._errors import NbrpcError, RpcTimeoutError, UnknownWorkerError, WorkerDiedError
 from nbrpc._rows import OwnershipRow
-from nbrpc._wire import callee
+from nbrpc._wire import callee, side_door
 
 SNAPSHOT_TIMEOUT_S = 5.0
+ASIDE_AFTER_S = 0.5  # a process that answers no RPC by then is asked another way
 PROBE_TIMEOUT_S = 3.0
 
 
@@ -53,30 +55,68 @@ def figures(dead: frozenset[str] = frozenset()) -> dict[str, Any]:
     }
 
 
+#: ``aside(names, args, timeout)``: :func:`figures` asked of each process past its RPC
+#: threads (the lifecycle's: side doors, engines), the answers by name
+Aside = Callable[[list[str], tuple, float], dict]
+
+
 def snapshots(
-    timeout: float = SNAPSHOT_TIMEOUT_S, skip: set[str] | frozenset = frozenset()
+    timeout: float = SNAPSHOT_TIMEOUT_S,
+    skip: set[str] | frozenset = frozenset(),
+    aside: Aside | None = None,
 ) -> dict:
     """Every live process's ledger snapshot (see :mod:`nbrpc._ledger`), by process name.
 
     Asked of all processes at once. A process that does not answer within ``timeout``
     (or is in ``skip``, e.g. known dead) is left out: its RRefs are unknown, not absent.
+    ``aside``: see :func:`ask_all`.
     """
     _group.require_active("nbrpc.ownership()")
     me = rpc.get_worker_info().name
     skip = frozenset({*skip, *_states.unreachable})
     others = [name for name in _group.member_names() if name != me and name not in skip]
-    return {me: figures(skip), **ask_all(others, figures, (skip,), timeout)}
+    return {me: figures(skip), **ask_all(others, figures, (skip,), timeout, aside)}
 
 
-def ask_all(names: list[str], func: Callable[..., Any], args: tuple, timeout: float) -> dict:
+side_door.answer("figures", figures)
+
+
+def ask_all(
+    names: list[str],
+    func: Callable[..., Any],
+    args: tuple,
+    timeout: float,
+    aside: Aside | None = None,
+) -> dict:
     """``func(*args)`` on every process of ``names`` at once: the answers by name. A
-    process that died, left, or did not answer within ``timeout`` is left out."""
+    process that died, left, or did not answer within ``timeout`` is left out.
+
+    ``aside``: the processes that did not answer by RPC within :data:`ASIDE_AFTER_S`
+    (every RPC thread busy with calls, or calls queued before this one) are asked that
+    way too (``func`` is :func:`figures` then), for the rest of ``timeout``:
+    ``%rpc_status`` of a busy cluster answers."""
     asked = {}
     for name in names:
         try:
             asked[name] = calls.start_call("ask", name, func, args, None, timeout)
         except (WorkerDiedError, UnknownWorkerError):  # it left since the list was read
             continue
+    deadline = time.monotonic() + timeout
+    if aside is not None:
+        quick = time.monotonic() + min(ASIDE_AFTER_S, timeout)
+        while time.monotonic() < quick and not all(f.done() for f in asked.values()):
+            time.sleep(0.005)
+        slow = [name for name, fut in asked.items() if not fut.done()]
+        if slow:
+            with contextlib.suppress(Exception):
+                found = aside(slow, args, max(0.1, deadline - time.monotonic()))
+                for name in found:
+                    asked.pop(name, None)
+                return {**_answers(asked), **found}
+    return _answers(asked)
+
+
+def _answers(asked: dict[str, Any]) -> dict:
     found = {}
     for name, fut in asked.items():
         try:

@@ -21,9 +21,12 @@ A cluster still running at interpreter exit is shut down by an ``atexit`` hook.
 from __future__ import annotations
 
 import atexit
+import collections
+import contextlib
 import enum
 import logging
 import os
+import sys
 import textwrap
 import time
 from dataclasses import dataclass
@@ -43,7 +46,7 @@ from nbrpc._errors import (
 from nbrpc._gather import census, stacks as gathered_stacks
 from nbrpc._options import Options, Settings, options_doc
 from nbrpc._rows import StackRow, StatusRow, WorkerRecord, WorkerState
-from nbrpc._wire import cancelling, lanes, native_output, shm
+from nbrpc._wire import cancelling, lanes, native_output, shm, side_door
 
 from . import boot, collective, restart as restarts
 
@@ -55,6 +58,7 @@ DEAD_RELEASE_TIMEOUT_S = 2.0  # RRefs owned by a dead worker are never confirmed
 # in an earlier cluster leaves torch waiting for the whole timeout, so bound it.
 RELEASE_TIMEOUT_S = 5.0
 NOTHING_HELD_RELEASE_TIMEOUT_S = 0.2
+SAY_WAITING_AFTER_S = 1.0  # a graceful shutdown waiting on calls says so after this
 CANCEL_REACH_S = 3.0  # beyond the grace: how long a cancel waits for an engine to answer
 
 
@@ -260,27 +264,46 @@ class Cluster:
             return ""
         return self.engines.source.last_output(record.pid)
 
-    def _cancel_everywhere(
-        self, lo: int, hi: int, grace: float, ask: bool
-    ) -> dict[str, list[dict[str, Any]]]:
-        """:func:`nbrpc._wire.cancelling.cancel` in every live process, through the
-        engines (their main threads, which busy RPC threads do not hold), in parallel."""
-        rows = {self.self_name: cancelling.cancel(lo, hi, 0.0, ask)}
+    def _ask_aside(
+        self, names: list[str], question: str, func: Any, args: tuple, timeout: float
+    ) -> dict[str, Any]:
+        """``func(*args)`` in the workers ``names``, past their RPC threads (busy, or with
+        calls queued): at the side door of this host's (:mod:`nbrpc._wire.side_door`,
+        ``question`` names ``func`` there), through the engines of the others (their main
+        threads), all in parallel; the answers by name, within ``timeout``."""
+        names = [n for n in names if n not in _states.unreachable]
+        found: dict[str, Any] = {}
+        directory = lanes.directory()
+        if directory is not None:
+            doors = {n: side_door.path_of(directory, n) for n in names}
+            doors = {n: path for n, path in doors.items() if os.path.exists(path)}
+            found.update(side_door.ask(doors, question, args, timeout))
         asked = {}
-        for name, eid in self.booted.engine_of.items():
-            if name in _states.unreachable:
+        for name in names:
+            eid = self.booted.engine_of.get(name)
+            if eid is None or name in found:
                 continue
-            try:
-                asked[name] = self.engines.apply(eid, cancelling.cancel, lo, hi, grace, ask)
-            except Exception as exc:  # an engine ipyparallel lost meanwhile
-                log.warning("cancelling on %s: %s", name, exc)
-        deadline = time.monotonic() + grace + CANCEL_REACH_S
+            with contextlib.suppress(Exception):  # an engine ipyparallel lost meanwhile
+                asked[name] = self.engines.apply(eid, func, *args)
+        deadline = time.monotonic() + timeout
         for name, ar in asked.items():
-            try:
-                rows[name] = ar.get(timeout=max(0.1, deadline - time.monotonic()))
-            except Exception as exc:
-                log.warning("cancelling on %s: %s", name, _engines.remote_message(exc))
-        return rows
+            with contextlib.suppress(Exception):
+                found[name] = ar.get(timeout=max(0.1, deadline - time.monotonic()))
+        return found
+
+    def _figures_aside(self, names: list[str], args: tuple, timeout: float) -> dict:
+        return self._ask_aside(names, "figures", census.figures, args, timeout)
+
+    def _cancel_everywhere(
+        self, ranges: cancelling.Ranges, grace: float, ask: bool
+    ) -> dict[str, list[dict[str, Any]]]:
+        """:func:`nbrpc._wire.cancelling.cancel` in every live process: the kernel's own
+        RPC threads here, the workers' past their RPC threads (:meth:`_ask_aside`)."""
+        rows = {self.self_name: cancelling.cancel(ranges, 0.0, ask)}
+        args = (ranges, grace, ask)
+        names = list(self.booted.engine_of)
+        timeout = grace + CANCEL_REACH_S
+        return {**rows, **self._ask_aside(names, "cancel", cancelling.cancel, args, timeout)}
 
     def _live_engine_ids(self) -> list[int]:
         if self.engines.client is None or not self.booted.engine_of:
@@ -311,7 +334,11 @@ class Cluster:
         _states.leaving(r.name for r in self.records[1:])
         with native_output.quiet_stderr_while_leaving(leaving):  # a script's, as a kernel's
             try:
-                self._leave(graceful, timeout)
+                try:
+                    self._leave(graceful, timeout)
+                except KeyboardInterrupt:  # the stop button: no more waiting, but no half-leave
+                    self._stopped_while_leaving()
+                    raise
             finally:
                 lanes.close()
                 local = [r.pid for r in self.records[1:] if r.local]
@@ -321,6 +348,19 @@ class Cluster:
                 sweep_segments(segment_prefix(os.getpid()))
                 _states.stopped([r.name for r in self.records[1:] if r.state is WorkerState.READY])
                 self._enter(ClusterState.CLOSED)
+
+    def _stopped_while_leaving(self) -> None:
+        """The stop button during a graceful shutdown: every call still running is
+        cancelled and the workers are dropped from the group at once (a non-graceful
+        shutdown's end), so that the next ``init`` starts clean, under the same names."""
+        with contextlib.suppress(Exception):
+            self._cancel_everywhere(cancelling.EVERYTHING, cancelling.GRACE_S, False)
+        print(
+            "nbrpc: the stop button during shutdown: the calls still running were "
+            "cancelled and the workers stopped without waiting; %rpc_init starts anew.",
+            file=sys.stderr,
+        )
+        self._leave(graceful=False, timeout=0)
 
     def _leave(self, graceful: bool, timeout: float) -> None:
         """The workers leave the RPC group (the dead ones are removed on their behalf)."""
@@ -394,8 +434,11 @@ class Cluster:
         return min(timeout, RELEASE_TIMEOUT_S)
 
     def _wait_for_calls_in_flight(self, timeout: float) -> None:
-        """Graceful: the kernel's calls still running finish first (bounded by ``timeout``)."""
-        deadline = time.monotonic() + timeout
+        """Graceful: the kernel's calls still running finish first (bounded by ``timeout``);
+        after :data:`SAY_WAITING_AFTER_S`, the cell says which, for how long at most, and
+        that the stop button cancels them."""
+        started = time.monotonic()
+        deadline, said = started + timeout, False
         while time.monotonic() < deadline:
             try:
                 if calls.calls_in_flight() == 0:
@@ -404,8 +447,29 @@ class Cluster:
                 return
             if self.dead_workers():  # a dead worker's calls fail by themselves
                 return
+            if not said and time.monotonic() - started > SAY_WAITING_AFTER_S:
+                said = True
+                self._say_waiting(deadline - time.monotonic())
             time.sleep(0.05)
         log.warning("shutdown: calls still running after %.0f s; leaving anyway", timeout)
+
+    def _say_waiting(self, left: float) -> None:
+        try:
+            rows = self._cancel_everywhere(cancelling.EVERYTHING, 0.0, True)
+        except Exception:
+            rows = {}
+        running = [
+            f"{name} on {worker}" + (f" ({n} calls)" if n > 1 else "")
+            for worker, mine in rows.items()
+            for name, n in collections.Counter(r["name"] for r in mine).items()
+        ]
+        print(
+            f"nbrpc: shutdown waits up to {left:.0f} s for the calls still running"
+            + (f": {', '.join(running)}" if running else "")
+            + ". The stop button cancels them and shuts down at once.",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def __enter__(self) -> Cluster:
         if self.state is ClusterState.NOT_STARTED:
@@ -435,7 +499,7 @@ class Cluster:
         snaps: dict[str, dict] = {}
         if self.state is ClusterState.READY:
             dead = set(self.dead_workers(ask_ipyparallel))
-            snaps = census.snapshots(timeout, skip=dead)
+            snaps = census.snapshots(timeout, skip=dead, aside=self._figures_aside)
         rows: list[StatusRow] = []
         for r in self.records:
             snap = snaps.get(r.name) if r.state is WorkerState.READY else None

@@ -23,6 +23,13 @@ def _path(row: Mapping[str, Any]) -> str:
     return "+".join(paths)
 
 
+def _outcome(row: Mapping[str, Any]) -> str:
+    """ "ok", "cancelled" (the stop button: nbrpc._calls.cancel), or the error's type."""
+    if row["ok"]:
+        return "ok"
+    return "cancelled" if row["error"] == "CallCancelledError" else str(row["error"])
+
+
 def timeline_text(calls: Sequence[Mapping[str, Any]], processes: list[str], recording: bool) -> str:
     """The recording as a table: one line per call (the first 40), nested calls indented."""
     state = "recording" if recording else "recorded"
@@ -43,7 +50,7 @@ def timeline_text(calls: Sequence[Mapping[str, Any]], processes: list[str], reco
                 "  " * d + c["function"],
                 bytes_text(c["bytes_in"]) + " / " + bytes_text(c["bytes_out"]),
                 _path(c) or "–",
-                "ok" if c["ok"] else str(c["error"]),
+                _outcome(c),
             ]
         )
     if rows:
@@ -111,7 +118,13 @@ def timeline_svg(calls: Sequence[Mapping[str, Any]], processes: list[str], width
             f"{_ms(c['end_s'] - c['start_s'])} (sent at {c['sent_s'] * 1e3:.2f} ms), "
             f"in {bytes_text(c['bytes_in'])}, out {bytes_text(c['bytes_out'])}"
             + (f", path {_path(c)}" if _path(c) else "")
-            + ("" if c["ok"] else f", raised {c['error']}")
+            + (
+                ""
+                if c["ok"]
+                else ", cancelled"
+                if _outcome(c) == "cancelled"
+                else f", raised {c['error']}"
+            )
             + f", id {c['id']}"
             + (f", inside {c['parent']}" if c["parent"] is not None else "")
         )

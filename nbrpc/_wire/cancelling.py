@@ -43,13 +43,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import side_door
+
 #: origins are this process's prefix (random: unique in a cluster, for all practical
 #: purposes) above a counter: the main thread's calls count up from 1, other threads'
 #: from :data:`_OTHERS`
 _PREFIX = (random.getrandbits(30) | 1) << 33
 _OTHERS = 1 << 32
-#: origin ranges cancelled here, remembered for calls of theirs that start later
+#: origins cancelled here, remembered for calls of theirs that start later: cells' ranges
+#: (looked through at each call's start) and single calls' origins
 _REMEMBERED = 64
+_REMEMBERED_SINGLE = 8192
+EVERY = (1 << 64) - 1  # cancel(0, EVERY): every call of every origin (a shutdown's)
 GRACE_S = 0.5  # how long cancel() waits for the interrupted calls to end
 
 
@@ -70,6 +75,7 @@ class _Here:
     lock: threading.Lock = field(default_factory=threading.Lock)
     running: dict[int, Running] = field(default_factory=dict)  # id(entry) -> entry
     cancelled: list[tuple[int, int]] = field(default_factory=list)  # (lo, hi), newest last
+    single: dict[int, None] = field(default_factory=dict)  # single origins, oldest first
     main: int = 0  # the main thread's last origin (counter part)
     cell_first: int = 1  # the first origin of the main thread's current cell
     others: Any = field(default_factory=lambda: itertools.count(_OTHERS + 1))
@@ -124,6 +130,8 @@ def enter(origin: int, name: str, caller: str) -> Running:
     """This thread starts serving a call of ``origin``; its nested calls carry it."""
     entry = Running(origin, name, caller, threading.get_ident(), getattr(_thread, "origin", None))
     with _here.lock:
+        if origin in _here.single:
+            raise Cancelled(name)
         for lo, hi in _here.cancelled:
             if lo <= origin <= hi:
                 raise Cancelled(name)
@@ -146,16 +154,22 @@ def _set_async_exc(ident: int, exc: type[BaseException] | None) -> None:
     )
 
 
-def cancel(lo: int, hi: int, grace: float = GRACE_S, ask: bool = False) -> list[dict[str, Any]]:
-    """Cancel the calls of origins ``lo``..``hi`` in this process (see the module's
+#: origins as ``(lo, hi)`` ranges, both ends included
+Ranges = list[tuple[int, int]]
+#: every call of every origin (a shutdown's cancel)
+EVERYTHING: Ranges = [(0, EVERY)]
+
+
+def cancel(ranges: Ranges, grace: float = GRACE_S, ask: bool = False) -> list[dict[str, Any]]:
+    """Cancel the calls of the origins in ``ranges`` in this process (see the module's
     docstring) and wait up to ``grace`` seconds for the running ones to end; ``ask``:
     cancel nothing, list those still running. One row per call that was running:
     ``name``, ``caller``, ``thread``, ``pid``, ``stopped`` (it ended within ``grace``)."""
     with _here.lock:
-        hit = [e for e in _here.running.values() if lo <= e.origin <= hi]
+        hit = [e for e in _here.running.values() if any(lo <= e.origin <= hi for lo, hi in ranges)]
+        if not ask and ranges != EVERYTHING:  # a shutdown's is not kept: an attached
+            _remember(ranges)  # engine serves the next cluster
         if not ask:
-            _here.cancelled.append((lo, hi))
-            del _here.cancelled[:-_REMEMBERED]
             for entry in hit:
                 if not entry.interrupted:
                     entry.interrupted = True
@@ -174,6 +188,19 @@ def cancel(lo: int, hi: int, grace: float = GRACE_S, ask: bool = False) -> list[
         }
         for e in hit
     ]
+
+
+def _remember(ranges: Ranges) -> None:
+    """Keep ``ranges`` for calls of theirs that start later (under the lock): single
+    origins (``nbrpc.cancel(fut)``) in a set, a cell's ranges in a short list."""
+    for lo, hi in ranges:
+        if lo == hi:
+            _here.single[lo] = None
+        else:
+            _here.cancelled.append((lo, hi))
+    del _here.cancelled[:-_REMEMBERED]
+    while len(_here.single) > _REMEMBERED_SINGLE:
+        del _here.single[next(iter(_here.single))]
 
 
 def _still(keys: list[int]) -> list[int]:
@@ -202,3 +229,6 @@ def stopped() -> None:
     """The main thread's wait ended with ``KeyboardInterrupt``: its calls are cancelled."""
     if _stop.handler is not None:
         _stop.handler()
+
+
+side_door.answer("cancel", cancel)

@@ -14,7 +14,7 @@ import socket
 import threading
 
 from nbrpc import _process
-from nbrpc._wire import shm
+from nbrpc._wire import shm, side_door
 
 from .callee import accept, run
 from .pool import Pool
@@ -54,6 +54,7 @@ def open_here(directory: str, threads: int, made: bool = False) -> bool:
         listener.close()
         return False
     here.directory, here.listener = directory, listener
+    side_door.open_here(directory, _process.name())  # questions a busy process answers
     here.made_directory = made
     here.pool = Pool(threads, run)  # runs pooled calls: torch's num_worker_threads
     threading.Thread(target=accept, args=(listener,), name="nbrpc-lanes", daemon=True).start()
@@ -89,6 +90,7 @@ def close() -> None:
     caller waiting on one gets :class:`~.state.LaneLost`), the socket file removed."""
     listener, directory = here.listener, here.directory
     here.directory = here.listener = None
+    side_door.close()
     here.paused = False
     if listener is not None:
         shut(listener)
