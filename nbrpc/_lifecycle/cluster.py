@@ -21,7 +21,6 @@ A cluster still running at interpreter exit is shut down by an ``atexit`` hook.
 from __future__ import annotations
 
 import atexit
-import collections
 import contextlib
 import enum
 import logging
@@ -46,9 +45,9 @@ from nbrpc._errors import (
 from nbrpc._gather import census, stacks as gathered_stacks
 from nbrpc._options import Options, Settings, options_doc
 from nbrpc._rows import StackRow, StatusRow, WorkerRecord, WorkerState
-from nbrpc._wire import cancelling, lanes, native_output, shm, side_door
+from nbrpc._wire import cancelling, lanes, native_output, shm
 
-from . import boot, collective, restart as restarts
+from . import aside, boot, collective, restart as restarts
 
 log = logging.getLogger("nbrpc")
 
@@ -59,7 +58,6 @@ DEAD_RELEASE_TIMEOUT_S = 2.0  # RRefs owned by a dead worker are never confirmed
 RELEASE_TIMEOUT_S = 5.0
 NOTHING_HELD_RELEASE_TIMEOUT_S = 0.2
 SAY_WAITING_AFTER_S = 1.0  # a graceful shutdown waiting on calls says so after this
-CANCEL_REACH_S = 3.0  # beyond the grace: how long a cancel waits for an engine to answer
 
 
 class ClusterState(enum.Enum):
@@ -114,6 +112,8 @@ class Cluster:
         self.state = ClusterState.NOT_STARTED
         self.booted = boot.Booted()
         self.engines = _engines.Engines(self.settings)
+        #: the workers reached past their RPC threads (a cancel, %rpc_status's figures)
+        self.aside = aside.Aside(self.engines, self.booted, self.settings.self_name)
 
     # settings the notebook and tests read from the cluster itself
     n = property(lambda self: self.settings.n)
@@ -140,7 +140,7 @@ class Cluster:
         self.state = state
         calls.set_active(state is ClusterState.READY, last_output=self.last_output)
         if state is ClusterState.READY:  # the stop button reaches the workers' calls
-            cancel.set_cluster(self._cancel_everywhere, lambda name: stacks(name))
+            cancel.set_cluster(self.aside.cancel, lambda name: stacks(name))
         else:
             cancel.set_cluster(None)
         if state in (ClusterState.SHUTTING_DOWN, ClusterState.CLOSED):
@@ -264,47 +264,6 @@ class Cluster:
             return ""
         return self.engines.source.last_output(record.pid)
 
-    def _ask_aside(
-        self, names: list[str], question: str, func: Any, args: tuple, timeout: float
-    ) -> dict[str, Any]:
-        """``func(*args)`` in the workers ``names``, past their RPC threads (busy, or with
-        calls queued): at the side door of this host's (:mod:`nbrpc._wire.side_door`,
-        ``question`` names ``func`` there), through the engines of the others (their main
-        threads), all in parallel; the answers by name, within ``timeout``."""
-        names = [n for n in names if n not in _states.unreachable]
-        found: dict[str, Any] = {}
-        directory = lanes.directory()
-        if directory is not None:
-            doors = {n: side_door.path_of(directory, n) for n in names}
-            doors = {n: path for n, path in doors.items() if os.path.exists(path)}
-            found.update(side_door.ask(doors, question, args, timeout))
-        asked = {}
-        for name in names:
-            eid = self.booted.engine_of.get(name)
-            if eid is None or name in found:
-                continue
-            with contextlib.suppress(Exception):  # an engine ipyparallel lost meanwhile
-                asked[name] = self.engines.apply(eid, func, *args)
-        deadline = time.monotonic() + timeout
-        for name, ar in asked.items():
-            with contextlib.suppress(Exception):
-                found[name] = ar.get(timeout=max(0.1, deadline - time.monotonic()))
-        return found
-
-    def _figures_aside(self, names: list[str], args: tuple, timeout: float) -> dict:
-        return self._ask_aside(names, "figures", census.figures, args, timeout)
-
-    def _cancel_everywhere(
-        self, ranges: cancelling.Ranges, grace: float, ask: bool
-    ) -> dict[str, list[dict[str, Any]]]:
-        """:func:`nbrpc._wire.cancelling.cancel` in every live process: the kernel's own
-        RPC threads here, the workers' past their RPC threads (:meth:`_ask_aside`)."""
-        rows = {self.self_name: cancelling.cancel(ranges, 0.0, ask)}
-        args = (ranges, grace, ask)
-        names = list(self.booted.engine_of)
-        timeout = grace + CANCEL_REACH_S
-        return {**rows, **self._ask_aside(names, "cancel", cancelling.cancel, args, timeout)}
-
     def _live_engine_ids(self) -> list[int]:
         if self.engines.client is None or not self.booted.engine_of:
             return []
@@ -354,7 +313,7 @@ class Cluster:
         cancelled and the workers are dropped from the group at once (a non-graceful
         shutdown's end), so that the next ``init`` starts clean, under the same names."""
         with contextlib.suppress(Exception):
-            self._cancel_everywhere(cancelling.EVERYTHING, cancelling.GRACE_S, False)
+            self.aside.cancel(cancelling.EVERYTHING, cancelling.GRACE_S, False)
         print(
             "nbrpc: the stop button during shutdown: the calls still running were "
             "cancelled and the workers stopped without waiting; %rpc_init starts anew.",
@@ -449,27 +408,9 @@ class Cluster:
                 return
             if not said and time.monotonic() - started > SAY_WAITING_AFTER_S:
                 said = True
-                self._say_waiting(deadline - time.monotonic())
+                self.aside.say_waiting(deadline - time.monotonic())
             time.sleep(0.05)
         log.warning("shutdown: calls still running after %.0f s; leaving anyway", timeout)
-
-    def _say_waiting(self, left: float) -> None:
-        try:
-            rows = self._cancel_everywhere(cancelling.EVERYTHING, 0.0, True)
-        except Exception:
-            rows = {}
-        running = [
-            f"{name} on {worker}" + (f" ({n} calls)" if n > 1 else "")
-            for worker, mine in rows.items()
-            for name, n in collections.Counter(r["name"] for r in mine).items()
-        ]
-        print(
-            f"nbrpc: shutdown waits up to {left:.0f} s for the calls still running"
-            + (f": {', '.join(running)}" if running else "")
-            + ". The stop button cancels them and shuts down at once.",
-            file=sys.stderr,
-            flush=True,
-        )
 
     def __enter__(self) -> Cluster:
         if self.state is ClusterState.NOT_STARTED:
@@ -499,7 +440,7 @@ class Cluster:
         snaps: dict[str, dict] = {}
         if self.state is ClusterState.READY:
             dead = set(self.dead_workers(ask_ipyparallel))
-            snaps = census.snapshots(timeout, skip=dead, aside=self._figures_aside)
+            snaps = census.snapshots(timeout, skip=dead, aside=self.aside.figures)
         rows: list[StatusRow] = []
         for r in self.records:
             snap = snaps.get(r.name) if r.state is WorkerState.READY else None

@@ -1,0 +1,97 @@
+"""A cluster's workers reached past their RPC threads: the stop button's cancel and
+``%rpc_status``'s figures, while every RPC thread is busy or calls are queued.
+
+A question by RPC waits behind the calls queued before it. This asks each worker of this
+host at its side door (:mod:`nbrpc._wire.side_door`: a socket beside its lanes, a thread
+of its own) and the others through their engines (ipyparallel, served on the worker's
+main thread, which busy RPC threads do not hold, though a worker whose every thread runs
+Python hands it the GIL slowly: seconds, measured).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from nbrpc import _engines, _states
+from nbrpc._gather import census
+from nbrpc._wire import cancelling, lanes, side_door
+
+from .boot import Booted
+
+#: beyond a cancel's grace: how long it waits for a worker to answer
+CANCEL_REACH_S = 3.0
+
+
+class Aside:
+    """The workers of one cluster (``booted.engine_of``: their engines, kept current by
+    restarts), the kernel ``self_name`` among the processes a cancel reaches."""
+
+    def __init__(self, engines: _engines.Engines, booted: Booted, self_name: str) -> None:
+        self.engines, self.booted, self.self_name = engines, booted, self_name
+
+    def ask(
+        self, names: list[str], question: str, func: Callable[..., Any], args: tuple, timeout: float
+    ) -> dict[str, Any]:
+        """``func(*args)`` in the workers ``names`` (``question`` names ``func`` at a side
+        door), all in parallel: the answers by name, within ``timeout``."""
+        names = [n for n in names if n not in _states.unreachable]
+        found: dict[str, Any] = {}
+        directory = lanes.directory()
+        if directory is not None:
+            doors = {n: side_door.path_of(directory, n) for n in names}
+            doors = {n: path for n, path in doors.items() if os.path.exists(path)}
+            found.update(side_door.ask(doors, question, args, timeout))
+        asked = {}
+        for name in names:
+            eid = self.booted.engine_of.get(name)
+            if eid is None or name in found:
+                continue
+            with contextlib.suppress(Exception):  # an engine ipyparallel lost meanwhile
+                asked[name] = self.engines.apply(eid, func, *args)
+        deadline = time.monotonic() + timeout
+        for name, ar in asked.items():
+            with contextlib.suppress(Exception):
+                found[name] = ar.get(timeout=max(0.1, deadline - time.monotonic()))
+        return found
+
+    def figures(self, names: list[str], args: tuple, timeout: float) -> dict[str, Any]:
+        """:func:`nbrpc._gather.census.figures` of ``names`` (``%rpc_status``)."""
+        return self.ask(names, "figures", census.figures, args, timeout)
+
+    def cancel(
+        self, ranges: cancelling.Ranges, grace: float, ask: bool
+    ) -> dict[str, list[dict[str, Any]]]:
+        """:func:`nbrpc._wire.cancelling.cancel` in every live process, the kernel's own
+        RPC threads included: its rows by process name."""
+        rows = {self.self_name: cancelling.cancel(ranges, 0.0, ask)}
+        names = list(self.booted.engine_of)
+        found = self.ask(
+            names, "cancel", cancelling.cancel, (ranges, grace, ask), grace + CANCEL_REACH_S
+        )
+        return {**rows, **found}
+
+    def say_waiting(self, left: float) -> None:
+        """A graceful shutdown waits on calls: the cell says which, for how long at most,
+        and that the stop button cancels them."""
+        try:
+            rows = self.cancel(cancelling.EVERYTHING, 0.0, True)
+        except Exception:
+            rows = {}
+        running = [
+            f"{name} on {worker}" + (f" ({n} calls)" if n > 1 else "")
+            for worker, mine in rows.items()
+            for name, n in collections.Counter(r["name"] for r in mine).items()
+        ]
+        print(
+            f"nbrpc: shutdown waits up to {left:.0f} s for the calls still running"
+            + (f": {', '.join(running)}" if running else "")
+            + ". The stop button cancels them and shuts down at once.",
+            file=sys.stderr,
+            flush=True,
+        )
