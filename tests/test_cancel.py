@@ -106,9 +106,12 @@ def test_a_chain_through_two_workers_is_cancelled_on_both(kernel, route):
 def test_a_hundred_pending_futures_are_cancelled_and_say_so(kernel, route):
     cell = "futs = [nbrpc.rpc_async('worker1', spin, args=(60,)) for _ in range(100)]\n"
     ran_on, errors = kernel.stop_after(cell + "futs[0].wait()", 1.5)
+    print(f"100 futures ({route}): the cell ended {ran_on:.2f} s after the stop button")
     assert errors
     assert errors[0].startswith("KeyboardInterrupt"), errors
-    assert ran_on < 2.0
+    # 16 threads running Python hand the GIL around slowly: each takes the interrupt in
+    # turn (measured 0.5-1.4 s here, 0.1 s for one call)
+    assert ran_on < 3.0
     assert "cancelled spin on worker1" in kernel.stderr
     out = kernel.run(
         "kinds = set()\n"

@@ -39,7 +39,6 @@ import itertools
 import os
 import random
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +67,20 @@ class Running:
     thread: int
     outer: int | None  # the origin this thread's nested calls had before this call
     interrupted: bool = False
+    waiter: _Waiter | None = None  # the cancel waiting for it to end
+
+
+class _Waiter:
+    """A cancel waiting for the calls it interrupted to end: one wake-up when the last
+    ends (a poll would take the GIL from the busy threads, and wait for it, every time)."""
+
+    def __init__(self, count: int) -> None:
+        self.count, self.done = count, threading.Event()
+
+    def ended(self) -> None:  # under _here.lock
+        self.count -= 1
+        if self.count <= 0:
+            self.done.set()
 
 
 @dataclass
@@ -146,6 +159,8 @@ def leave(entry: Running) -> None:
     with _here.lock:
         if _here.running.pop(id(entry), None) is not None and entry.interrupted:
             _set_async_exc(entry.thread, None)  # set, maybe not delivered yet: never after this
+            if entry.waiter is not None:
+                entry.waiter.ended()
 
 
 def _set_async_exc(ident: int, exc: type[BaseException] | None) -> None:
@@ -169,14 +184,17 @@ def cancel(ranges: Ranges, grace: float = GRACE_S, ask: bool = False) -> list[di
         hit = [e for e in _here.running.values() if any(lo <= e.origin <= hi for lo, hi in ranges)]
         if not ask and ranges != EVERYTHING:  # a shutdown's is not kept: an attached
             _remember(ranges)  # engine serves the next cluster
-        if not ask:
-            for entry in hit:
-                if not entry.interrupted:
-                    entry.interrupted = True
-                    _set_async_exc(entry.thread, KeyboardInterrupt)
-    deadline = time.monotonic() + grace
-    while hit and time.monotonic() < deadline and _still([id(e) for e in hit]):
-        time.sleep(0.005)
+        waiter = _Waiter(len(hit))
+        for entry in hit:
+            if not ask and not entry.interrupted:
+                entry.interrupted = True
+                _set_async_exc(entry.thread, KeyboardInterrupt)
+            if entry.interrupted and entry.waiter is None:
+                entry.waiter = waiter
+            else:  # asked only, or another cancel waits for it already: not waited for here
+                waiter.count -= 1
+    if hit and waiter.count > 0 and grace > 0:
+        waiter.done.wait(grace)
     left = set(_still([id(e) for e in hit]))
     return [
         {
