@@ -86,9 +86,26 @@ def watch_cells() -> None:
 
 def cell_ended(result: Any) -> None:
     """IPython's ``post_run_cell``: a cell the stop button ended outside nbrpc's waits
-    (``time.sleep`` after ``rpc_async``) has its calls cancelled too."""
-    if isinstance(getattr(result, "error_in_exec", None), KeyboardInterrupt):
+    (``time.sleep`` after ``rpc_async``) has its calls cancelled too. The interrupt's
+    traceback, which IPython keeps until the next error, lets go of nbrpc's frames: they
+    hold the objects waited on (an RRef whose creation was cancelled would stay owned)."""
+    stop = getattr(result, "error_in_exec", None)
+    if isinstance(stop, KeyboardInterrupt):
         stop_pressed()
+        _drop_library_frames(stop.__traceback__)
+
+
+def _drop_library_frames(tb: Any) -> None:
+    """Cut ``tb`` after the user's last frame before the libraries' (nbrpc's, torch's)."""
+    users = None
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        if users is not None and filename.startswith(_NOT_USERS):
+            users.tb_next = None
+            return
+        if not filename.startswith(_NOT_USERS):
+            users = tb
+        tb = tb.tb_next
 
 
 def stop_pressed() -> None:

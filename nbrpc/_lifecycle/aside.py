@@ -35,6 +35,17 @@ class Aside:
     def __init__(self, engines: _engines.Engines, booted: Booted, self_name: str) -> None:
         self.engines, self.booted, self.self_name = engines, booted, self_name
 
+    def keep_doors_open(self, close: bool = False) -> None:
+        """Connect to this host's workers' side doors now, while they are idle (a
+        connection made when a question comes takes the GIL once more there), or close
+        the connections (``close``: the cluster is gone)."""
+        directory = lanes.directory()
+        if close or directory is None:
+            side_door.forget_kept()
+            return
+        paths = [side_door.path_of(directory, n) for n in self.booted.engine_of]
+        side_door.keep_open([p for p in paths if os.path.exists(p)])
+
     def ask(
         self, names: list[str], question: str, func: Callable[..., Any], args: tuple, timeout: float
     ) -> dict[str, Any]:

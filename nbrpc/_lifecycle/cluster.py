@@ -141,8 +141,11 @@ class Cluster:
         calls.set_active(state is ClusterState.READY, last_output=self.last_output)
         if state is ClusterState.READY:  # the stop button reaches the workers' calls
             cancel.set_cluster(self.aside.cancel, lambda name: stacks(name))
+            self.aside.keep_doors_open()
         else:
             cancel.set_cluster(None)
+            if state is ClusterState.CLOSED:
+                self.aside.keep_doors_open(close=True)
         if state in (ClusterState.SHUTTING_DOWN, ClusterState.CLOSED):
             prompts.reset()  # a prompt waiting for the kernel must not hold shutdown up
         if state is ClusterState.CLOSED and _current.cluster is self:
@@ -236,7 +239,10 @@ class Cluster:
                 f"this cluster is {self.state.value}: restart works on a running cluster. "
                 "Start one with %rpc_init."
             )
-        return restarts.run(self, list(names))
+        try:
+            return restarts.run(self, list(names))
+        finally:
+            self.aside.keep_doors_open()  # the new processes' doors
 
     def restart_dead(self) -> None:
         """``restart='dead'``: replace the workers that died, saying which and why (before

@@ -84,48 +84,135 @@ def close() -> None:
 
 
 def _serve(listener: socket.socket) -> None:
+    """Admit peers (a process of this user only, ``SO_PEERCRED``), each on a thread of its
+    own: the kernel keeps its connection open, so a question finds a thread blocked in
+    ``recv`` and takes the GIL once before its answer is made (an ``accept`` would take it
+    once more)."""
     uid = os.getuid()
     while True:
         try:
             conn, _ = listener.accept()
         except OSError:
             return  # closed
-        with conn:
+        try:
+            _, peer_uid, _ = _PEERCRED.unpack(
+                conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+            )
+        except OSError:
+            peer_uid = -1
+        if peer_uid != uid:  # the directory's mode admits no one else; this checks it
+            conn.close()
+            continue
+        threading.Thread(target=_answer, args=(conn,), name="nbrpc-side-door", daemon=True).start()
+
+
+def _answer(conn: socket.socket) -> None:
+    with conn:
+        while True:
             try:
-                _, peer_uid, _ = _PEERCRED.unpack(
-                    conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-                )
-                if peer_uid != uid:  # the directory's mode admits no one else; this checks it
-                    continue
-                conn.settimeout(5.0)
-                question, args = pickle.loads(conn.recv(_MESSAGE_BYTES))
+                message = conn.recv(_MESSAGE_BYTES)
+                if not message:
+                    return  # the asker closed it
+                question, args = pickle.loads(message)
                 conn.sendall(pickle.dumps(_door.questions[question](*args)))
+            except OSError:
+                return
             except Exception:  # bytes from outside never take the process down
-                continue
+                return
+
+
+@dataclass
+class _Kept:
+    """The asker's open connections, by door path, each with the lock of its one question
+    in flight (a second asker at the same time opens one of its own)."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    conns: dict[str, tuple[socket.socket, threading.Lock]] = field(default_factory=dict)
+
+
+_kept = _Kept()
+
+
+def _connect(path: str, timeout: float) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(path)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def keep_open(paths: list[str], timeout: float = 2.0) -> None:
+    """Connect to these doors now, while the processes behind them are idle, and keep the
+    connections for :func:`ask` (the others are dropped: a restart's old processes)."""
+    with _kept.lock:
+        for path in set(_kept.conns) - set(paths):
+            _kept.conns.pop(path)[0].close()
+        for path in paths:
+            if path not in _kept.conns:
+                with contextlib.suppress(OSError):
+                    _kept.conns[path] = (_connect(path, timeout), threading.Lock())
+
+
+def forget_kept() -> None:
+    """Close every kept connection (the cluster is gone)."""
+    keep_open([])
+
+
+def _take(path: str, timeout: float) -> tuple[socket.socket, threading.Lock | None]:
+    """A connection to ``path`` for one question: the kept one if free (its lock taken),
+    else a new one (no lock: closed after)."""
+    with _kept.lock:
+        kept = _kept.conns.get(path)
+    if kept is not None and kept[1].acquire(blocking=False):
+        return kept[0], kept[1]
+    return _connect(path, timeout), None
+
+
+def _give_back(path: str, sock: socket.socket, lock: threading.Lock | None, ok: bool) -> None:
+    if lock is None:
+        sock.close()
+        return
+    if not ok:  # a late answer would be read as the next question's: this one goes
+        with _kept.lock:
+            if _kept.conns.get(path, (None,))[0] is sock:
+                del _kept.conns[path]
+        sock.close()
+    lock.release()
 
 
 def ask(doors: dict[str, str], question: str, args: tuple, timeout: float) -> dict[str, Any]:
     """``question`` asked at the side doors ``doors`` (name -> path) all at once: the
     answers by name; a process whose door did not answer within ``timeout`` is left out."""
     message = pickle.dumps((question, args))
-    opened: dict[str, socket.socket] = {}
+    sent: dict[str, tuple[str, socket.socket, threading.Lock | None]] = {}
     for name, path in doors.items():
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            sock.settimeout(timeout)
-            sock.connect(path)
-            sock.sendall(message)
-        except OSError:
-            sock.close()
-            continue
-        opened[name] = sock
+        for _ in range(2):  # a kept connection to a process that is gone: once more, anew
+            try:
+                sock, lock = _take(path, timeout)
+            except OSError:
+                break
+            try:
+                sock.sendall(message)
+            except OSError:
+                _give_back(path, sock, lock, ok=False)
+                continue
+            sent[name] = (path, sock, lock)
+            break
     deadline = time.monotonic() + timeout
     answers = {}
-    for name, sock in opened.items():
-        with sock:
-            try:
-                sock.settimeout(max(0.05, deadline - time.monotonic()))
-                answers[name] = pickle.loads(sock.recv(_MESSAGE_BYTES))
-            except (OSError, pickle.UnpicklingError, EOFError):
-                continue
+    for name, (path, sock, lock) in sent.items():
+        ok = False
+        try:
+            sock.settimeout(max(0.05, deadline - time.monotonic()))
+            reply = sock.recv(_MESSAGE_BYTES)
+            if reply:
+                answers[name] = pickle.loads(reply)
+                ok = True
+        except (OSError, pickle.UnpicklingError, EOFError):
+            pass
+        finally:
+            _give_back(path, sock, lock, ok)
     return answers
