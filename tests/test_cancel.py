@@ -13,6 +13,7 @@ import time
 
 import psutil
 import pytest
+import torch
 from conftest import running_kernel, wait_until
 
 import nbrpc
@@ -259,6 +260,11 @@ def test_cancel_of_one_future_from_any_thread(cluster, nb):
         box["f"].wait()
     assert keep.wait() == 1  # another call, not cancelled
     assert nbrpc.cancel(keep) == 0  # finished: nothing to cancel
+    again = nbrpc.rpc_async("worker1", code.spin, (60,))
+    assert isinstance(again, torch.futures.Future)  # torch's type, with cancel() added
+    assert again.cancel() is True
+    with pytest.raises(nbrpc.CallCancelledError):
+        again.wait()
 
 
 def test_cancels_that_land_as_calls_end_lose_no_worker_and_no_result(cluster, nb):

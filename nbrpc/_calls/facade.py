@@ -34,7 +34,7 @@ from nbrpc._errors import (
 )
 from nbrpc._wire import callee, cancelling, failures, lanes, recording, shm
 
-from . import deadlock, scripts
+from . import cancel, deadlock, scripts
 
 T = TypeVar("T")
 
@@ -74,6 +74,11 @@ class Future(torch.futures.Future):
     dest: str = ""
     #: the call's origin (nbrpc._wire.cancelling), for nbrpc.cancel; None: not cancellable
     origin: int | None = None
+
+    def cancel(self) -> bool:
+        """Cancel the call where it runs, with the calls it made (``nbrpc.cancel``); True
+        if it had not finished. ``wait()`` then raises :class:`~nbrpc.CallCancelledError`."""
+        return cancel.cancel(self) == 1
 
     def wait(self) -> Any:
         try:
