@@ -179,7 +179,7 @@ def _frames(stacks: Any, worker: str, threads: set[int]) -> str:
         (row,) = stacks(worker)
     except Exception:
         return ""
-    out = []
+    out: list[str] = []
     for t in row["threads"]:
         if t["thread"] in threads:
             frames = [f for f in t["frames"] if not f["file"].startswith(_NOT_USERS)][-4:]
