@@ -30,7 +30,7 @@ from typing import Any
 
 from ._calls import facade as calls
 from ._errors import ConfigError, NbrpcError, short_traceback
-from ._wire import namespace
+from ._wire import cancelling, namespace
 
 INTERRUPT_GRACE_S = 2.0  # how long the kernel waits for interrupted cells to stop
 
@@ -171,6 +171,7 @@ def run(source: str, targets: str | Iterable[str] | None = "all") -> CellResults
             with contextlib.suppress(Exception):  # collected below, once all are done
                 fut.wait()
     except KeyboardInterrupt:  # cancelled on every worker as the wait ended: let them end
+        cancelling.stopped()  # (here too: the stop may land between two waits)
         _let_end(futures)
         raise
     return _collect(futures)

@@ -25,11 +25,12 @@ from typing import Any
 from . import _fence, _group, _process, _torch, autograd
 from ._calls import cancel, facade, rrefs, spelling
 from ._debugger import remote_pdb
-from ._wire import bars, lanes, namespace, native_output, output, pickling, shm, stacks
+from ._wire import bars, cancelling, lanes, namespace, native_output, output, pickling, shm, stacks
 
 
 def _both() -> None:
     """The steps of every process, in order."""
+    cancelling.forget_cancelled()  # what an earlier cluster's stop or shutdown cancelled
     _torch.quiet_internal_deprecations()  # the optimizer's TorchScript notice, see there
     pickling.install()  # notebook code by value, tensors out of band; RRef handles recorded
     rrefs.install()  # RRefs: to_here, owner and proxies with nbrpc's errors

@@ -301,6 +301,10 @@ def spin(seconds):
         pass
     return seconds
 
+# Ctrl-C's handler, as a script run from a terminal has it (a test run started in the
+# background inherits SIGINT ignored)
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 with nbrpc.init(n=1):
     threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
     t = time.monotonic()

@@ -14,8 +14,9 @@ import collections
 import contextlib
 import os
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from nbrpc import _engines, _states
@@ -35,16 +36,18 @@ class Aside:
     def __init__(self, engines: _engines.Engines, booted: Booted, self_name: str) -> None:
         self.engines, self.booted, self.self_name = engines, booted, self_name
 
-    def keep_doors_open(self, close: bool = False) -> None:
+    def keep_doors_open(self, close: bool = False, renew: Iterable[str] = ()) -> None:
         """Connect to this host's workers' side doors now, while they are idle (a
         connection made when a question comes takes the GIL once more there), or close
-        the connections (``close``: the cluster is gone)."""
+        the connections (``close``: the cluster is gone). ``renew``: workers a restart
+        replaced, whose new process opened a door at the same path."""
         directory = lanes.directory()
         if close or directory is None:
             side_door.forget_kept()
             return
         paths = [side_door.path_of(directory, n) for n in self.booted.engine_of]
-        side_door.keep_open([p for p in paths if os.path.exists(p)])
+        renewed = [side_door.path_of(directory, n) for n in renew]
+        side_door.keep_open([p for p in paths if os.path.exists(p)], renew=renewed)
 
     def ask(
         self, names: list[str], question: str, func: Callable[..., Any], args: tuple, timeout: float
@@ -59,9 +62,11 @@ class Aside:
             doors = {n: path for n, path in doors.items() if os.path.exists(path)}
             found.update(side_door.ask(doors, question, args, timeout))
         asked = {}
+        # ipyparallel's client is the main thread's (a late report asks from a timer's)
+        by_engine = threading.current_thread() is threading.main_thread()
         for name in names:
             eid = self.booted.engine_of.get(name)
-            if eid is None or name in found:
+            if eid is None or name in found or not by_engine:
                 continue
             with contextlib.suppress(Exception):  # an engine ipyparallel lost meanwhile
                 asked[name] = self.engines.apply(eid, func, *args)
@@ -80,12 +85,16 @@ class Aside:
     ) -> dict[str, list[dict[str, Any]]]:
         """:func:`nbrpc._wire.cancelling.cancel` in every live process, the kernel's own
         RPC threads included: its rows by process name."""
-        rows = {self.self_name: cancelling.cancel(ranges, 0.0, ask)}
+        here = cancelling.cancel(ranges, 0.0, ask)  # the kernel's: interrupted, not waited on
         names = list(self.booted.engine_of)
         found = self.ask(
             names, "cancel", cancelling.cancel, (ranges, grace, ask), grace + CANCEL_REACH_S
         )
-        return {**rows, **found}
+        # the kernel's, meanwhile: which still run (its RPC threads had the workers' time)
+        still = {r["thread"] for r in cancelling.cancel(ranges, 0.0, True)} if here else set()
+        for row in here:
+            row["stopped"] = row["thread"] not in still
+        return {self.self_name: here, **found}
 
     def say_waiting(self, left: float) -> None:
         """A graceful shutdown waits on calls: the cell says which, for how long at most,

@@ -242,7 +242,7 @@ class Cluster:
         try:
             return restarts.run(self, list(names))
         finally:
-            self.aside.keep_doors_open()  # the new processes' doors
+            self.aside.keep_doors_open(renew=names)  # the new processes' doors, same paths
 
     def restart_dead(self) -> None:
         """``restart='dead'``: replace the workers that died, saying which and why (before
@@ -318,14 +318,16 @@ class Cluster:
         """The stop button during a graceful shutdown: every call still running is
         cancelled and the workers are dropped from the group at once (a non-graceful
         shutdown's end), so that the next ``init`` starts clean, under the same names."""
-        with contextlib.suppress(Exception):
-            self.aside.cancel(cancelling.EVERYTHING, cancelling.GRACE_S, False)
-        print(
-            "nbrpc: the stop button during shutdown: the calls still running were "
-            "cancelled and the workers stopped without waiting; %rpc_init starts anew.",
-            file=sys.stderr,
-        )
-        self._leave(graceful=False, timeout=0)
+        try:  # a second press here must not leave the leave half done either
+            with contextlib.suppress(Exception):
+                self.aside.cancel(cancelling.EVERYTHING, cancelling.GRACE_S, False)
+            print(
+                "nbrpc: the stop button during shutdown: the calls still running were "
+                "cancelled and the workers stopped without waiting; %rpc_init starts anew.",
+                file=sys.stderr,
+            )
+        finally:
+            self._leave(graceful=False, timeout=0)
 
     def _leave(self, graceful: bool, timeout: float) -> None:
         """The workers leave the RPC group (the dead ones are removed on their behalf)."""

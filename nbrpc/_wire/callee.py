@@ -151,8 +151,10 @@ def run_function(python_udf: Any) -> Any:
         if isinstance(python_udf, AttributeError):
             raise python_udf
         if counted and header and header[5] is not None:  # the stop button reaches it
-            running = cancelling.enter(header[5], name, header[1])
+            running = cancelling.running(header[5], name, header[1])
         try:
+            if running is not None:
+                cancelling.enter(running)
             result = _torch.run_udf(python_udf)
         finally:
             if running is not None:  # no interrupt fires after this (see cancelling)

@@ -47,8 +47,13 @@ from . import side_door
 #: origins are this process's prefix (random: unique in a cluster, for all practical
 #: purposes) above a counter: the main thread's calls count up from 1, other threads'
 #: from :data:`_OTHERS`
-_PREFIX = (random.getrandbits(30) | 1) << 33
 _OTHERS = 1 << 32
+
+
+def _new_prefix() -> int:
+    return (random.getrandbits(30) | 1) << 33
+
+
 #: origins cancelled here, remembered for calls of theirs that start later: cells' ranges
 #: (looked through at each call's start) and single calls' origins
 _REMEMBERED = 64
@@ -68,6 +73,7 @@ class Running:
     outer: int | None  # the origin this thread's nested calls had before this call
     interrupted: bool = False
     waiter: _Waiter | None = None  # the cancel waiting for it to end
+    ended: bool = False  # the waiter was told
 
 
 class _Waiter:
@@ -92,9 +98,12 @@ class _Here:
     main: int = 0  # the main thread's last origin (counter part)
     cell_first: int = 1  # the first origin of the main thread's current cell
     others: Any = field(default_factory=lambda: itertools.count(_OTHERS + 1))
+    prefix: int = field(default_factory=_new_prefix)
 
 
 _here = _Here()
+# a worker is a fork of a zygote that imported this: each process draws its own prefix
+os.register_at_fork(after_in_child=lambda: setattr(_here, "prefix", _new_prefix()))
 _thread = threading.local()  # .origin: of the call this thread serves; .last: of its last call
 
 
@@ -105,9 +114,9 @@ def origin_here() -> int | None:
     if origin is None:
         if threading.current_thread() is threading.main_thread():
             _here.main += 1
-            origin = _PREFIX | _here.main
+            origin = _here.prefix | _here.main
         else:
-            origin = _PREFIX | next(_here.others)
+            origin = _here.prefix | next(_here.others)
     _thread.last = origin
     return origin
 
@@ -132,35 +141,44 @@ def cell_origins() -> tuple[int, int] | None:
     """The origins of the main thread's calls in its current cell (None: it made none)."""
     if _here.main < _here.cell_first:
         return None
-    return _PREFIX | _here.cell_first, _PREFIX | _here.main
+    return _here.prefix | _here.cell_first, _here.prefix | _here.main
 
 
 class Cancelled(Exception):
     """Raised in place of running a call of an origin cancelled before it started."""
 
 
-def enter(origin: int, name: str, caller: str) -> Running:
-    """This thread starts serving a call of ``origin``; its nested calls carry it."""
-    entry = Running(origin, name, caller, threading.get_ident(), getattr(_thread, "origin", None))
+def running(origin: int, name: str, caller: str) -> Running:
+    """A call of ``origin`` about to run on this thread (registered by :func:`enter`)."""
+    return Running(origin, name, caller, threading.get_ident(), getattr(_thread, "origin", None))
+
+
+def enter(entry: Running) -> None:
+    """This thread starts serving ``entry``'s call; its nested calls carry its origin.
+    Raises :class:`Cancelled` if the origin was cancelled already. Called inside the
+    ``try`` whose ``finally`` calls :func:`leave`: an interrupt may fire as this returns."""
+    origin = entry.origin
     with _here.lock:
         if origin in _here.single:
-            raise Cancelled(name)
+            raise Cancelled(entry.name)
         for lo, hi in _here.cancelled:
             if lo <= origin <= hi:
-                raise Cancelled(name)
+                raise Cancelled(entry.name)
         _here.running[id(entry)] = entry
     _thread.origin = origin
-    return entry
 
 
 def leave(entry: Running) -> None:
-    """The call ended (idempotent): no interrupt for it may fire from now on."""
+    """The call ended (idempotent: called again where an interrupt fired inside the first
+    call): no interrupt for it may fire from now on, and a cancel waiting for it is told."""
     _thread.origin = entry.outer
     with _here.lock:
-        if _here.running.pop(id(entry), None) is not None and entry.interrupted:
-            _set_async_exc(entry.thread, None)  # set, maybe not delivered yet: never after this
-            if entry.waiter is not None:
-                entry.waiter.ended()
+        if entry.interrupted:  # set, maybe not delivered yet: never after this
+            _set_async_exc(entry.thread, None)
+        _here.running.pop(id(entry), None)
+        if entry.waiter is not None and not entry.ended:
+            entry.ended = True
+            entry.waiter.ended()
 
 
 def _set_async_exc(ident: int, exc: type[BaseException] | None) -> None:
@@ -182,8 +200,8 @@ def cancel(ranges: Ranges, grace: float = GRACE_S, ask: bool = False) -> list[di
     ``name``, ``caller``, ``thread``, ``pid``, ``stopped`` (it ended within ``grace``)."""
     with _here.lock:
         hit = [e for e in _here.running.values() if any(lo <= e.origin <= hi for lo, hi in ranges)]
-        if not ask and ranges != EVERYTHING:  # a shutdown's is not kept: an attached
-            _remember(ranges)  # engine serves the next cluster
+        if not ask:
+            _remember(ranges)
         waiter = _Waiter(len(hit))
         for entry in hit:
             if not ask and not entry.interrupted:
@@ -206,6 +224,14 @@ def cancel(ranges: Ranges, grace: float = GRACE_S, ask: bool = False) -> list[di
         }
         for e in hit
     ]
+
+
+def forget_cancelled() -> None:
+    """This process joins a cluster: what an earlier one cancelled (a shutdown cancels
+    everything) no longer applies (an attached engine serves cluster after cluster)."""
+    with _here.lock:
+        _here.cancelled.clear()
+        _here.single.clear()
 
 
 def _remember(ranges: Ranges) -> None:

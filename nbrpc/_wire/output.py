@@ -180,14 +180,17 @@ class _CallOutput:
             fut = _torch.rpc_async(
                 _forward.to, show_output, args=(_forward.me, chunks), timeout=OUTPUT_WAIT_S
             )
+            fut.add_done_callback(self._sent)
         except Exception as exc:  # the kernel is gone: keep the text on the worker
             self._in_flight = False
             self._idle.set()
             text = "".join(t for s, t in chunks if s != "bar")
             if sys.__stderr__ is not None:
                 sys.__stderr__.write(f"{text}(nbrpc: could not forward output: {exc})\n")
-            return
-        fut.add_done_callback(self._sent)
+        except BaseException:  # the stop button's interrupt (nbrpc._wire.cancelling) landed
+            self._in_flight = False  # here: the next line must not wait for a send that
+            self._idle.set()  # may not have left
+            raise
 
     def _sent(self, _fut: Any) -> None:
         with self._lock:

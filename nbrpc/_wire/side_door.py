@@ -21,16 +21,16 @@ import contextlib
 import os
 import pickle
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import same_user
+
 _BACKLOG = 16
 _MESSAGE_BYTES = 1 << 20  # a question or an answer, at most
-_PEERCRED = struct.Struct("3i")
 
 
 @dataclass
@@ -84,26 +84,10 @@ def close() -> None:
 
 
 def _serve(listener: socket.socket) -> None:
-    """Admit peers (a process of this user only, ``SO_PEERCRED``), each on a thread of its
-    own: the kernel keeps its connection open, so a question finds a thread blocked in
-    ``recv`` and takes the GIL once before its answer is made (an ``accept`` would take it
-    once more)."""
-    uid = os.getuid()
-    while True:
-        try:
-            conn, _ = listener.accept()
-        except OSError:
-            return  # closed
-        try:
-            _, peer_uid, _ = _PEERCRED.unpack(
-                conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-            )
-        except OSError:
-            peer_uid = -1
-        if peer_uid != uid:  # the directory's mode admits no one else; this checks it
-            conn.close()
-            continue
-        threading.Thread(target=_answer, args=(conn,), name="nbrpc-side-door", daemon=True).start()
+    """Admit peers (a process of this user only), each on a thread of its own: the kernel
+    keeps its connection open, so a question finds a thread blocked in ``recv`` and takes
+    the GIL once before its answer is made (an ``accept`` would take it once more)."""
+    same_user.accept(listener, _answer, "nbrpc-side-door")
 
 
 def _answer(conn: socket.socket) -> None:
@@ -144,12 +128,14 @@ def _connect(path: str, timeout: float) -> socket.socket:
     return sock
 
 
-def keep_open(paths: list[str], timeout: float = 2.0) -> None:
+def keep_open(paths: list[str], timeout: float = 2.0, renew: list[str] | None = None) -> None:
     """Connect to these doors now, while the processes behind them are idle, and keep the
-    connections for :func:`ask` (the others are dropped: a restart's old processes)."""
+    connections for :func:`ask` (the others are dropped: a restart's old processes;
+    ``renew``: doors a new process opened at the same path)."""
     with _kept.lock:
-        for path in set(_kept.conns) - set(paths):
-            _kept.conns.pop(path)[0].close()
+        for path in (set(_kept.conns) - set(paths)) | set(renew or ()):
+            if path in _kept.conns:
+                _kept.conns.pop(path)[0].close()
         for path in paths:
             if path not in _kept.conns:
                 with contextlib.suppress(OSError):
@@ -172,14 +158,21 @@ def _take(path: str, timeout: float) -> tuple[socket.socket, threading.Lock | No
 
 
 def _give_back(path: str, sock: socket.socket, lock: threading.Lock | None, ok: bool) -> None:
-    if lock is None:
-        sock.close()
-        return
-    if not ok:  # a late answer would be read as the next question's: this one goes
-        with _kept.lock:
-            if _kept.conns.get(path, (None,))[0] is sock:
+    """A question's connection after its answer (``ok``) or none: a kept one stays kept
+    if it answered (a late answer would be read as the next question's); a new one that
+    answered is kept where none is."""
+    with _kept.lock:
+        kept = _kept.conns.get(path)
+        if lock is None:  # a new connection
+            if ok and kept is None:
+                _kept.conns[path] = (sock, threading.Lock())
+            else:
+                sock.close()
+            return
+        if not ok:
+            if kept is not None and kept[0] is sock:
                 del _kept.conns[path]
-        sock.close()
+            sock.close()
     lock.release()
 
 
@@ -188,31 +181,37 @@ def ask(doors: dict[str, str], question: str, args: tuple, timeout: float) -> di
     answers by name; a process whose door did not answer within ``timeout`` is left out."""
     message = pickle.dumps((question, args))
     sent: dict[str, tuple[str, socket.socket, threading.Lock | None]] = {}
-    for name, path in doors.items():
-        for _ in range(2):  # a kept connection to a process that is gone: once more, anew
-            try:
-                sock, lock = _take(path, timeout)
-            except OSError:
+    answers: dict[str, Any] = {}
+    try:
+        for name, path in doors.items():
+            for _ in range(2):  # a kept connection to a process that is gone: once more
+                try:
+                    sock, lock = _take(path, timeout)
+                except OSError:
+                    break
+                try:
+                    sock.sendall(message)
+                except OSError:
+                    _give_back(path, sock, lock, ok=False)
+                    continue
+                sent[name] = (path, sock, lock)
                 break
+        deadline = time.monotonic() + timeout
+        for name in list(sent):
+            path, sock, lock = sent[name]
+            ok = False
             try:
-                sock.sendall(message)
-            except OSError:
-                _give_back(path, sock, lock, ok=False)
-                continue
-            sent[name] = (path, sock, lock)
-            break
-    deadline = time.monotonic() + timeout
-    answers = {}
-    for name, (path, sock, lock) in sent.items():
-        ok = False
-        try:
-            sock.settimeout(max(0.05, deadline - time.monotonic()))
-            reply = sock.recv(_MESSAGE_BYTES)
-            if reply:
-                answers[name] = pickle.loads(reply)
-                ok = True
-        except (OSError, pickle.UnpicklingError, EOFError):
-            pass
-        finally:
-            _give_back(path, sock, lock, ok)
+                sock.settimeout(max(0.05, deadline - time.monotonic()))
+                reply = sock.recv(_MESSAGE_BYTES)
+                if reply:
+                    answers[name] = pickle.loads(reply)
+                    ok = True
+            except Exception:  # no answer in time, or not one: that connection goes
+                pass
+            finally:
+                del sent[name]
+                _give_back(path, sock, lock, ok)
+    finally:  # interrupted (the stop button pressed again): every connection given back
+        for path, sock, lock in sent.values():
+            _give_back(path, sock, lock, ok=False)
     return answers

@@ -9,7 +9,6 @@ TensorPipe (:func:`take`); a call that does not unpickle here is sent back as ``
 
 from __future__ import annotations
 
-import os
 import pickle
 import socket
 import threading
@@ -17,34 +16,22 @@ from collections.abc import Callable
 from typing import Any
 
 from nbrpc import _torch
-from nbrpc._wire import pickling, recording
+from nbrpc._wire import pickling, recording, same_user
 from nbrpc._wire.callee import run_function, serve_lanes_here
 
 from .frames import FRAME, Frames, Outbox
-from .state import CALLS, FETCH, INLINE, PEERCRED, RETRY, VALUE, here, shut
+from .state import CALLS, FETCH, INLINE, RETRY, VALUE, here, shut
 
 
 def accept(listener: socket.socket) -> None:
     """Admit peers on ``listener`` until it closes (a thread of its own): only a process
     of this user (``SO_PEERCRED``), each served on a thread of its own."""
-    uid = os.getuid()
-    while True:
-        try:
-            conn, _ = listener.accept()
-        except OSError:
-            return  # closed
-        try:
-            _, peer_uid, _ = PEERCRED.unpack(
-                conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size)
-            )
-        except OSError:
-            peer_uid = -1
-        if peer_uid != uid:  # the directory's mode admits no one else; this checks it
-            shut(conn)
-            continue
+
+    def admitted(conn: socket.socket) -> None:
         with here.lock:
             here.served.add(conn)
-        threading.Thread(target=_serve, args=(conn,), name="nbrpc-lane", daemon=True).start()
+
+    same_user.accept(listener, _serve, "nbrpc-lane", admitted)
 
 
 def _serve(conn: socket.socket) -> None:

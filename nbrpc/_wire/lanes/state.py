@@ -11,7 +11,6 @@ import contextlib
 import itertools
 import os
 import socket
-import struct
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,7 +64,6 @@ here = Lanes()
 #: through TensorPipe: waiting for its answer on a lane would wait for this very thread
 reading = threading.local()
 #: how the peer's user is read from a Unix socket (pid, uid, gid)
-PEERCRED = struct.Struct("3i")
 
 
 def socket_path(directory: str, name: str) -> str:
