@@ -77,8 +77,8 @@ class Aside:
         return found
 
     def figures(self, names: list[str], args: tuple, timeout: float) -> dict[str, Any]:
-        """:func:`nbrpc._gather.census.figures` of ``names`` (``%rpc_status``)."""
-        return self.ask(names, "figures", census.figures, args, timeout)
+        """:func:`nbrpc._gather.census.busy_figures` of ``names`` (``%rpc_status``)."""
+        return self.ask(names, "figures", census.busy_figures, args, timeout)
 
     def cancel(
         self, ranges: cancelling.Ranges, grace: float, ask: bool
@@ -95,6 +95,16 @@ class Aside:
         for row in here:
             row["stopped"] = row["thread"] not in still
         return {self.self_name: here, **found}
+
+    def cancel_everything(self) -> None:
+        """The stop button during a shutdown: every call still running is cancelled."""
+        with contextlib.suppress(Exception):
+            self.cancel(cancelling.EVERYTHING, cancelling.GRACE_S, False)
+        print(
+            "nbrpc: the stop button during shutdown: the calls still running were "
+            "cancelled and the workers stopped without waiting; %rpc_init starts anew.",
+            file=sys.stderr,
+        )
 
     def say_waiting(self, left: float) -> None:
         """A graceful shutdown waits on calls: the cell says which, for how long at most,

@@ -21,11 +21,9 @@ A cluster still running at interpreter exit is shut down by an ``atexit`` hook.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import enum
 import logging
 import os
-import sys
 import textwrap
 import time
 from dataclasses import dataclass
@@ -45,7 +43,7 @@ from nbrpc._errors import (
 from nbrpc._gather import census, stacks as gathered_stacks
 from nbrpc._options import Options, Settings, options_doc
 from nbrpc._rows import StackRow, StatusRow, WorkerRecord, WorkerState
-from nbrpc._wire import cancelling, lanes, native_output, shm
+from nbrpc._wire import lanes, native_output, shm
 
 from . import aside, boot, collective, restart as restarts
 
@@ -319,13 +317,7 @@ class Cluster:
         cancelled and the workers are dropped from the group at once (a non-graceful
         shutdown's end), so that the next ``init`` starts clean, under the same names."""
         try:  # a second press here must not leave the leave half done either
-            with contextlib.suppress(Exception):
-                self.aside.cancel(cancelling.EVERYTHING, cancelling.GRACE_S, False)
-            print(
-                "nbrpc: the stop button during shutdown: the calls still running were "
-                "cancelled and the workers stopped without waiting; %rpc_init starts anew.",
-                file=sys.stderr,
-            )
+            self.aside.cancel_everything()
         finally:
             self._leave(graceful=False, timeout=0)
 
