@@ -45,7 +45,7 @@ import re
 import traceback
 
 
-def _library_dirs() -> tuple[str, ...]:
+def library_dirs() -> tuple[str, ...]:
     """Where nbrpc's, IPython's and torch's own code lives (their frames are not shown)."""
     import IPython
     import torch
@@ -118,7 +118,7 @@ def short_traceback(exc: BaseException) -> list[str]:
     """What a notebook shows for ``exc`` (IPython's ``_render_traceback_``): the user's own
     frames, the error in one line, and its notes (a worker's traceback), not the frames of
     nbrpc, IPython and torch it passed through."""
-    libraries = _library_dirs()
+    libraries = library_dirs()
     frames = []
     inside = False  # in a library's code: the standard library it calls is not the user's
     for f in traceback.extract_tb(exc.__traceback__):

@@ -22,6 +22,7 @@ alone (docs/errors.md).
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import os
 import sys
@@ -31,9 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from nbrpc import _process
+from nbrpc._errors import library_dirs
 from nbrpc._wire import cancelling
 
 #: seconds after the stop at which calls still running are shown with their stacks
@@ -97,13 +97,13 @@ def cell_ended(result: Any) -> None:
 
 def _drop_library_frames(tb: Any) -> None:
     """Cut ``tb`` after the user's last frame before the libraries' (nbrpc's, torch's)."""
-    users = None
+    libraries, users = library_dirs(), None
     while tb is not None:
-        filename = tb.tb_frame.f_code.co_filename
-        if users is not None and filename.startswith(_NOT_USERS):
+        library = os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(libraries)
+        if users is not None and library:
             users.tb_next = None
             return
-        if not filename.startswith(_NOT_USERS):
+        if not library:
             users = tb
         tb = tb.tb_next
 
@@ -117,19 +117,21 @@ def stop_pressed() -> None:
     _report(_cancel.broadcast([origins], cancelling.GRACE_S, False), origins)
 
 
+def calls_text(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """``"spin on worker1 (16 calls)"`` per function and process in ``rows`` (as
+    :func:`nbrpc._wire.cancelling.cancel` returns them, by process name)."""
+    counts = collections.Counter((r["name"], worker) for worker, mine in rows.items() for r in mine)
+    return [
+        f"{name} on {worker}" + (f" ({n} calls)" if n > 1 else "")
+        for (name, worker), n in counts.items()
+    ]
+
+
 def _report(rows: dict[str, list[dict[str, Any]]], origins: tuple[int, int]) -> None:
-    counts: dict[tuple[str, str], int] = {}
-    running: dict[str, list[dict[str, Any]]] = {}
-    for worker, mine in rows.items():
-        for row in mine:
-            if row["stopped"]:
-                counts[worker, row["name"]] = counts.get((worker, row["name"]), 0) + 1
-            else:
-                running.setdefault(worker, []).append(row)
-    lines = []
-    for (worker, name), n in counts.items():
-        several = f" ({n} calls)" if n > 1 else ""
-        lines.append(f"nbrpc: cancelled {name} on {worker}{several}")
+    stopped = {w: [r for r in mine if r["stopped"]] for w, mine in rows.items()}
+    running = {w: [r for r in mine if not r["stopped"]] for w, mine in rows.items()}
+    running = {w: mine for w, mine in running.items() if mine}
+    lines = [f"nbrpc: cancelled {text}" for text in calls_text(stopped)]
     for worker, mine in running.items():
         names = ", ".join(sorted({r["name"] for r in mine}))
         lines.append(
@@ -180,15 +182,12 @@ def _frames(stacks: Any, worker: str, threads: set[int]) -> str:
     except Exception:
         return ""
     out: list[str] = []
+    libraries = library_dirs()  # nbrpc's, IPython's, torch's: not the user's frames
     for t in row["threads"]:
         if t["thread"] in threads:
-            frames = [f for f in t["frames"] if not f["file"].startswith(_NOT_USERS)][-4:]
+            frames = [f for f in t["frames"] if not f["file"].startswith(libraries)][-4:]
             out.extend(f"\n    {f['file']}:{f['line']} in {f['function']}" for f in frames)
     return "\n  Its stack (innermost last):" + "".join(out) if out else ""
-
-
-#: frames of nbrpc's and torch's own code, left out of a stuck call's stack
-_NOT_USERS = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))
 
 
 def cancel(*futures: Any) -> int:

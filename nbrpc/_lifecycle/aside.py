@@ -10,7 +10,6 @@ Python hands it the GIL slowly: seconds, measured).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import os
 import sys
@@ -20,6 +19,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from nbrpc import _engines, _states
+from nbrpc._calls import cancel
 from nbrpc._gather import census
 from nbrpc._wire import cancelling, lanes, side_door
 
@@ -113,11 +113,7 @@ class Aside:
             rows = self.cancel(cancelling.EVERYTHING, 0.0, True)
         except Exception:
             rows = {}
-        running = [
-            f"{name} on {worker}" + (f" ({n} calls)" if n > 1 else "")
-            for worker, mine in rows.items()
-            for name, n in collections.Counter(r["name"] for r in mine).items()
-        ]
+        running = cancel.calls_text(rows)
         print(
             f"nbrpc: shutdown waits up to {left:.0f} s for the calls still running"
             + (f": {', '.join(running)}" if running else "")
