@@ -31,9 +31,9 @@ import torch
 
 import nbrpc
 from nbrpc import _torch
-from nbrpc._wire import lanes, pickling, recording
+from nbrpc._wire import lanes, recording
 from nbrpc._wire.callee import run_function
-from nbrpc._wire.lanes import caller
+from nbrpc._wire.lanes import caller, messages
 
 #: torch's own rpc_sync (nbrpc routes torch's spelling to its own calls in its processes)
 TORCH_SYNC = _torch.rpc_sync
@@ -92,7 +92,7 @@ def _us(stmt: Any, number: int) -> float:
 def callee_steps(payload: bytes, number: int) -> dict[str, float]:
     """On the callee (sent there through torch): µs of each of its steps of one call
     whose lane ``payload`` the caller made, as :func:`nbrpc._wire.lanes.callee.run` does them."""
-    func, args, kwargs, header = pickle.loads(payload)
+    func, args, kwargs, header = messages.lane_call_of(payload)
 
     def run() -> Any:
         udf = _torch.PythonUDF(func, args, kwargs)
@@ -104,9 +104,9 @@ def callee_steps(payload: bytes, number: int) -> dict[str, float]:
 
     result = run()
     return {
-        "callee: unpickle the call": _us(lambda: pickle.loads(payload), number),
+        "callee: unpickle the call": _us(lambda: messages.lane_call_of(payload), number),
         "callee: run it (run_function)": _us(run, number),
-        "callee: pickle the reply": _us(lambda: pickling.lane_dumps(result), number),
+        "callee: pickle the reply": _us(lambda: messages.lane_dumps(result), number),
     }
 
 
@@ -118,11 +118,11 @@ def by_step(
     dest = nbrpc.get_worker_info(worker)
     payload = caller.call_bytes(func, args, {})
     tensor = args[0]
-    reply = pickling.lane_dumps(tensor)
-    reducer = pickling.lane_reducers(False)[torch.Tensor]
+    reply = messages.lane_dumps(tensor)
+    reducer = messages.lane_reducers(False)[torch.Tensor]
 
     def reduce_tensor(t: torch.Tensor) -> Any:
-        pickling.lane_message()  # a new message: the tensor is not counted twice
+        messages.lane_message()  # a new message: the tensor is not counted twice
         return reducer(t)
 
     left, right = socket.socketpair()

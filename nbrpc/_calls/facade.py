@@ -14,6 +14,7 @@ main thread waits on a call it also serves those debuggers' prompts (:mod:`nbrpc
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,6 +59,17 @@ class _Calls:
 
 
 _calls = _Calls()
+#: ``.ident``: the main thread's (a forked worker's main thread is another thread)
+_main = threading.main_thread()
+
+
+def _after_fork() -> None:
+    global _main
+    _main = threading.main_thread()
+
+
+# after threading's own handler, which makes the forking thread the child's main thread
+os.register_at_fork(after_in_child=_after_fork)
 
 
 class Future(torch.futures.Future):
@@ -147,6 +159,15 @@ def workers() -> list[str]:
 
 def _destination(to: str | WorkerInfo | int, what: str) -> WorkerInfo:
     """The worker ``to`` names, as torch takes it: a name, a rank or a ``WorkerInfo``."""
+    kind = type(to)
+    if kind is str or kind is int:  # a name or rank found before, in this membership
+        info = _calls.infos.get(to)  # (emptied as a cluster starts, ends or changes)
+        if (
+            info is not None
+            and _calls.infos_of is _torch.agent()
+            and info.name not in _states.unreachable
+        ):
+            return info
     _group.require_active(what)
     if isinstance(to, WorkerInfo):
         replaced = replaced_error(to.id)
@@ -216,7 +237,7 @@ def rpc_sync(
 
     An exception raised there is raised here with its own type (see :mod:`nbrpc._wire.failures`).
     """
-    if threading.current_thread() is not threading.main_thread():
+    if threading.get_ident() != _main.ident:
         return start_call("rpc_sync", to, func, args, kwargs, timeout).wait()
     # The notebook's case, without the future rpc_async returns (measured ~40 µs a call):
     # the main thread waits on torch's future, or on its lane, itself and settles it here.
@@ -231,9 +252,12 @@ def rpc_sync(
         except KeyboardInterrupt as stop:  # the stop button: the cell's lines, not nbrpc's
             failures.show_short(stop)
             raise
-        value, error, resend = _outcome(reply, sent, call)
-        if resend is not None:
-            value, error = _sync_through_torch(dest, resend, call)
+        if reply is not None and reply.kind == lanes.VALUE:  # the answer, or its error
+            value, error = failures.returned(reply.got)
+        else:
+            value, error, resend = _outcome(reply, sent, call)
+            if resend is not None:
+                value, error = _sync_through_torch(dest, resend, call)
     if error is not None:
         raise error
     return value
@@ -280,10 +304,15 @@ class Sent:
     name the call and its worker. Not its future: a deadline holds ``expired`` for the
     length of the timeout, and must not keep a finished call's result alive."""
 
-    __slots__ = ("dest", "limit", "timeout", "what")
+    __slots__ = ("dest", "func", "limit", "timeout")
 
-    def __init__(self, dest: str, what: str, limit: float, timeout: float | None) -> None:
-        self.dest, self.what, self.limit, self.timeout = dest, what, limit, timeout
+    def __init__(self, dest: str, func: Any, limit: float, timeout: float | None) -> None:
+        self.dest, self.func, self.limit, self.timeout = dest, func, limit, timeout
+
+    @property
+    def what(self) -> str:
+        """The call, as its errors name it (made only for an error)."""
+        return f"call of {_name_of(self.func)}"
 
     def translate(self, exc: BaseException) -> Any:
         return translate(exc, self.what, self.dest, self.timeout)
@@ -296,7 +325,7 @@ def _addressed(what: str, to: Any, func: Any, timeout: float | None) -> tuple[Wo
     """The worker ``to`` names (bad input fails here, before anything is sent) and what
     nbrpc keeps of a call of ``func`` to it."""
     dest = _destination(to, what)
-    return dest, Sent(dest.name, f"call of {_name_of(func)}", limit_of(timeout), timeout)
+    return dest, Sent(dest.name, func, limit_of(timeout), timeout)
 
 
 def _send_to(dest: WorkerInfo, func: Any, args: tuple, kwargs: dict | None) -> torch.futures.Future:

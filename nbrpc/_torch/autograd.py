@@ -77,7 +77,11 @@ def quiet_internal_deprecations() -> None:
 OPTIMIZER_NOTICE = "_scripted_functional_optimizer_deprecation_warning"
 
 
-_notice_quieted = threading.Event()  # set once the optimizers call the stand-in
+class _Quieted:
+    flag = False  # set once the optimizers call the stand-in (read before every call)
+
+
+_notice_quieted = _Quieted()
 
 
 @torch.jit.ignore
@@ -89,7 +93,7 @@ def quiet_optimizer_notice_if_loaded() -> None:
     """torch's functional optimizers warn with ``simplefilter("always")`` from their
     ``__init__``; once ``torch.distributed.optim`` is loaded (1.5 s to import, so never
     just for this), their modules call a silent stand-in. Cheap to call before every call."""
-    if _notice_quieted.is_set() or "torch.distributed.optim.utils" not in sys.modules:
+    if _notice_quieted.flag or "torch.distributed.optim.utils" not in sys.modules:
         return
     from torch.distributed.optim.utils import functional_optim_map
 
@@ -97,7 +101,7 @@ def quiet_optimizer_notice_if_loaded() -> None:
         module = sys.modules[cls.__module__]
         if hasattr(module, OPTIMIZER_NOTICE):
             setattr(module, OPTIMIZER_NOTICE, no_optimizer_notice)
-    _notice_quieted.set()
+    _notice_quieted.flag = True
 
 
 # -- distributed autograd -----------------------------------------------------------------

@@ -19,9 +19,9 @@ from .calls import patch_api
 # -- the current agent ---------------------------------------------------------------------
 
 
-def agent() -> Any:
-    """This process's RPC agent (torch keeps it in a private module global)."""
-    return rpc_api._get_current_rpc_agent()
+#: ``agent()``: this process's RPC agent (torch keeps it in a private module global); its
+#: own function, asked on every call (no frame of ours around it)
+agent: Callable[[], Any] = rpc_api._get_current_rpc_agent
 
 
 def agent_is_set() -> bool:

@@ -14,6 +14,7 @@ import bdb
 import inspect
 import sys
 import threading
+import types
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,18 +42,29 @@ class _Served:
 
 
 _served = _Served()
-_thread = threading.local()  # .depth: calls this thread is serving now (nested: > 1)
+
+
+class _Thread(threading.local):
+    """``depth``: calls this thread serves now (nested: > 1); ``lane``: it is one of the
+    lanes' own threads. Class defaults: asked on every call, and a missing attribute of a
+    ``threading.local`` costs an exception inside ``getattr``."""
+
+    depth = 0
+    lane = False
+
+
+_thread = _Thread()
 
 
 def serving() -> bool:
     """Whether this thread is an RPC thread serving a call now (a call it makes is nested)."""
-    return getattr(_thread, "depth", 0) > 0
+    return _thread.depth > 0
 
 
 def holds_rpc_thread() -> bool:
     """Whether this thread serves a call on one of torch's RPC threads (whose pool a wait
     here can use up), not on one of the lanes' own threads (:mod:`.lanes`)."""
-    return getattr(_thread, "depth", 0) > 0 and not getattr(_thread, "lane", False)
+    return _thread.depth > 0 and not _thread.lane
 
 
 def serve_lanes_here() -> None:
@@ -101,6 +113,10 @@ def after_call(hook: Any) -> None:
         _served.after_call.append(hook)
 
 
+#: results no pickler sends (:func:`_unsendable`; none of these types can be subclassed)
+_UNSENDABLE = frozenset({types.CoroutineType, types.GeneratorType, types.AsyncGeneratorType})
+
+
 def _unsendable(result: Any, func: Any) -> SerializationError | None:
     """The error for a result no pickler can send back, found before torch tries (it would
     fail in C++, and the caller get a RuntimeError with C++ frames): what to do instead."""
@@ -126,7 +142,7 @@ def run_function(python_udf: Any) -> Any:
     """Replaces ``torch.distributed.rpc.internal._run_function`` (called from C++)."""
     if shm.restricted():
         shm.expect_reply(None, None)  # one left by a call whose reply went another way
-    _thread.depth = getattr(_thread, "depth", 0) + 1
+    _thread.depth += 1
     printed, interrupted = output.begin_call()
     _torch.quiet_optimizer_notice_if_loaded()  # DistributedOptimizer's, see there
     func = _torch.udf_function(python_udf)
@@ -159,7 +175,7 @@ def run_function(python_udf: Any) -> Any:
         finally:
             if running is not None:  # no interrupt fires after this (see cancelling)
                 cancelling.leave(running)
-        unsendable = _unsendable(result, func)
+        unsendable = _unsendable(result, func) if type(result) in _UNSENDABLE else None
         if unsendable is not None:
             raised = type(unsendable).__name__
             result = failures.failure(unsendable)  # no traceback: nothing of the user's raised

@@ -99,20 +99,35 @@ class _Here:
     cell_first: int = 1  # the first origin of the main thread's current cell
     others: Any = field(default_factory=lambda: itertools.count(_OTHERS + 1))
     prefix: int = field(default_factory=_new_prefix)
+    main_thread: int | None = threading.main_thread().ident
+
+
+class _Thread(threading.local):
+    """``origin``: of the call this thread serves; ``last``: of its last call (class
+    defaults: a missing attribute costs an exception inside ``getattr``)."""
+
+    origin: int | None = None
+    last: int | None = None
+
+
+def _after_fork() -> None:
+    _here.prefix = _new_prefix()
+    _here.main_thread = threading.main_thread().ident  # the thread that forked
 
 
 _here = _Here()
 # a worker is a fork of a zygote that imported this: each process draws its own prefix
-os.register_at_fork(after_in_child=lambda: setattr(_here, "prefix", _new_prefix()))
-_thread = threading.local()  # .origin: of the call this thread serves; .last: of its last call
+# (run after threading's own handler, which makes the forking thread the main thread)
+os.register_at_fork(after_in_child=_after_fork)
+_thread = _Thread()
 
 
 def origin_here() -> int | None:
     """The origin of a call made on this thread now: the served call's (a nested call),
     a new one per call otherwise (the main thread's count within its cell)."""
-    origin = getattr(_thread, "origin", None)
+    origin = _thread.origin
     if origin is None:
-        if threading.current_thread() is threading.main_thread():
+        if threading.get_ident() == _here.main_thread:
             _here.main += 1
             origin = _here.prefix | _here.main
         else:
@@ -128,7 +143,7 @@ def forget_last() -> None:
 
 def last_origin() -> int | None:
     """The origin of the last call this thread made (read right after it was sent)."""
-    return getattr(_thread, "last", None)
+    return _thread.last
 
 
 def next_cell() -> None:
@@ -150,7 +165,7 @@ class Cancelled(Exception):
 
 def running(origin: int, name: str, caller: str) -> Running:
     """A call of ``origin`` about to run on this thread (registered by :func:`enter`)."""
-    return Running(origin, name, caller, threading.get_ident(), getattr(_thread, "origin", None))
+    return Running(origin, name, caller, threading.get_ident(), _thread.origin)
 
 
 def enter(entry: Running) -> None:

@@ -118,6 +118,8 @@ def globals_for(base: dict[str, Any]) -> dict[str, Any]:
 def arrive(values: dict[str, Any]) -> dict[str, Any]:
     """Unpickling side: the globals a function brought, put where it runs. Returns what
     cloudpickle then adds to the function's globals itself (nothing, on a worker)."""
+    if not values:  # a function that reads no global (or none the caller has)
+        return {}
     if not _state.shared:
         return {k: v.make() if isinstance(v, Sync) else v for k, v in values.items()}
     ns = namespace()

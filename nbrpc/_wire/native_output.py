@@ -47,6 +47,7 @@ from . import output
 
 #: How often a worker looks for new native output in its log.
 TAIL_EVERY_S = 0.1
+_READ = 1 << 16  # bytes one read of the log asks for
 #: How long after nbrpc asked a peer to leave its connection's end is expected.
 LEAVING_GRACE_S = 15.0
 #: How long a script's shutdown waits for its filter to pass on the last lines.
@@ -281,7 +282,9 @@ class LogTail:
     """
 
     def __init__(self, path: str, send: Any) -> None:
-        self._file = open(path, "rb")  # noqa: SIM115 (kept open: the log may be unlinked)
+        # unbuffered, kept open (the log may be unlinked): a poll that finds nothing new,
+        # after each call, is one read() at the end of the file
+        self._file = open(path, "rb", buffering=0)  # noqa: SIM115
         self._file.seek(0, os.SEEK_END)
         self._send = send
         self._pending = b""
@@ -307,7 +310,12 @@ class LogTail:
         """Forward what was appended since the last poll (``flush``: a partial line too)."""
         with self._lock:
             try:
-                data = self._file.read()
+                data = self._file.read(_READ)
+                while data is not None and len(data) % _READ == 0 and data:
+                    more = self._file.read(_READ)  # a full read: there may be more
+                    if not more:
+                        break
+                    data += more
             except (OSError, ValueError):
                 return
             if not data and not (flush and self._pending):
@@ -351,7 +359,7 @@ def before_call_ends(printed: Any) -> None:
     """A call is ending on this worker: native output it wrote goes with it, before its
     result, when it is the only call running."""
     tail = _tail.tail
-    if tail is not None and printed is not None and output.running_calls() == [printed]:
+    if tail is not None and printed is not None and output.only_call(printed):
         tail.poll()
 
 

@@ -14,6 +14,7 @@ terminal, the line rewritten after ``\r``.
 
 from __future__ import annotations
 
+import _thread
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -126,13 +127,15 @@ class _CallOutput:
         self.buffers = {"stdout": "", "stderr": ""}
         self._pending: list[tuple[str, Any]] = []
         self._in_flight = False
-        self._lock = threading.RLock()
+        self._lock = _thread.RLock()  # the C lock itself (threading.RLock: a Python call)
+        self._wrote = False  # nothing to send or wait for at close (most calls)
         # made at the first message: most calls print nothing (an Event costs ~4 us a call)
         self._idle: threading.Event | None = None
         self._partial: threading.Timer | None = None  # sends a line updated in place
         self._sent_partial = {"stdout": "", "stderr": ""}
 
     def write(self, stream: str, text: str) -> None:
+        self._wrote = True
         with self._lock:
             buf = self.buffers[stream] + text
             cut = buf.rfind("\n") + 1
@@ -147,6 +150,7 @@ class _CallOutput:
 
     def write_bar(self, state: dict[str, Any]) -> None:
         """A tqdm bar's state (:mod:`.bars`), in order with the call's text."""
+        self._wrote = True
         with self._lock:
             self._queue("bar", state)
 
@@ -207,6 +211,8 @@ class _CallOutput:
 
     def close(self) -> None:
         """Send what is left and wait (bounded) until the kernel has printed it all."""
+        if not self._wrote:
+            return
         with self._lock:
             if self._partial is not None:
                 self._partial.cancel()
@@ -345,6 +351,11 @@ _running: set[_CallOutput] = set()
 def running_calls() -> list[_CallOutput]:
     """The outputs of the calls running on this worker now."""
     return list(_running)
+
+
+def only_call(call: _CallOutput) -> bool:
+    """Whether ``call`` is the only call running on this worker."""
+    return len(_running) == 1 and call in _running
 
 
 def call_here() -> _CallOutput | None:

@@ -25,10 +25,10 @@ lookup Model on __main__ failed"), even though the RPC itself would carry it.
 :class:`TensorFinder` treats classes, functions and modules as holding no tensors, as
 that pickle does for every importable one.
 
-A lane's messages (:mod:`nbrpc._wire.lanes`) are pickled here too, by the same pickler
-with other reducers: small dense CPU tensors *in* the pickle (storage, offset, size,
-stride), RRefs and torch's special classes refused (:class:`NotLane`: TensorPipe carries
-that call), a plain reply by the standard library's C pickler alone.
+A lane's messages (:mod:`nbrpc._wire.lanes.messages`) are pickled by the same pickler
+(:class:`LanePickler`) with other reducers, or by the standard library's C pickler alone
+where they hold plain values; a call's function then travels as a pickle made once here
+(:func:`function_head`).
 
 The private torch names this relies on (the hooks in ``torch.distributed.rpc.internal``,
 the pickler torch instantiates) live in :mod:`nbrpc._torch`, pinned by
@@ -38,7 +38,6 @@ the pickler torch instantiates) live in :mod:`nbrpc._torch`, pinned by
 from __future__ import annotations
 
 import collections
-import ctypes
 import io
 import itertools
 import marshal
@@ -144,6 +143,8 @@ class _Pickling:
     hooks went into torch."""
 
     by_reference: dict[int, Any] = field(default_factory=dict)
+    #: id -> (function, its pickle): importable functions a lane call starts with
+    heads: dict[int, tuple[Any, bytes]] = field(default_factory=dict)
     by_value_seen: int = len(_BY_VALUE_MODULES)
     installed: bool = False
 
@@ -217,6 +218,7 @@ class RpcPickler(cloudpickle.Pickler):
         if reduced is NotImplemented and (isinstance(obj, (FunctionType, type))):
             if len(_pickling.by_reference) >= _BY_REFERENCE_KEEP:
                 _pickling.by_reference.clear()
+                _pickling.heads.clear()
             _pickling.by_reference[id(obj)] = obj
         return reduced
 
@@ -315,6 +317,7 @@ def _notice_by_value() -> None:
     """After ``register_pickle_by_value``, what was found importable is asked again."""
     if len(_BY_VALUE_MODULES) != _pickling.by_value_seen:
         _pickling.by_reference.clear()
+        _pickling.heads.clear()
         _pickling.by_value_seen = len(_BY_VALUE_MODULES)
 
 
@@ -429,111 +432,28 @@ def unsendable_global(func: Any, seen: set[int] | None = None) -> tuple[str, str
     return None
 
 
-# -- a lane's messages (:mod:`nbrpc._wire.lanes`) --------------------------------------------
-
-#: tensor storage bytes one lane message may carry (more: TensorPipe, or the arena)
-LANE_TENSOR_BYTES = 1 << 16
+# -- what a lane's call starts with (:mod:`nbrpc._wire.lanes.messages`) ---------------------
 
 
-class NotLane(Exception):
-    """A message that must go through TensorPipe (raised while pickling it for a lane)."""
+def function_head(func: Any) -> bytes | None:
+    """The pickle a lane call of ``func`` starts with, made once: a notebook function's
+    kept reduction (:func:`.sent_functions.head`), or an importable function by name
+    (found so by an earlier pickle: the first call of one is pickled whole). None: the
+    call is pickled whole."""
+    _notice_by_value()
+    if type(func) is FunctionType and func.__module__ == "__main__":
+        return sent_functions.head(func, _by_reference, _kept_head, _pickling.by_value_seen)
+    kept = _pickling.heads.get(id(func))
+    if kept is not None and kept[0] is func:
+        return kept[1]
+    if not _by_reference(func) or type(func) is not FunctionType:
+        return None
+    head = pickle.dumps(func, protocol=5)
+    _pickling.heads[id(func)] = func, head
+    return head
 
 
-def _tensor(dtype: torch.dtype, data: bytes, offset: int, size: tuple, stride: tuple) -> Any:
-    """Unpickling side of :func:`_reduce_tensor`: the tensor, on a storage of its own."""
-    storage = torch.UntypedStorage.from_buffer(data, dtype=torch.uint8) if data else None
-    made = torch.empty(0, dtype=dtype)
-    return made.set_(storage, offset, size, stride) if storage is not None else made.resize_(size)
-
-
-def _reduce_tensor(t: torch.Tensor) -> Any:
-    """A small dense CPU tensor, in the pickle: its whole storage, offset, size and stride
-    (what TensorPipe sends too, so a view arrives as the same view)."""
-    if (
-        not t.is_cpu
-        or t.requires_grad
-        or t.layout != torch.strided
-        or t.is_quantized
-        or t.is_conj()
-        or t.is_neg()
-    ):
-        raise NotLane
-    storage = t.untyped_storage()
-    nbytes, address = storage.nbytes(), storage.data_ptr()
-    counted = _lane_counted.bytes + nbytes
-    if counted > LANE_TENSOR_BYTES or (nbytes and address in _lane_counted.storages):
-        raise NotLane  # too large, or two tensors share it (TensorPipe keeps them sharing)
-    _lane_counted.bytes = counted
-    if nbytes:
-        _lane_counted.storages.add(address)
-    data = ctypes.string_at(address, nbytes) if nbytes else b""
-    return _tensor, (t.dtype, data, t.storage_offset(), tuple(t.shape), t.stride())
-
-
-def _refuse(obj: Any) -> Any:
-    raise NotLane
-
-
-class _LaneCounted(threading.local):
-    bytes = 0
-    storages: set[int]
-
-    def __init__(self) -> None:
-        self.storages = set()
-
-
-_lane_counted = _LaneCounted()
-_lane_tables: dict[bool, dict] = {}
-
-
-def lane_reducers(recording_on: bool) -> dict:
-    """The lane pickler's reducers: tensors in the pickle, RRefs and torch's special
-    classes refused (``recording_on``: tensor bytes counted for the timeline)."""
-    table = _lane_tables.get(recording_on)
-    if table is None:
-        tensor = recording.counted(_reduce_tensor, "lane") if recording_on else _reduce_tensor
-        table = {torch.Tensor: tensor, _torch.PyRRef: _refuse, torch.distributed.rpc.RRef: _refuse}
-        table[torch.jit.ScriptFunction] = _refuse  # torch's script call: TensorPipe's
-        table.update(dict.fromkeys(_torch.custom_reducer_classes(), _refuse))
-        table = _lane_tables[recording_on] = over_base_table(table)
-    return table
-
-
-_PLAIN_ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
-_PLAIN_TABLE: dict[Any, Any] = {torch.Tensor: _reduce_tensor}
-
-
-def _plain(obj: Any, depth: int = 0) -> bool:
-    """Whether ``obj`` holds only numbers, strings, bytes, None, plain tensors, and small
-    tuples, lists and dicts of these: what the standard library's C pickler pickles as
-    nbrpc's would (no class or function in it, by value or not)."""
-    kind = type(obj)
-    if kind in _PLAIN_ATOMS or kind is torch.Tensor:
-        return True
-    if depth > 3 or kind not in (tuple, list, dict) or len(obj) > 32:
-        return False
-    if kind is dict:
-        return all(type(k) in _PLAIN_ATOMS and _plain(v, depth + 1) for k, v in obj.items())
-    return all(_plain(item, depth + 1) for item in obj)
-
-
-def lane_dumps(obj: Any) -> bytes:
-    """``obj`` (a reply) pickled for a lane (nbrpc's pickler: notebook code by value);
-    raises when it cannot take one (:class:`NotLane`, or any pickling error). A plain
-    value, not recorded, takes the C pickler alone (12 -> 3 µs for a small tensor)."""
-    out = lane_message()
-    recording_on = recording.active() is not None
-    if not recording_on and _plain(obj):
-        plain = pickle.Pickler(out, protocol=5)
-        plain.dispatch_table = _PLAIN_TABLE
-        plain.dump(obj)
-    else:
-        LanePickler(out, lane_reducers(recording_on)).dump(obj)
+def _kept_head(func: FunctionType) -> bytes:
+    out = io.BytesIO()
+    LanePickler(out, _BASE_TABLE).dump_as_is(func)  # (no tensor: none is kept)
     return out.getvalue()
-
-
-def lane_message() -> io.BytesIO:
-    """A new message's buffer; the tensors :func:`_reduce_tensor` counted are forgotten."""
-    _lane_counted.bytes = 0
-    _lane_counted.storages.clear()
-    return io.BytesIO()

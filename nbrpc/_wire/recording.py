@@ -149,6 +149,14 @@ def arrived(header: Header, udf: Any) -> Any:
     return udf
 
 
+def arrived_call(header: Header, func: Any, args: tuple, kwargs: dict, lane: bool) -> Any:
+    """A call that arrived with ``header`` beside it (a lane's: ``lane``), as
+    :func:`arrived` makes it."""
+    udf = _RecordedUDF(func, args, kwargs)
+    udf.record, udf.lane = header, lane
+    return udf
+
+
 def header_of(python_udf: Any) -> Header | None:
     """The header a call arrived with (None: sent without one)."""
     return getattr(python_udf, "record", None)

@@ -1,4 +1,4 @@
-"""What a lane's pickle carries, and what it refuses (nbrpc/_wire/pickling.py, the lanes'
+"""What a lane's pickle carries, and what it refuses (nbrpc/_wire/lanes/messages.py, the lanes'
 messages): no process."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import pickle
 import pytest
 import torch
 
-from nbrpc._wire import pickling
+from nbrpc._wire.lanes import messages
 
 
 def _round_trip(value):
-    return pickle.loads(pickling.lane_dumps(value))
+    return pickle.loads(messages.lane_dumps(value))
 
 
 @pytest.mark.parametrize(
@@ -47,7 +47,7 @@ def test_a_tensor_arrives_as_the_same_view_of_its_own_storage(tensor):
     "value",
     [
         torch.ones(2, requires_grad=True),
-        torch.ones(pickling.LANE_TENSOR_BYTES // 4 + 1),  # more storage bytes than a lane takes
+        torch.ones(messages.LANE_TENSOR_BYTES // 4 + 1),  # more storage bytes than a lane takes
         torch.ones(4).to_sparse(),
         pytest.param("quantized", id="quantized"),
         torch.ones(2, dtype=torch.complex64).conj(),
@@ -59,7 +59,7 @@ def test_what_torch_must_carry_is_refused(value):
     if isinstance(value, str):  # made here: its creation warns that it is deprecated
         value = torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.quint8)
     with pytest.raises(Exception):  # noqa: B017, PT011 (NotLane, or the pickler's wrapper of it)
-        pickling.lane_dumps(value)
+        messages.lane_dumps(value)
 
 
 def test_a_parameter_takes_its_own_reduction_as_in_torchs_pickler():
@@ -74,7 +74,7 @@ def test_a_parameter_takes_its_own_reduction_as_in_torchs_pickler():
 def test_two_tensors_sharing_a_storage_are_left_to_torch_which_keeps_them_sharing():
     base = torch.arange(8.0)
     with pytest.raises(Exception):  # noqa: B017, PT011
-        pickling.lane_dumps((base[:4], base[4:]))
+        messages.lane_dumps((base[:4], base[4:]))
     same = base[:4]
     a, b = _round_trip((same, same))  # one tensor twice: pickle's memo, one object
     assert a is b
@@ -83,10 +83,10 @@ def test_two_tensors_sharing_a_storage_are_left_to_torch_which_keeps_them_sharin
 def test_an_rref_is_refused_before_torch_forks_it():
     from torch.distributed.rpc import RRef
 
-    assert RRef in pickling.lane_reducers(False)
-    with pytest.raises(pickling.NotLane):
-        pickling.lane_reducers(False)[RRef](object())
+    assert RRef in messages.lane_reducers(False)
+    with pytest.raises(messages.NotLane):
+        messages.lane_reducers(False)[RRef](object())
 
 
 def test_a_small_message_is_small():
-    assert len(pickling.lane_dumps({"x": torch.ones(1), "n": 3})) < 400
+    assert len(messages.lane_dumps({"x": torch.ones(1), "n": 3})) < 400

@@ -64,4 +64,4 @@ from .setup import (
     pause as pause,
     set_up as set_up,
 )
-from .state import LaneLost as LaneLost, socket_path as socket_path
+from .state import VALUE as VALUE, LaneLost as LaneLost, socket_path as socket_path

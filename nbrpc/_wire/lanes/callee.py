@@ -9,16 +9,16 @@ TensorPipe (:func:`take`); a call that does not unpickle here is sent back as ``
 
 from __future__ import annotations
 
-import pickle
 import socket
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from nbrpc import _torch
-from nbrpc._wire import pickling, recording, same_user
+from nbrpc._wire import recording, same_user
 from nbrpc._wire.callee import run_function, serve_lanes_here
 
+from . import messages
 from .frames import FRAME, Frames, Outbox
 from .state import CALLS, FETCH, INLINE, RETRY, VALUE, here, shut
 
@@ -73,19 +73,19 @@ def _serve(conn: socket.socket) -> None:
 def run(answer: Callable[[bytes], Any], call: int, payload: bytes) -> None:
     """Run one call and ``answer`` it (a frame sent, or put in the connection's outbox)."""
     try:
-        func, args, kwargs, header = pickle.loads(payload)
+        func, args, kwargs, header = messages.lane_call_of(payload)
     except Exception:  # e.g. a function this process cannot import: TensorPipe says it
         answer(FRAME.pack(call, 0, RETRY))
         return
-    udf = _torch.PythonUDF(func, args, kwargs)
     if header is not None:  # a user's call: its header, and the row says it came this way
-        udf = recording.arrived(header, udf)
-        udf.lane = True
+        udf = recording.arrived_call(header, func, args, kwargs, lane=True)
+    else:
+        udf = _torch.PythonUDF(func, args, kwargs)
     del func, args, kwargs
     result = run_function(udf)
     row = recording.reply_row(result)
     try:
-        reply = pickling.lane_dumps(result)
+        reply = messages.lane_dumps(result)
         kind = VALUE
     except Exception:  # an RRef, a CUDA or large tensor, or no pickle: TensorPipe takes it
         with here.lock:

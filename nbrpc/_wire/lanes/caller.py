@@ -16,12 +16,14 @@ import socket
 import struct
 import threading
 from collections.abc import Callable
+from types import FunctionType
 from typing import Any, NamedTuple
 
 from nbrpc import _process, _torch
-from nbrpc._wire import pickling, recording
+from nbrpc._wire import recording
 from nbrpc._wire.callee import call_builtin, is_user_call, serving
 
+from . import messages
 from .callee import take
 from .frames import FRAME, Frames, Outbox
 from .state import (
@@ -103,7 +105,8 @@ def route(dest: Any, func: Any, args: tuple, kwargs: dict | None, main: bool) ->
     why = why_not(dest, func)
     if why is not None:
         return why
-    if _torch.is_builtin(func):
+    notebook = type(func) is FunctionType and func.__module__ == "__main__"
+    if not notebook and _torch.is_builtin(func):  # (a notebook's function never is one)
         func, args, kwargs = call_builtin, (func, args, kwargs), None
     try:
         payload = call_bytes(func, args, kwargs or {})
@@ -129,7 +132,7 @@ def why_not(dest: Any, func: Any) -> Route | None:
         return _NONE[Why.NO_LANE]
     if serving():
         return _NONE[Why.NESTED]
-    if getattr(reading, "lane", None) is not None:
+    if reading.lane is not None:
         return _NONE[Why.CALLBACK]
     if getattr(func, "_wrapped_async_rpc_function", None) is not None:
         return _NONE[Why.ASYNC_EXECUTION]
@@ -143,15 +146,13 @@ def why_not(dest: Any, func: Any) -> Route | None:
 def call_bytes(func: Any, args: tuple, kwargs: dict) -> bytes:
     """A call pickled for a lane: ``(func, args, kwargs, header)``, the header
     (:mod:`nbrpc._wire.recording`) beside the call, not wrapped around torch's call record."""
-    out = pickling.lane_message()
-    pickler = pickling.LanePickler(out, pickling.lane_reducers(recording.active() is not None))
     header, message = (
         recording.header_for(_process.name(), False, True) if is_user_call(func) else (None, None)
     )
-    pickler.dump_as_is((func, args, kwargs, header))
+    payload = messages.lane_call(func, args, kwargs, header)
     if message is not None:
-        recording.pickled(message, out.tell())
-    return out.getvalue()
+        recording.pickled(message, len(payload))
+    return payload
 
 
 def in_flight() -> int:
@@ -193,6 +194,11 @@ class Lane:
         keeps the clock). A stop (KeyboardInterrupt) closes the lane and goes on up."""
         try:
             self._send(payload, None)
+            if not 0 < limit < MAIN_SLICE_S * 2:  # a first slice, on its own
+                reply = self.answer()  # (a small call's answer comes within it)
+                if reply is not None:
+                    return reply
+                limit = max(limit - MAIN_SLICE_S, 1e-3) if limit > 0 else 0
             got: list[Reply] = []
 
             def one_slice() -> bool:
@@ -201,10 +207,6 @@ class Lane:
                     got.append(reply)
                 return bool(got)
 
-            if not 0 < limit < MAIN_SLICE_S * 2:  # a first slice, on its own
-                if one_slice():
-                    return got[0]
-                limit = max(limit - MAIN_SLICE_S, 1e-3) if limit > 0 else 0
             if not wait_in_slices(one_slice, limit):
                 self.close()
                 return None

@@ -59,10 +59,16 @@ class Lanes:
 
 
 here = Lanes()
+
+
 #: ``.lane``: set on a lane's reader thread. A call a future's callback makes there
 #: (torch's ``fut.then(...)`` runs it on the thread that completes the future) goes
 #: through TensorPipe: waiting for its answer on a lane would wait for this very thread
-reading = threading.local()
+class _Reading(threading.local):
+    lane: Any = None
+
+
+reading = _Reading()
 #: how the peer's user is read from a Unix socket (pid, uid, gid)
 
 
