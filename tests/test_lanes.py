@@ -20,6 +20,7 @@ from conftest import running_kernel
 
 import nbrpc
 from nbrpc._wire import lanes, sent_functions
+from nbrpc._wire.lanes import messages
 
 CELL = """
 import os
@@ -100,10 +101,12 @@ def _same(a, b) -> None:
         assert a == b
 
 
-def test_a_small_call_takes_the_lane_and_gives_what_tensorpipe_gives(cluster, code):
+@pytest.mark.parametrize("recorded", [False, True], ids=["plain", "recorded"])
+def test_a_small_call_takes_the_lane_and_gives_what_tensorpipe_gives(cluster, code, recorded):
     """Each value goes both ways on a lane and, for comparison, through TensorPipe
     (remote().to_here()); dtype, shape, strides (a transposed view stays one) and values
-    are the same, and so are notebook classes and containers."""
+    are the same, and so are notebook classes and containers. Unrecorded, plain values take the C pickler behind the function's pickle
+    made once (lanes/messages.py); recorded, every call takes nbrpc's pickler."""
     base = torch.arange(12.0).reshape(3, 4)
     values = [
         torch.ones(1),
@@ -117,7 +120,7 @@ def test_a_small_call_takes_the_lane_and_gives_what_tensorpipe_gives(cluster, co
         code.Point(1, 2.5),
         (None, 3, b"bytes"),
     ]
-    with nbrpc.record() as rec:
+    with nbrpc.record() if recorded else contextlib.nullcontext() as rec:
         for value in values:
             on_lane = nbrpc.rpc_sync("worker1", code.echo, args=(value,))
             through_tensorpipe = nbrpc.remote("worker1", code.echo, args=(value,)).to_here()
@@ -126,6 +129,9 @@ def test_a_small_call_takes_the_lane_and_gives_what_tensorpipe_gives(cluster, co
                 continue
             _same(on_lane, value if not isinstance(value, torch.Tensor) else through_tensorpipe)
             _same(on_lane, through_tensorpipe)
+    if not recorded:
+        assert messages.lane_call(code.echo, (values[0],), {}, None)[:4] != bytes(4)
+        return
     routes = [row["route"] for row in rec.calls if row["function"] == "echo"]
     assert routes.count("lane") == len(values), routes  # the rpc_sync calls
     assert routes.count("tensorpipe") == len(values), routes  # remote() always
@@ -172,6 +178,36 @@ def test_a_notebook_function_is_pickled_once_and_still_sees_every_change(cluster
     code.ITEMS.append(2)  # changed in place: the next call sees it (a list is never kept)
     assert nbrpc.rpc_sync("worker1", code.total) == 3
     assert nbrpc.rpc_async("worker1", code.scaled, args=(2,)).wait() == 16
+
+
+def test_a_kept_function_called_with_plain_values_sees_every_change(cluster, nb):
+    """Unrecorded calls of plain values start with the function's pickle made once, its
+    globals' values included (lanes/messages.py): the next call after a change of a global,
+    a default or a float's sign (0.0 == -0.0, which an equality check would miss) sees it,
+    as a fresh pickle would, and so does the call after that."""
+    code = nb(KEPT_CELL + "\nZERO = 0.0\n\ndef sign():\n    return math.copysign(1, ZERO)\n")
+
+    def scaled(*args):
+        return nbrpc.rpc_sync("worker1", code.scaled, args=args)
+
+    def sign():
+        return nbrpc.rpc_sync("worker1", code.sign)
+
+    assert [scaled(i) for i in range(3)] == [0, 2, 4]
+    assert messages.lane_call(code.scaled, (1,), {}, None)[:4] != bytes(4)  # the kept pickle
+    code.scaled.__globals__["SCALE"] = 3
+    assert [scaled(1), scaled(1), scaled(2)] == [3, 3, 6]
+    code.scaled.__defaults__ = (10,)
+    assert [scaled(1), scaled(1)] == [13, 13]
+    assert [sign(), sign()] == [1.0, 1.0]
+    code.sign.__globals__["ZERO"] = -0.0
+    assert [sign(), sign()] == [-1.0, -1.0]
+    code.sign.__globals__["ZERO"] = 0.0
+    assert [sign(), sign()] == [1.0, 1.0]
+    code.sign.__globals__["ZERO"] = float("nan")  # copysign(1, nan) is 1.0
+    assert [sign(), sign()] == [1.0, 1.0]
+    del code.sign.__globals__["ZERO"]  # a global gone: the worker's own (still there)
+    assert sign() == 1.0
 
 
 def test_what_a_lane_leaves_to_tensorpipe_goes_there_and_works(cluster, code):
