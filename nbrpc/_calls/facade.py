@@ -59,13 +59,13 @@ class _Calls:
 
 
 _calls = _Calls()
-#: ``.ident``: the main thread's (a forked worker's main thread is another thread)
-_main = threading.main_thread()
+#: the main thread's ident (a forked worker's main thread is another thread)
+_main = threading.main_thread().ident
 
 
 def _after_fork() -> None:
     global _main
-    _main = threading.main_thread()
+    _main = threading.main_thread().ident
 
 
 # after threading's own handler, which makes the forking thread the child's main thread
@@ -237,24 +237,26 @@ def rpc_sync(
 
     An exception raised there is raised here with its own type (see :mod:`nbrpc._wire.failures`).
     """
-    if threading.get_ident() != _main.ident:
+    if threading.get_ident() != _main:
         return start_call("rpc_sync", to, func, args, kwargs, timeout).wait()
     # The notebook's case, without the future rpc_async returns (measured ~40 µs a call):
     # the main thread waits on torch's future, or on its lane, itself and settles it here.
-    dest, call = _addressed("rpc_sync", to, func, timeout)
+    dest = _destination(to, "rpc_sync")  # (bad input fails here, before anything is sent)
+    limit = rpc.get_rpc_timeout() if timeout is None else max(float(timeout), 0.0)
     sent = (func, tuple(args), kwargs)
     way = lanes.route(dest, func, sent[1], kwargs, main=True)
     if way.lane is None:
-        value, error = _sync_through_torch(dest, sent, call)
+        value, error = _sync_through_torch(dest, sent, Sent(dest.name, func, limit, timeout))
     else:
         try:
-            reply = way.lane.ask(way.payload, call.limit, prompts.wait_in_slices_on_main_thread)
+            reply = way.lane.ask(way.payload, limit, prompts.wait_in_slices_on_main_thread)
         except KeyboardInterrupt as stop:  # the stop button: the cell's lines, not nbrpc's
             failures.show_short(stop)
             raise
         if reply is not None and reply.kind == lanes.VALUE:  # the answer, or its error
             value, error = failures.returned(reply.got)
         else:
+            call = Sent(dest.name, func, limit, timeout)
             value, error, resend = _outcome(reply, sent, call)
             if resend is not None:
                 value, error = _sync_through_torch(dest, resend, call)

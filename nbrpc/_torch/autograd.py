@@ -16,7 +16,12 @@ import torch.distributed.autograd as dist_autograd
 
 from .versions import OPTIMIZER_SCRIPTED
 
-_contexts = threading.local()  # .made: contexts this thread made and has not released
+
+class _Contexts(threading.local):
+    made = 0  # contexts this thread made and has not released (read on every lane call)
+
+
+_contexts = _Contexts()
 
 
 def track_autograd_contexts() -> None:
@@ -29,11 +34,11 @@ def track_autograd_contexts() -> None:
 
     def new_context() -> Any:
         context = made()
-        _contexts.made = getattr(_contexts, "made", 0) + 1
+        _contexts.made += 1
         return context
 
     def release_context(context_id: int) -> Any:
-        _contexts.made = max(getattr(_contexts, "made", 0) - 1, 0)
+        _contexts.made = max(_contexts.made - 1, 0)
         return released(context_id)
 
     new_context.nbrpc_counted = True  # type: ignore[attr-defined]
@@ -45,7 +50,7 @@ def in_autograd_context() -> bool:
     """Whether this thread is inside a distributed autograd context (its RPCs are part of
     the backward pass). Private: ``_current_context`` raises when there is none (a few
     µs), asked only on a thread that made a context (:func:`track_autograd_contexts`)."""
-    if not getattr(_contexts, "made", 0):
+    if not _contexts.made:
         return False
     try:
         dist_autograd._current_context()

@@ -285,6 +285,7 @@ class LogTail:
         # unbuffered, kept open (the log may be unlinked): a poll that finds nothing new,
         # after each call, is one read() at the end of the file
         self._file = open(path, "rb", buffering=0)  # noqa: SIM115
+        self._buffer = bytearray(_READ)
         self._file.seek(0, os.SEEK_END)
         self._send = send
         self._pending = b""
@@ -310,17 +311,19 @@ class LogTail:
         """Forward what was appended since the last poll (``flush``: a partial line too)."""
         with self._lock:
             try:
-                data = self._file.read(_READ)
-                while data is not None and len(data) % _READ == 0 and data:
-                    more = self._file.read(_READ)  # a full read: there may be more
-                    if not more:
+                data = b""
+                while True:  # into a buffer kept: nothing allocated when nothing came
+                    got = self._file.readinto(self._buffer)
+                    if not got:
                         break
-                    data += more
-            except (OSError, ValueError):
+                    data += self._buffer[:got]
+                    if got < _READ:
+                        break
+            except (OSError, ValueError, TypeError):
                 return
             if not data and not (flush and self._pending):
                 return
-            text = self._pending + (data or b"")
+            text = self._pending + data
             cut = len(text) if flush else text.rfind(b"\n") + 1
             self._pending = text[cut:]
             lines = output.lines_of(text[:cut].decode(errors="replace"))

@@ -231,7 +231,41 @@ def _made(key: str, blob: bytes, arriving: dict[str, Any]) -> FunctionType:
             _loaded[key] = func
             while len(_loaded) > _KEEP:
                 _loaded.popitem(last=False)
-    func.__globals__.update(namespace.arrive(arriving))
+    if arriving:
+        func.__globals__.update(namespace.arrive(arriving))
+    _arrived.globals = arriving
+    return func
+
+
+class _Arrived(threading.local):
+    globals: dict[str, Any] | None = None  # what the last _made on this thread put in place
+
+
+_arrived = _Arrived()
+#: the callee's: a lane call's function pickle (:func:`head`'s) -> the function, and the
+#: globals it brings (each call puts them in place again, as a fresh pickle would)
+_by_head: dict[bytes, tuple[FunctionType, dict[str, Any]]] = {}
+
+
+def from_head(head: Any) -> Any:
+    """The function a lane call's ``head`` pickles (:func:`head`'s, or an importable
+    function's name): a kept function is looked up by the pickle's bytes, its globals put
+    in place (the same values: equal pickles), instead of unpickled again (the pickle
+    carries the function's own, a few hundred bytes)."""
+    key = bytes(head)
+    hit = _by_head.get(key)
+    if hit is not None:
+        func, arriving = hit
+        if arriving:
+            func.__globals__.update(namespace.arrive(arriving))
+        return func
+    _arrived.globals = None
+    func = pickle.loads(key)
+    arriving = _arrived.globals
+    if arriving is not None:  # a kept function's (an importable one is looked up anew)
+        if len(_by_head) >= _KEEP:
+            _by_head.clear()
+        _by_head[key] = func, arriving
     return func
 
 

@@ -109,7 +109,7 @@ def route(dest: Any, func: Any, args: tuple, kwargs: dict | None, main: bool) ->
     if not notebook and _torch.is_builtin(func):  # (a notebook's function never is one)
         func, args, kwargs = call_builtin, (func, args, kwargs), None
     try:
-        payload = call_bytes(func, args, kwargs or {})
+        payload = call_bytes(func, args, kwargs or {}, notebook or is_user_call(func))
     except Exception:  # NotLane, or what TensorPipe's pickling will report in its words
         return _NONE[Why.NOT_LANE]
     lane = lane_to(dest, main)
@@ -143,12 +143,13 @@ def why_not(dest: Any, func: Any) -> Route | None:
     return None
 
 
-def call_bytes(func: Any, args: tuple, kwargs: dict) -> bytes:
+def call_bytes(func: Any, args: tuple, kwargs: dict, user: bool | None = None) -> bytes:
     """A call pickled for a lane: ``(func, args, kwargs, header)``, the header
-    (:mod:`nbrpc._wire.recording`) beside the call, not wrapped around torch's call record."""
-    header, message = (
-        recording.header_for(_process.name(), False, True) if is_user_call(func) else (None, None)
-    )
+    (:mod:`nbrpc._wire.recording`) beside the call, not wrapped around torch's call record
+    (``user``: whether it is a user's call, :func:`is_user_call` if not said)."""
+    if user is None:
+        user = is_user_call(func)
+    header, message = recording.header_for(_process.name(), False, True) if user else (None, None)
     payload = messages.lane_call(func, args, kwargs, header)
     if message is not None:
         recording.pickled(message, len(payload))
@@ -253,24 +254,34 @@ class Lane:
         and its clock, and reads again); raises :class:`LaneLost`. One ``recv`` where a
         ``poll`` and a ``recv`` were (about 10 µs a call, measured)."""
         try:
-            return self.receive()[1]
+            frame = self.frames.next()
         except BlockingIOError:  # SO_RCVTIMEO passed: nothing yet
             return None
+        except OSError as exc:
+            raise self._closed_by_peer(f"({exc})") from None
+        if frame is not None and frame[1] == VALUE:  # (receive(), without its frames)
+            return Reply(VALUE, pickle.loads(frame[2]))
+        return self._reply_of(frame)[1]
 
     def receive(self) -> tuple[int, Reply]:
         """The next reply on this lane and its call's id; raises :class:`LaneLost`."""
         try:
             frame = self.frames.next()
         except BlockingIOError:
-            raise  # the main lane's read timed out (answer())
+            raise  # the main lane's read timed out
         except OSError as exc:  # ECONNRESET: the peer died with bytes unread
-            self.close()
-            raise LaneLost(f"{self.dest} closed its end of the lane ({exc})") from None
+            raise self._closed_by_peer(f"({exc})") from None
+        return self._reply_of(frame)
+
+    def _reply_of(self, frame: tuple[int, int, Any] | None) -> tuple[int, Reply]:
         if frame is None or frame[1] not in REPLIES:
-            self.close()
-            raise LaneLost(f"{self.dest} closed its end of the lane (its process exited)")
+            raise self._closed_by_peer("(its process exited)")
         call, kind, payload = frame
         return call, _reply(kind, payload)
+
+    def _closed_by_peer(self, why: str) -> LaneLost:
+        self.close()
+        return LaneLost(f"{self.dest} closed its end of the lane {why}")
 
     def _read(self) -> None:
         reading.lane = self  # futures complete here, and run their callbacks here
