@@ -114,6 +114,11 @@ def lane_reducers(recording_on: bool) -> dict:
 _PLAIN_ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
 _PLAIN_LEAVES = _PLAIN_ATOMS | {torch.Tensor}
 _PLAIN_TABLE: dict[Any, Any] = {torch.Tensor: _reduce_tensor}
+#: the C pickler's tables, by whether a timeline records (then each tensor's bytes count)
+_PLAIN_TABLES = {
+    False: _PLAIN_TABLE,
+    True: {torch.Tensor: recording.counted(_reduce_tensor, "lane")},
+}
 
 
 def _plain(obj: Any, depth: int = 0) -> bool:
@@ -156,22 +161,22 @@ _HEAD = struct.Struct("<I")
 
 def lane_call(func: Any, args: tuple, kwargs: dict, header: Any) -> bytes:
     """A call pickled for a lane. Where its arguments are plain values and its function
-    has a pickle made once (:func:`_function_head`), that pickle, then ``(args, kwargs,
-    header)`` by the standard library's C pickler alone (a notebook function's call of a
-    1-element tensor: 11 -> 3 µs, measured): nbrpc's pickler, a cloudpickle Pickler,
-    runs Python code for every tuple, dict and tensor in a call. Else
-    ``(func, args, kwargs, header)`` in one pickle by :class:`LanePickler`, as before.
+    has a pickle made once (:func:`nbrpc._wire.pickling.function_head`), that pickle,
+    then ``(args, kwargs, header)`` by the standard library's C pickler alone (a notebook
+    function's call of a 1-element tensor: 11 -> 3 µs, measured): nbrpc's pickler, a
+    cloudpickle Pickler, runs Python code for every tuple, dict and tensor in a call;
+    recorded, its tensors' bytes are counted as they are pickled. Else ``(func, args,
+    kwargs, header)`` in one pickle by :class:`LanePickler`.
     Raises where the call cannot take a lane (:class:`NotLane`, or a pickling error)."""
-    out = lane_message()
     recording_on = recording.active() is not None
-    plain = not recording_on and _plain_call(func, args, kwargs)
-    head = pickling.function_head(func) if plain else None
-    if head is None:
-        out.write(_HEAD.pack(0))
-        pickler = pickling.LanePickler(out, lane_reducers(recording_on))
-        pickler.dump_as_is((func, args, kwargs, header))
-        return out.getvalue()
-    return _plain_pickle((args, kwargs, header), head)
+    head = pickling.function_head(func) if _plain_call(func, args, kwargs) else None
+    if head is not None:
+        return _plain_pickle((args, kwargs, header), head, _PLAIN_TABLES[recording_on])
+    out = lane_message()
+    out.write(_HEAD.pack(0))
+    pickler = pickling.LanePickler(out, lane_reducers(recording_on))
+    pickler.dump_as_is((func, args, kwargs, header))
+    return out.getvalue()
 
 
 def lane_call_of(payload: Any) -> tuple[Any, tuple, dict, Any]:
@@ -187,10 +192,16 @@ def lane_call_of(payload: Any) -> tuple[Any, tuple, dict, Any]:
 def lane_dumps(obj: Any) -> bytes:
     """``obj`` (a reply) pickled for a lane (nbrpc's pickler: notebook code by value);
     raises when it cannot take one (:class:`NotLane`, or any pickling error). A plain
-    value, not recorded, takes the C pickler alone (12 -> 3 µs for a small tensor)."""
+    value takes the C pickler alone (12 -> 3 µs for a small tensor)."""
     recording_on = recording.active() is not None
-    if not recording_on and _plain(obj):
-        return _plain_pickle(obj, b"")
+    if _plain(obj):
+        if not recording_on:
+            return _plain_pickle(obj, b"", _PLAIN_TABLE)
+        message = recording.message_for(obj)  # the row's: its tensors and bytes counted
+        data = _plain_pickle(obj, b"", _PLAIN_TABLES[True])
+        if message is not None:
+            recording.pickled(message, len(data))
+        return data
     out = lane_message()
     pickling.LanePickler(out, lane_reducers(recording_on)).dump(obj)
     return out.getvalue()
@@ -209,15 +220,16 @@ class _PlainPickler(threading.local):
 _plain_pickler = _PlainPickler()
 
 
-def _plain_pickle(obj: Any, head: bytes) -> bytes:
+def _plain_pickle(obj: Any, head: bytes, table: dict) -> bytes:
     """``obj`` by the C pickler (plain values: :func:`_plain`) after ``head`` (a call's:
-    its length and its function's pickle; a reply: none)."""
+    its length and its function's pickle; a reply: none), its tensors by ``table``."""
     _lane_counted.bytes = 0
     _lane_counted.storages.clear()
     kept = _plain_pickler
     out, pickler = kept.out, kept.pickler
     out.seek(0)
     out.truncate()
+    pickler.dispatch_table = table
     if head:
         out.write(_HEAD.pack(len(head)))
         out.write(head)
