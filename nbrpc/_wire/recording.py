@@ -152,7 +152,7 @@ def arrived(header: Header, udf: Any) -> Any:
 def arrived_call(header: Header, func: Any, args: tuple, kwargs: dict, lane: bool) -> Any:
     """A call that arrived with ``header`` beside it (a lane's: ``lane``), as
     :func:`arrived` makes it."""
-    udf = _RecordedUDF(func, args, kwargs)
+    udf: Any = _RecordedUDF(func, args, kwargs)
     udf.record, udf.lane = header, lane
     return udf
 

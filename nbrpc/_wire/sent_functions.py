@@ -261,11 +261,11 @@ def from_head(head: Any) -> Any:
         return func
     _arrived.globals = None
     func = pickle.loads(key)
-    arriving = _arrived.globals
-    if arriving is not None:  # a kept function's (an importable one is looked up anew)
+    came = _arrived.globals
+    if came is not None:  # a kept function's (an importable one is looked up anew)
         if len(_by_head) >= _KEEP:
             _by_head.clear()
-        _by_head[key] = func, arriving
+        _by_head[key] = func, came
     return func
 
 
