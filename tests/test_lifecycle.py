@@ -198,26 +198,29 @@ def test_workers_exit_when_the_kernel_is_killed(tmp_path):
         "c = nbrpc.init(n=2, progress=False)\n"
         "left = shm.export(torch.ones(1 << 20).untyped_storage())  # never received\n"
         "left = left[0] if isinstance(left, tuple) else left  # an arena, or a segment\n"
-        "print(' '.join(str(r.pid) for r in c.workers[1:]), left, lanes.directory(), flush=True)\n"
+        "print(' '.join(str(r.pid) for r in c.workers[1:]), left, lanes.directory(),\n"
+        "      c.engines.source.controller.cluster_file, flush=True)\n"
         "time.sleep(600)\n"
     )
     kernel = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
-        *pids, segment, sockets = kernel.stdout.readline().split()
+        *pids, segment, sockets, cluster_file = kernel.stdout.readline().split()
         pids = [int(p) for p in pids]
         assert len(pids) == 2
         assert os.path.exists(f"/dev/shm/{segment}")
         assert os.path.isdir(sockets)  # the lanes' socket directory
+        assert os.path.exists(cluster_file)  # ipyparallel's, in the profile's security dir
         kernel.kill()
         kernel.wait(timeout=10)
         t0 = time.monotonic()
         assert wait_for_exit(pids, timeout=20) == [], "engines outlived their kernel"
-        deadline = time.monotonic() + 10  # the watchdog sweeps both in one pass, in turn
-        left_over = (f"/dev/shm/{segment}", sockets)
+        deadline = time.monotonic() + 10  # the watchdog sweeps them in one pass, in turn
+        left_over = (f"/dev/shm/{segment}", sockets, cluster_file)
         while any(map(os.path.exists, left_over)) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not os.path.exists(f"/dev/shm/{segment}"), "a shared-memory segment outlived it"
         assert not os.path.exists(sockets), "the lanes' socket directory outlived it"
+        assert not os.path.exists(cluster_file), "ipyparallel's cluster file outlived it"
         print(f"engines gone {time.monotonic() - t0:.1f} s after the kernel was killed")
     finally:
         if kernel.poll() is None:

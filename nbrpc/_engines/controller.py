@@ -106,6 +106,12 @@ class Controller:
         self._started = time.monotonic()
 
     @property
+    def cluster_file(self) -> str:
+        """ipyparallel's file of this controller, in the profile's ``security`` directory
+        (the watchdog removes it should the kernel die)."""
+        return str(self._ipp.cluster_file)
+
+    @property
     def watchdog_pid(self) -> int | None:
         """The watchdog's pid, once started."""
         return self._watcher.pid if self._watcher is not None else None
@@ -179,7 +185,14 @@ class Controller:
         watchdog.write_pids(self._pidfile, self.pids())
         if self._watcher is None:
             self._watcher = subprocess.Popen(
-                [sys.executable, watchdog.__file__, str(os.getpid()), self._pidfile, self._marker],
+                [
+                    sys.executable,
+                    watchdog.__file__,
+                    str(os.getpid()),
+                    self._pidfile,
+                    self._marker,
+                    self.cluster_file,
+                ],
                 start_new_session=True,  # not hit by the signal that kills the kernel's group
                 stdin=subprocess.DEVNULL,
             )
