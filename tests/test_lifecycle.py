@@ -210,6 +210,9 @@ def test_workers_exit_when_the_kernel_is_killed(tmp_path):
         assert os.path.exists(f"/dev/shm/{segment}")
         assert os.path.isdir(sockets)  # the lanes' socket directory
         assert os.path.exists(cluster_file)  # ipyparallel's, in the profile's security dir
+        security, name = os.path.split(cluster_file)
+        client = os.path.join(security, f"ipcontroller-{name[8:-5]}-client.json")
+        assert os.path.exists(client)  # the controller's connection file
         kernel.kill()
         kernel.wait(timeout=10)
         t0 = time.monotonic()
@@ -221,6 +224,7 @@ def test_workers_exit_when_the_kernel_is_killed(tmp_path):
         assert not os.path.exists(f"/dev/shm/{segment}"), "a shared-memory segment outlived it"
         assert not os.path.exists(sockets), "the lanes' socket directory outlived it"
         assert not os.path.exists(cluster_file), "ipyparallel's cluster file outlived it"
+        assert not os.path.exists(client), "the controller's connection file outlived it"
         print(f"engines gone {time.monotonic() - t0:.1f} s after the kernel was killed")
     finally:
         if kernel.poll() is None:

@@ -16,7 +16,8 @@ processes and those whose environment holds MARKER (the controller's ``IPP_CLUST
 (then kills what is left after a grace period) and removes the kernel's leftover
 shared-memory segments (:mod:`nbrpc._wire.shm`), its group store's directory and its own,
 and ipyparallel's cluster file of the controller (``CLUSTER_FILE``, in the profile's
-``security`` directory: one was left by every killed kernel, and JupyterLab's ipyparallel
+``security`` directory) with the controller's connection files beside it: one of each was
+left by every killed kernel, and JupyterLab's ipyparallel
 extension reads them all, 13 ms each, on the server's one thread: 869 such files held
 every message between a notebook and its kernel for 11 s, measured).
 It also runs the command a source left in ``PIDFILE.on-death`` (``scancel`` of the
@@ -258,8 +259,15 @@ def main(argv: list[str]) -> int:
         os.unlink(pidfile)
     name = os.path.basename(cluster_file or "")
     if cluster_file and name.startswith("cluster-") and name.endswith(".json"):
-        with contextlib.suppress(OSError):
-            os.unlink(cluster_file)
+        cluster_id = name[len("cluster-") : -len(".json")]
+        security = os.path.dirname(cluster_file)
+        for path in (
+            cluster_file,  # and the controller's connection files beside it
+            os.path.join(security, f"ipcontroller-{cluster_id}-client.json"),
+            os.path.join(security, f"ipcontroller-{cluster_id}-engine.json"),
+        ):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
     workdir = os.path.dirname(os.path.abspath(pidfile))
     if os.path.basename(workdir).startswith(WORKDIR_PREFIX):  # the controller's own, private
         shutil.rmtree(workdir, ignore_errors=True)
