@@ -112,6 +112,7 @@ __all__ = [
     "load_ipython_extension",
     "optim",
     "ownership",
+    "panel",
     "post_mortem",
     "pull",
     "push",
@@ -134,6 +135,15 @@ __all__ = [
 
 if TYPE_CHECKING:  # loaded on first use at run time (see __getattr__), seen by type checkers
     from . import optim, widgets
+
+
+def panel(*, interval: float = 1.0) -> None:
+    """Open the cluster panel beside the notebook (``%rpc_panel``): the card of every
+    process, the ownership view and the last timeline, live, with buttons that restart a
+    worker, show stacks or shut the cluster down (:class:`nbrpc.widgets.ClusterPanel`)."""
+    from .widgets import panel as open_panel
+
+    open_panel(interval=interval)
 
 
 def __dir__() -> list[str]:  # tab completion lists the lazily loaded modules too

@@ -17,12 +17,12 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from traitlets import Bool
 
-from . import _cells, _options, _process, _views
+from . import _cells, _options, _process
 from ._debugger import postmortem
 from ._engines import local
 from ._errors import raised_in_rpc_code
 from ._gather import timeline
-from ._lifecycle import cluster as lifecycle
+from ._lifecycle import actions, cluster as lifecycle
 from ._wire import failures
 
 #: ``NBRPC_PREWARM=0`` in the environment: ``%load_ext nbrpc`` starts nothing.
@@ -86,19 +86,7 @@ class RpcMagics(Magics):
     def rpc_shutdown(self, line: str) -> None:
         """Workers leave gracefully; engines started by %rpc_init stop."""
         args = _parse(self.rpc_shutdown, line)
-        if lifecycle.running() is None:
-            lifecycle.shutdown(release=args.release)
-            print(
-                "nbrpc: no cluster is running"
-                + ("; released the controller and spare engines" if args.release else "")
-            )
-            return
-        cluster = lifecycle.current()
-        cluster.shutdown(release=args.release)
-        print(
-            f"nbrpc: shut down ({', '.join(r.name for r in cluster.records[1:])} left)"
-            + ("; controller and spare engines released" if args.release else "")
-        )
+        print(actions.shut_down(release=args.release))
 
     @magic_arguments()
     @argument("names", nargs="+", help="the workers to restart, separated by spaces or commas")
@@ -108,7 +96,7 @@ class RpcMagics(Magics):
         kernel and the other workers keep everything (their RRefs, namespaces, processes)."""
         args = _parse(self.rpc_restart, line)
         names = [n for part in args.names for n in part.split(",") if n]
-        print(lifecycle.restart(*names).summary())
+        print(actions.restart(*names))
 
     @line_magic
     def rpc_status(self, line: str) -> None:
@@ -172,7 +160,16 @@ class RpcMagics(Magics):
         """Print every thread's Python stack in each process, with the call it serves and
         its caller; read from outside each worker, so busy workers answer too."""
         args = _parse(self.rpc_stacks, line)
-        print(_views.stacks_text(lifecycle.stacks(*args.names)))
+        print(actions.stacks(*args.names))
+
+    @line_magic
+    def rpc_panel(self, line: str) -> None:
+        """Open the cluster panel in JupyterLab's right side bar: the card of every
+        process, the ownership view, the last timeline, and buttons that restart a worker,
+        show stacks or shut the cluster down; live, beside the notebook."""
+        from .widgets import panel
+
+        panel()
 
     @line_magic
     def rpc_debug(self, line: str) -> None:

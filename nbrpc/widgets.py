@@ -18,19 +18,20 @@ from __future__ import annotations
 import logging
 import pathlib
 import threading
+import time
 from typing import Any
 
 import anywidget
 import traitlets
 
-from . import _states, _views
+from . import _process, _states, _views
 from ._calls import facade as calls
 from ._errors import NbrpcError
 from ._gather import census, timeline
-from ._lifecycle import cluster as lifecycle
+from ._lifecycle import actions, cluster as lifecycle
 from ._rows import Trace
 
-__all__ = ["BackwardView", "ClusterView", "OwnershipView", "TimelineView"]
+__all__ = ["BackwardView", "ClusterPanel", "ClusterView", "OwnershipView", "TimelineView", "panel"]
 
 log = logging.getLogger("nbrpc")
 
@@ -246,3 +247,148 @@ class TimelineView(_View):
         if not data:
             return "TimelineView()"
         return _views.timeline_text(data["calls"], data["processes"], data["recording"])
+
+
+class ClusterPanel(_View):
+    """The cluster beside the notebook (``%rpc_panel``, :func:`panel`): the card of every
+    process, the ownership view and the last recording's timeline in one live view, with
+    buttons that restart a worker, show stacks or shut the cluster down.
+
+    It redraws as :class:`ClusterView` does (every ``interval`` seconds, at once on a
+    worker's change), follows the cluster through shutdowns, inits and restarts, and says
+    when there is none. Each button asks first in the panel, then sends its action to
+    the kernel, which runs the same code as the magic (:mod:`nbrpc._lifecycle.actions`)
+    when it reads the message: a kernel reads no widget message while a cell runs, so an
+    action waits for the cell to end, and the panel says so. ``status`` is what the last
+    action said, ``output`` the stacks it showed; ``rendered`` turns true once a front end
+    drew the panel. A panel whose front end closed stops asking the workers.
+    """
+
+    _esm = pathlib.Path(__file__).parent / "static" / "panel.js"
+
+    status = traitlets.Unicode("", help="what the last action said").tag(sync=True)
+    output = traitlets.Unicode("", help="the stacks an action showed").tag(sync=True)
+    rendered = traitlets.Bool(False, help="a front end drew the panel").tag(sync=True)
+
+    def __init__(self, *, interval: float = 1.0, live: bool = True) -> None:
+        super().__init__()
+        self.side: Any = None  # the side bar's widget it is shown in (panel())
+        self.fallback: Any = None  # the cell's widget the card goes to if it is not drawn
+        self.on_msg(self._on_action)
+        self.refresh()
+        if live:
+            self._start(interval)
+
+    def _compute(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"state": "closed", "workers": [], "members": [], "rrefs": []}
+        cluster = lifecycle.running()
+        if cluster is not None:
+            try:
+                data = {
+                    "state": cluster.state.value,
+                    "workers": cluster.status(POLL_TIMEOUT_S, ask_ipyparallel=False),
+                    "members": calls.workers(),
+                    "rrefs": census.ownership(POLL_TIMEOUT_S),
+                }
+            except NbrpcError:  # it closed meanwhile
+                data = {"state": "closed", "workers": [], "members": [], "rrefs": []}
+        rec = timeline.latest()
+        if rec is not None and rec.recording:
+            rec.refresh()
+        data["timeline"] = (
+            None
+            if rec is None
+            else {"calls": rec.calls, "processes": rec.processes, "recording": rec.recording}
+        )
+        return data
+
+    def _render(self, data: dict[str, Any]) -> str:
+        return _views.panel_html(data)
+
+    def _text(self, data: dict[str, Any] | None) -> str:
+        if not data:
+            return "ClusterPanel()"
+        return _views.panel_text(data)
+
+    def act(self, action: str, target: str = "") -> str:
+        """Run one of the panel's actions (``restart`` a worker, ``stacks`` of one or of
+        all, ``shutdown``) as its button does, and say what came of it in the panel."""
+        started = time.monotonic()
+        try:
+            if action == "restart":
+                said = actions.restart(target)
+            elif action == "stacks":
+                self.output = actions.stacks(*([target] if target else []))
+                said = f"nbrpc: the stacks of {target or 'every process'} are below"
+            elif action == "shutdown":
+                said = actions.shut_down()
+            else:
+                said = f"nbrpc: the panel has no action {action!r}"
+        except Exception as exc:  # said in the panel, as the magic's cell would show it
+            said = f"nbrpc: {action} {target}: {type(exc).__name__}: {exc}".replace("  ", " ")
+        self.status = f"{said} ({time.monotonic() - started:.1f} s)"
+        self._wake.set()  # redraw now, not at the interval's end
+        return said
+
+    def close(self) -> None:
+        """Stop asking the workers, and close the side bar's panel it is shown in."""
+        super().close()
+        if self.side is not None:
+            self.side.close()
+
+    def _on_action(self, _widget: Any, content: dict[str, Any], _buffers: Any) -> None:
+        action, target = content.get("action", ""), content.get("target", "")
+        if action == "closed":  # its front end went: nothing asks the workers any more
+            self._stop.set()
+            self._wake.set()
+            return
+        self.act(action, target)
+
+
+#: where the panel works (``%rpc_panel`` always says it: a kernel cannot tell its front end)
+PANEL_WHERE = (
+    "nbrpc: the cluster panel opens in JupyterLab's right side bar (the jupyterlab-sidecar "
+    "extension, installed with nbrpc); where it cannot, the card is shown here instead"
+)
+#: how long the panel's front end has to say it drew the panel before the card is shown
+CONFIRM_S = 2.0
+_open: list[ClusterPanel] = []
+
+
+def panel(*, interval: float = 1.0) -> None:
+    """Open the cluster panel (:class:`ClusterPanel`) in JupyterLab's side bar
+    (``%rpc_panel``). Always prints where it works; in a front end that does not draw it
+    within :data:`CONFIRM_S` seconds (classic Notebook, VS Code), the card is shown in
+    the cell; in a script, the cluster's table is printed. A panel opened before closes."""
+    print(PANEL_WHERE)
+    for old in _open:
+        old.close()
+    _open.clear()
+    if not _process.in_notebook():
+        cluster = lifecycle.running()
+        print(cluster.summary() if cluster is not None else "nbrpc: no cluster is running")
+        return
+    import ipywidgets
+    from IPython.display import display
+
+    try:
+        from sidecar import Sidecar
+    except ImportError:
+        print("nbrpc: the panel is unavailable here (no sidecar package: pip install sidecar)")
+        display(ClusterView())
+        return
+    view = ClusterPanel(interval=interval)
+    _open.append(view)
+    side = view.side = Sidecar(title="nbrpc cluster", anchor="right")
+    with side:
+        display(view)
+    here = view.fallback = ipywidgets.Output()
+    display(here)
+
+    def card_unless_drawn() -> None:
+        if not view.rendered:
+            here.append_display_data(ClusterView())
+
+    timer = threading.Timer(CONFIRM_S, card_unless_drawn)
+    timer.daemon = True
+    timer.start()

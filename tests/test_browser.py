@@ -376,3 +376,102 @@ def test_views_render_and_update_in_jupyterlab(lab):
     timings["whole browser test"] = time.monotonic() - t0
     (ARTIFACTS / "timings.json").write_text(json.dumps(timings, indent=1))
     print("browser test timings (s):", {k: round(v, 1) for k, v in timings.items()})
+
+
+PANEL_CELLS = [
+    "import os\nimport nbrpc\n%load_ext nbrpc",
+    "%rpc_init -n 2",
+    "%rpc_panel",
+    "nbrpc.rpc_async('worker1', os._exit, args=(1,))  # the worker dies",
+    "%rpc_shutdown",
+]
+#: whether the panel's card of a worker (in the side bar, not in a cell) is in ``state``
+#: with a pid other than ``notPid``
+WORKER_IS = """([name, state, notPid]) => {
+  const card = document.querySelector(
+    `.jupyterlab-sidecar .nbrpc-worker[data-worker="${name}"]`);
+  return !!card && card.dataset.state === state && card.dataset.pid !== notPid;
+}"""
+
+
+def _panel_notebook(path: Path) -> None:
+    cells = [
+        {"cell_type": "code", "metadata": {}, "source": src, "outputs": [], "execution_count": None}
+        for src in PANEL_CELLS
+    ]
+    notebook = {
+        "cells": cells,
+        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3"}},
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
+    path.write_text(json.dumps(notebook))
+
+
+def test_the_cluster_panel_follows_the_cluster_beside_the_notebook(lab):
+    """%rpc_panel opens the cluster beside the notebook (JupyterLab's right side bar):
+    the panel lists the three processes, and no card is added to the cell (the panel said
+    it rendered); a worker killed with os._exit turns dead in it; its restart button asks,
+    then restarts it (a new pid, ready); after %rpc_shutdown it says there is no cluster."""
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    _panel_notebook(lab["work"] / "panel.ipynb")
+    timings: dict[str, float] = {}
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=LAUNCH_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1500, "height": 1000})
+            page.goto(f"{lab['base']}/lab/tree/panel.ipynb?token={lab['token']}")
+            _wait(page, KERNEL_IDLE, "JupyterLab to open the notebook with an idle kernel")
+            page.evaluate(RUN_UP_TO, "os._exit")  # the cells above it, %rpc_panel the last
+            _wait(
+                page,
+                "() => document.querySelectorAll('.jupyterlab-sidecar .nbrpc-worker').length == 3",
+                "the panel to list the kernel and both workers",
+                timeout_s=120,
+            )
+            names = page.eval_on_selector_all(
+                ".jupyterlab-sidecar .nbrpc-worker", "els => els.map(e => e.dataset.worker)"
+            )
+            assert names == ["worker0", "worker1", "worker2"]
+            assert "JupyterLab's right side bar" in page.evaluate(PRINTED, "nbrpc: the cluster")
+            time.sleep(3)  # past the 2 s the kernel waits for the panel to say it rendered
+            assert not page.query_selector(".jp-Cell .nbrpc-cluster"), "a card in the cell too"
+            pid = page.get_attribute(
+                ".jupyterlab-sidecar .nbrpc-worker[data-worker='worker1']", "data-pid"
+            )
+
+            t0 = time.monotonic()
+            page.evaluate(RUN_CELL, "os._exit")
+            _wait(page, WORKER_IS, "worker1 to turn dead in the panel", 30, ["worker1", "dead", ""])
+            timings["dead worker shown dead in the panel"] = time.monotonic() - t0
+
+            t1 = time.monotonic()
+            page.click(".jupyterlab-sidecar button[data-action='restart'][data-target='worker1']")
+            assert "restart worker1?" in page.inner_text(".nbrpc-panel-status")
+            page.click(".jupyterlab-sidecar .nbrpc-confirm-yes")
+            _wait(page, WORKER_IS, "worker1 ready with a new pid", 90, ["worker1", "ready", pid])
+            _wait(
+                page,
+                "() => document.querySelector('.nbrpc-panel-status').innerText"
+                ".includes('worker1 restarted')",
+                "the panel to say what the restart did",
+                timeout_s=30,
+            )
+            timings["restart from the panel"] = time.monotonic() - t1
+            page.locator(".jupyterlab-sidecar").first.screenshot(path=str(ARTIFACTS / "panel.png"))
+
+            page.evaluate(RUN_CELL, "%rpc_shutdown")
+            _wait(
+                page,
+                "() => !!document.querySelector("
+                "'.jupyterlab-sidecar .nbrpc-cluster[data-state=\"closed\"]')",
+                "the panel to say there is no cluster",
+                timeout_s=60,
+            )
+            assert "no cluster" in page.inner_text(".jupyterlab-sidecar .nbrpc-cluster")
+            assert not page.evaluate(ERRORS)
+        finally:
+            browser.close()
+    print("panel test timings (s):", {k: round(v, 1) for k, v in timings.items()})

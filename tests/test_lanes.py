@@ -105,8 +105,9 @@ def _same(a, b) -> None:
 def test_a_small_call_takes_the_lane_and_gives_what_tensorpipe_gives(cluster, code, recorded):
     """Each value goes both ways on a lane and, for comparison, through TensorPipe
     (remote().to_here()); dtype, shape, strides (a transposed view stays one) and values
-    are the same, and so are notebook classes and containers. Unrecorded, plain values take the C pickler behind the function's pickle
-    made once (lanes/messages.py); recorded, every call takes nbrpc's pickler."""
+    are the same, and so are notebook classes and containers. Plain values take the C
+    pickler behind the function's pickle made once (lanes/messages.py), recorded or not
+    (recorded: each tensor's bytes counted); the others nbrpc's pickler."""
     base = torch.arange(12.0).reshape(3, 4)
     values = [
         torch.ones(1),

@@ -273,3 +273,17 @@ def test_torchs_lines_about_a_peer_nbrpc_stopped_are_expected_requests_and_respo
         assert not native_output.expected(line.format(n=n, what=what, peer="worker8"))
     native_output.joined(["worker9"])
     assert not native_output.expected(line.format(n=941, what="response", peer="worker9"))
+
+
+def test_a_panel_no_front_end_draws_puts_the_card_in_the_cell(kernel):
+    """%rpc_panel always says where the panel works. A kernel driven as nbclient drives one
+    has no front end to draw the panel (or say it did): 2 s later the cluster's card is
+    put in the cell's output widget, and nothing fails."""
+    out = kernel.run("%rpc_panel")
+    assert "JupyterLab's right side bar" in out
+    time.sleep(3)
+    outputs = kernel.value("[sorted(o['data']) for o in nbrpc.widgets._open[0].fallback.outputs]")
+    assert len(outputs) == 1, outputs
+    assert "application/vnd.jupyter.widget-view+json" in outputs[0]
+    assert kernel.value("nbrpc.widgets._open[0].rendered") is False
+    kernel.run("nbrpc.widgets._open[0].close()")

@@ -10,7 +10,7 @@ from conftest import wait_until
 
 import nbrpc
 from nbrpc import autograd
-from nbrpc.widgets import BackwardView, ClusterView, OwnershipView
+from nbrpc.widgets import BackwardView, ClusterPanel, ClusterView, OwnershipView
 
 # -- widgets on the real cluster ------------------------------------------------------------
 
@@ -73,3 +73,40 @@ def test_backward_view_of_a_real_pass_crosses_workers():
     assert "ms busy" in view.html
     assert "4 cross-process hops" in repr(view)
     view.close()
+
+
+@pytest.mark.usefixtures("cluster")
+def test_the_cluster_panel_draws_the_cluster_and_runs_the_magics_actions(capsys):
+    """The panel's live data and its buttons' actions, without a browser (the side bar in
+    a real JupyterLab: tests/test_browser.py): every process's card, a button per worker,
+    the last recording's calls; an action runs the magic's code and is said in the panel;
+    an unknown worker is said, not raised; a script's nbrpc.panel() prints where the panel
+    works and the cluster's table."""
+    with nbrpc.record():
+        nbrpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), 1))
+    panel = ClusterPanel(interval=0.2)
+    try:
+        assert panel.live
+        names = [w["name"] for w in panel.data["workers"]]
+        assert names == nbrpc.workers()
+        for name in names[1:]:
+            assert f'data-action="restart" data-target="{name}"' in panel.html
+        assert 'data-action="shutdown"' in panel.html
+        assert panel.data["timeline"]["calls"]  # the recording above
+        assert 'class="nbrpc-timeline' in panel.html
+        said = panel.act("stacks", "worker1")
+        assert "worker1" in said
+        assert "worker1" in panel.output
+        assert "-- thread " in panel.output  # a thread's stack, as %rpc_stacks prints it
+        assert panel.status.startswith(said)
+        said = panel.act("restart", "worker9")
+        assert "ConfigError: cannot restart worker9" in said, said
+        assert "worker2" in repr(panel)
+        panel._on_action(panel, {"action": "closed", "target": ""}, None)  # its front end went
+        assert not panel.live
+    finally:
+        panel.close()
+    nbrpc.panel()  # this process is a script: no kernel, no widgets
+    out = capsys.readouterr().out
+    assert "JupyterLab's right side bar" in out
+    assert "worker2" in out

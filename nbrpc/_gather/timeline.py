@@ -110,6 +110,7 @@ class Recording:
         self.t0 = recording.clock()
         self._everywhere(recording.start)
         self.recording = True
+        _latest[:] = [self]
         return self
 
     def stop(self) -> Recording:
@@ -268,6 +269,14 @@ CALL_ARGS = (
     "ok",
     "error",
 )
+
+
+_latest: list[Recording] = []  # the last recording started in this kernel
+
+
+def latest() -> Recording | None:
+    """The recording this kernel started last (the cluster panel draws it), or None."""
+    return _latest[0] if _latest else None
 
 
 def record() -> Recording:

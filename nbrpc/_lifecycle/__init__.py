@@ -8,5 +8,7 @@
 * :mod:`.collective` -- the workers' ``torch.distributed`` process group (``--process-group``),
   started at the boot, rebuilt at a restart, destroyed at the shutdown;
 * :mod:`.progress` -- the boot's progress, shown while it runs;
-* :mod:`.ranks` -- ``nbrpc.rank()``: ranks as a script has them.
+* :mod:`.ranks` -- ``nbrpc.rank()``: ranks as a script has them;
+* :mod:`.actions` -- what ``%rpc_shutdown``, ``%rpc_restart`` and ``%rpc_stacks`` do and
+  say, for the magics and the cluster panel's buttons.
 """

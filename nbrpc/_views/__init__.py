@@ -12,7 +12,9 @@ Each view is computed from the lists and dicts that a lower layer returns
 * :mod:`.ownership` -- RRefs in their owners, edges to holders;
 * :mod:`.backward` -- a backward pass, lane by lane;
 * :mod:`.timeline` -- a recording's calls on one clock;
-* :mod:`.stacks` -- every thread's stack.
+* :mod:`.stacks` -- every thread's stack;
+* :mod:`.panel` -- the cluster panel: the card, the ownership view, the last timeline,
+  the actions.
 
 Adding a view is docs/architecture.md's recipe ("Adding a view").
 """
@@ -40,6 +42,10 @@ from .ownership import (  # noqa: F401 (re-exported: _views.NAME)
     MAX_RREFS_PER_OWNER,
     ownership_svg,
     ownership_text,
+)
+from .panel import (  # noqa: F401 (re-exported: _views.NAME)
+    panel_html,
+    panel_text,
 )
 from .stacks import (  # noqa: F401 (re-exported: _views.NAME)
     stacks_text,

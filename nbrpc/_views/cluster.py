@@ -43,7 +43,8 @@ def cluster_html(rows: list[dict[str, Any]], state: str) -> str:
         devices = ", ".join(r.get("devices") or []) or "–"
         cards.append(
             f'<div class="nbrpc-worker" data-worker="{escape(r["name"])}" '
-            f'data-state="{escape(r["state"])}" style="border:1px solid #ccc;'
+            f'data-state="{escape(r["state"])}" data-pid="{r.get("pid", "")}" '
+            'style="border:1px solid #ccc;'
             f"border-left:6px solid {color};border-radius:6px;padding:6px 10px;"
             'min-width:170px;background:#fafafa">'
             f'<div style="font-weight:600;font-size:14px">{escape(r["name"])} '

@@ -1,0 +1,35 @@
+"""What ``%rpc_shutdown``, ``%rpc_restart`` and ``%rpc_stacks`` do and the line each says:
+one piece of code each, for the magics and for the cluster panel's buttons
+(:class:`nbrpc.widgets.ClusterPanel`), which must do exactly what the magics do."""
+
+from __future__ import annotations
+
+from nbrpc import _views
+
+from . import cluster as lifecycle
+
+
+def shut_down(release: bool = False) -> str:
+    """Shut the cluster down gracefully (``release``: the controller and the warm spare
+    engines too); what happened, in one line."""
+    if lifecycle.running() is None:
+        lifecycle.shutdown(release=release)
+        return "nbrpc: no cluster is running" + (
+            "; released the controller and spare engines" if release else ""
+        )
+    cluster = lifecycle.current()
+    cluster.shutdown(release=release)
+    return f"nbrpc: shut down ({', '.join(r.name for r in cluster.records[1:])} left)" + (
+        "; controller and spare engines released" if release else ""
+    )
+
+
+def restart(*names: str) -> str:
+    """Replace workers ``names`` with fresh processes (:func:`.cluster.restart`); what
+    happened to each."""
+    return lifecycle.restart(*names).summary()
+
+
+def stacks(*names: str) -> str:
+    """Every thread's stack in each process (or in ``names``), as text."""
+    return _views.stacks_text(lifecycle.stacks(*names))
