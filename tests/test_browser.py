@@ -10,6 +10,7 @@ in the backward view, and each worker's tqdm bar as a widget. Screenshots go to
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -211,168 +212,176 @@ def _view(page, content: str):
     return page.locator(".nbrpc-view", has=page.locator(content)).first
 
 
-def test_views_render_and_update_in_jupyterlab(lab):
+@contextlib.contextmanager
+def _opened(lab, notebook: str, width: int, height: int):
+    """Debian's Chromium with ``notebook`` open in the lab and its kernel idle: the page."""
     from playwright.sync_api import sync_playwright
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    timings: dict[str, float] = {}
-    t0 = time.monotonic()
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=LAUNCH_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1100})
-            page.goto(f"{lab['base']}/lab/tree/views.ipynb?token={lab['token']}")
+            page = browser.new_page(viewport={"width": width, "height": height})
+            # a workspace of its own: JupyterLab would restore the last test's open notebook
+            space = notebook.removesuffix(".ipynb")
+            page.goto(f"{lab['base']}/lab/workspaces/{space}/tree/{notebook}?token={lab['token']}")
             _wait(page, KERNEL_IDLE, "JupyterLab to open the notebook with an idle kernel")
-            timings["lab open, kernel idle"] = time.monotonic() - t0
-
-            # Everything up to the release: boot, status, workload, views, backward pass.
-            t1 = time.monotonic()
-            page.evaluate(RUN_UP_TO, "del scratch")
-            _wait(
-                page,
-                "() => document.querySelectorAll('.nbrpc-backward path.rpc-edge').length > 0",
-                "the backward view",
-                timeout_s=180,
-            )
-            timings["cluster boot + workload + views"] = time.monotonic() - t1
-
-            workers = page.eval_on_selector_all(
-                ".nbrpc-cluster .nbrpc-worker", "els => els.map(e => e.dataset.worker)"
-            )
-            assert sorted(workers) == ["worker0", "worker1", "worker2"]
-            states = page.eval_on_selector_all(
-                ".nbrpc-cluster .nbrpc-worker", "els => els.map(e => e.dataset.state)"
-            )
-            assert set(states) == {"ready"}
-
-            ids = page.evaluate(PRINTED, "RRef ids:").split()
-            assert len(ids) == 3, ids
-            for rid in ids:
-                _wait(
-                    page,
-                    HAS_RREF,
-                    f"RRef {rid} in the ownership view",
-                    timeout_s=15,
-                    arg=rid,
-                )
-            lanes = page.eval_on_selector_all(
-                ".nbrpc-ownership g.lane", "els => els.map(e => e.dataset.worker)"
-            )
-            assert lanes == ["worker0", "worker1", "worker2"]
-            holders = page.eval_on_selector_all(
-                ".nbrpc-ownership path.hold-edge", "els => els.map(e => e.dataset.holder)"
-            )
-            assert "worker2" in holders  # worker2 holds the parameter server
-            _view(page, ".nbrpc-cluster").screenshot(path=str(ARTIFACTS / "cluster.png"))
-            _view(page, ".nbrpc-ownership").screenshot(path=str(ARTIFACTS / "ownership.png"))
-
-            backward_lanes = page.eval_on_selector_all(
-                ".nbrpc-backward g.lane", "els => els.map(e => e.dataset.worker)"
-            )
-            assert sorted(backward_lanes) == ["worker0", "worker1", "worker2"]
-            hops = page.eval_on_selector_all(
-                ".nbrpc-backward path.rpc-edge",
-                "els => els.map(e => [e.dataset.src.split('/')[0], e.dataset.dst.split('/')[0]])",
-            )
-            assert len(hops) == 3
-            assert all(src != dst for src, dst in hops)  # every hop crosses processes
-            _view(page, ".nbrpc-backward").screenshot(path=str(ARTIFACTS / "backward.png"))
-
-            # The timeline of two training steps: a bar per recorded call, the row as its
-            # tooltip, one lane per process; then the stacks of a busy worker.
-            _wait(
-                page,
-                "() => document.body.innerText.includes('serving train_for from')",
-                "the timeline and the stacks cells",
-                timeout_s=60,
-            )
-            count = int(page.evaluate(PRINTED, "timeline calls: "))
-            drawn = page.eval_on_selector_all(
-                ".nbrpc-timeline g.nbrpc-call",
-                "els => els.map(e => [e.dataset.callee, e.querySelector('title').textContent])",
-            )
-            assert len(drawn) == count > 0
-            assert any(
-                callee == "worker1"
-                and tip.startswith("ParameterServer.forward: worker0 -> worker1")
-                for callee, tip in drawn
-            ), drawn
-            lanes = page.eval_on_selector_all(
-                ".nbrpc-timeline g.nbrpc-lane", "els => els.map(e => e.dataset.process)"
-            )
-            assert lanes[:3] == ["worker0", "worker1", "worker2"]
-            page.locator(".nbrpc-timeline g.nbrpc-call rect").first.hover()
-            _view(page, ".nbrpc-timeline").screenshot(path=str(ARTIFACTS / "timeline.png"))
-
-            # Release one RRef: the open ownership view must redraw without it.
-            version = page.eval_on_selector(
-                ".nbrpc-ownership", "e => Number(e.closest('.nbrpc-view').dataset.version)"
-            )
-            t2 = time.monotonic()
-            page.evaluate(RUN_CELL, "del scratch")
-            _wait(page, "() => document.body.innerText.includes('released:')", "the release")
-            gone = page.evaluate(PRINTED, "released:").strip()
-            assert gone in ids
-            _wait(
-                page,
-                f"(id) => !({HAS_RREF})(id)",
-                f"RRef {gone} to leave the ownership view",
-                timeout_s=15,
-                arg=gone,
-            )
-            timings["release seen in the page"] = time.monotonic() - t2
-            now = page.eval_on_selector(
-                ".nbrpc-ownership", "e => Number(e.closest('.nbrpc-view').dataset.version)"
-            )
-            assert now > version
-            for rid in set(ids) - {gone}:
-                assert page.query_selector(f".nbrpc-ownership g.rref[data-rref='{rid}']")
-            page.screenshot(path=str(ARTIFACTS / "notebook.png"), full_page=True)
-            assert not page.evaluate(ERRORS)
-
-            # A worker's breakpoint() asks for commands in the cell's input box.
-            t3 = time.monotonic()
-            page.evaluate(START_CELL, "def scaled")
-            _type_pdb(page, "(Pdb worker1)", 1, "p scale", expect="4")
-            page.screenshot(path=str(ARTIFACTS / "pdb.png"), full_page=True)
-            _type_pdb(page, "(Pdb worker1)", 2, "c")
-            _wait(
-                page,
-                "() => document.body.innerText.includes('scaled: tensor([4., 4., 4.])')",
-                "the call to return after c",
-            )
-            page.evaluate(RUN_CELL, "def normalise")
-            _wait(page, "() => document.body.innerText.includes('raised on worker2')", "the error")
-            page.evaluate(START_CELL, "%rpc_debug")
-            _type_pdb(page, "(Pdb worker2)", 1, "p total", expect="0")
-            _type_pdb(page, "(Pdb worker2)", 2, "c")
-            _wait(page, "() => !document.querySelector('.jp-Stdin-input')", "pdb to close")
-            timings["pdb in the page"] = time.monotonic() - t3
-
-            # A worker's tqdm.auto bar is a live widget labelled with the worker.
-            t4 = time.monotonic()
-            page.evaluate(RUN_CELL, "epoch 1")
-            _wait(page, BARS_DONE, "a completed progress bar from each worker", timeout_s=60)
-            _wait(
-                page,
-                "() => document.body.innerText.includes('[worker2] a line from C on this worker')",
-                "a worker's fd-level line",
-                timeout_s=15,
-            )
-            timings["worker progress bars"] = time.monotonic() - t4
-            page.locator(".widget-hbox", has_text="[worker1]").first.screenshot(
-                path=str(ARTIFACTS / "worker_bar.png")
-            )
-
-            page.evaluate(RUN_CELL, "%rpc_shutdown")
-            _wait(
-                page,
-                "() => document.body.innerText.includes('shut down')",
-                "%rpc_shutdown",
-                timeout_s=60,
-            )
+            yield page
         finally:
             browser.close()
+
+
+def test_views_render_and_update_in_jupyterlab(lab):
+    timings: dict[str, float] = {}
+    t0 = time.monotonic()
+    with _opened(lab, "views.ipynb", 1400, 1100) as page:
+        timings["lab open, kernel idle"] = time.monotonic() - t0
+
+        # Everything up to the release: boot, status, workload, views, backward pass.
+        t1 = time.monotonic()
+        page.evaluate(RUN_UP_TO, "del scratch")
+        _wait(
+            page,
+            "() => document.querySelectorAll('.nbrpc-backward path.rpc-edge').length > 0",
+            "the backward view",
+            timeout_s=180,
+        )
+        timings["cluster boot + workload + views"] = time.monotonic() - t1
+
+        workers = page.eval_on_selector_all(
+            ".nbrpc-cluster .nbrpc-worker", "els => els.map(e => e.dataset.worker)"
+        )
+        assert sorted(workers) == ["worker0", "worker1", "worker2"]
+        states = page.eval_on_selector_all(
+            ".nbrpc-cluster .nbrpc-worker", "els => els.map(e => e.dataset.state)"
+        )
+        assert set(states) == {"ready"}
+
+        ids = page.evaluate(PRINTED, "RRef ids:").split()
+        assert len(ids) == 3, ids
+        for rid in ids:
+            _wait(
+                page,
+                HAS_RREF,
+                f"RRef {rid} in the ownership view",
+                timeout_s=15,
+                arg=rid,
+            )
+        lanes = page.eval_on_selector_all(
+            ".nbrpc-ownership g.lane", "els => els.map(e => e.dataset.worker)"
+        )
+        assert lanes == ["worker0", "worker1", "worker2"]
+        holders = page.eval_on_selector_all(
+            ".nbrpc-ownership path.hold-edge", "els => els.map(e => e.dataset.holder)"
+        )
+        assert "worker2" in holders  # worker2 holds the parameter server
+        _view(page, ".nbrpc-cluster").screenshot(path=str(ARTIFACTS / "cluster.png"))
+        _view(page, ".nbrpc-ownership").screenshot(path=str(ARTIFACTS / "ownership.png"))
+
+        backward_lanes = page.eval_on_selector_all(
+            ".nbrpc-backward g.lane", "els => els.map(e => e.dataset.worker)"
+        )
+        assert sorted(backward_lanes) == ["worker0", "worker1", "worker2"]
+        hops = page.eval_on_selector_all(
+            ".nbrpc-backward path.rpc-edge",
+            "els => els.map(e => [e.dataset.src.split('/')[0], e.dataset.dst.split('/')[0]])",
+        )
+        assert len(hops) == 3
+        assert all(src != dst for src, dst in hops)  # every hop crosses processes
+        _view(page, ".nbrpc-backward").screenshot(path=str(ARTIFACTS / "backward.png"))
+
+        # The timeline of two training steps: a bar per recorded call, the row as its
+        # tooltip, one lane per process; then the stacks of a busy worker.
+        _wait(
+            page,
+            "() => document.body.innerText.includes('serving train_for from')",
+            "the timeline and the stacks cells",
+            timeout_s=60,
+        )
+        count = int(page.evaluate(PRINTED, "timeline calls: "))
+        drawn = page.eval_on_selector_all(
+            ".nbrpc-timeline g.nbrpc-call",
+            "els => els.map(e => [e.dataset.callee, e.querySelector('title').textContent])",
+        )
+        assert len(drawn) == count > 0
+        assert any(
+            callee == "worker1" and tip.startswith("ParameterServer.forward: worker0 -> worker1")
+            for callee, tip in drawn
+        ), drawn
+        lanes = page.eval_on_selector_all(
+            ".nbrpc-timeline g.nbrpc-lane", "els => els.map(e => e.dataset.process)"
+        )
+        assert lanes[:3] == ["worker0", "worker1", "worker2"]
+        page.locator(".nbrpc-timeline g.nbrpc-call rect").first.hover()
+        _view(page, ".nbrpc-timeline").screenshot(path=str(ARTIFACTS / "timeline.png"))
+
+        # Release one RRef: the open ownership view must redraw without it.
+        version = page.eval_on_selector(
+            ".nbrpc-ownership", "e => Number(e.closest('.nbrpc-view').dataset.version)"
+        )
+        t2 = time.monotonic()
+        page.evaluate(RUN_CELL, "del scratch")
+        _wait(page, "() => document.body.innerText.includes('released:')", "the release")
+        gone = page.evaluate(PRINTED, "released:").strip()
+        assert gone in ids
+        _wait(
+            page,
+            f"(id) => !({HAS_RREF})(id)",
+            f"RRef {gone} to leave the ownership view",
+            timeout_s=15,
+            arg=gone,
+        )
+        timings["release seen in the page"] = time.monotonic() - t2
+        now = page.eval_on_selector(
+            ".nbrpc-ownership", "e => Number(e.closest('.nbrpc-view').dataset.version)"
+        )
+        assert now > version
+        for rid in set(ids) - {gone}:
+            assert page.query_selector(f".nbrpc-ownership g.rref[data-rref='{rid}']")
+        page.screenshot(path=str(ARTIFACTS / "notebook.png"), full_page=True)
+        assert not page.evaluate(ERRORS)
+
+        # A worker's breakpoint() asks for commands in the cell's input box.
+        t3 = time.monotonic()
+        page.evaluate(START_CELL, "def scaled")
+        _type_pdb(page, "(Pdb worker1)", 1, "p scale", expect="4")
+        page.screenshot(path=str(ARTIFACTS / "pdb.png"), full_page=True)
+        _type_pdb(page, "(Pdb worker1)", 2, "c")
+        _wait(
+            page,
+            "() => document.body.innerText.includes('scaled: tensor([4., 4., 4.])')",
+            "the call to return after c",
+        )
+        page.evaluate(RUN_CELL, "def normalise")
+        _wait(page, "() => document.body.innerText.includes('raised on worker2')", "the error")
+        page.evaluate(START_CELL, "%rpc_debug")
+        _type_pdb(page, "(Pdb worker2)", 1, "p total", expect="0")
+        _type_pdb(page, "(Pdb worker2)", 2, "c")
+        _wait(page, "() => !document.querySelector('.jp-Stdin-input')", "pdb to close")
+        timings["pdb in the page"] = time.monotonic() - t3
+
+        # A worker's tqdm.auto bar is a live widget labelled with the worker.
+        t4 = time.monotonic()
+        page.evaluate(RUN_CELL, "epoch 1")
+        _wait(page, BARS_DONE, "a completed progress bar from each worker", timeout_s=60)
+        _wait(
+            page,
+            "() => document.body.innerText.includes('[worker2] a line from C on this worker')",
+            "a worker's fd-level line",
+            timeout_s=15,
+        )
+        timings["worker progress bars"] = time.monotonic() - t4
+        page.locator(".widget-hbox", has_text="[worker1]").first.screenshot(
+            path=str(ARTIFACTS / "worker_bar.png")
+        )
+
+        page.evaluate(RUN_CELL, "%rpc_shutdown")
+        _wait(
+            page,
+            "() => document.body.innerText.includes('shut down')",
+            "%rpc_shutdown",
+            timeout_s=60,
+        )
     timings["whole browser test"] = time.monotonic() - t0
     (ARTIFACTS / "timings.json").write_text(json.dumps(timings, indent=1))
     print("browser test timings (s):", {k: round(v, 1) for k, v in timings.items()})
@@ -413,65 +422,55 @@ def test_the_cluster_panel_follows_the_cluster_beside_the_notebook(lab):
     the panel lists the three processes, and no card is added to the cell (the panel said
     it rendered); a worker killed with os._exit turns dead in it; its restart button asks,
     then restarts it (a new pid, ready); after %rpc_shutdown it says there is no cluster."""
-    from playwright.sync_api import sync_playwright
-
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
     _panel_notebook(lab["work"] / "panel.ipynb")
     timings: dict[str, float] = {}
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=LAUNCH_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1500, "height": 1000})
-            page.goto(f"{lab['base']}/lab/tree/panel.ipynb?token={lab['token']}")
-            _wait(page, KERNEL_IDLE, "JupyterLab to open the notebook with an idle kernel")
-            page.evaluate(RUN_UP_TO, "os._exit")  # the cells above it, %rpc_panel the last
-            _wait(
-                page,
-                "() => document.querySelectorAll('.jupyterlab-sidecar .nbrpc-worker').length == 3",
-                "the panel to list the kernel and both workers",
-                timeout_s=120,
-            )
-            names = page.eval_on_selector_all(
-                ".jupyterlab-sidecar .nbrpc-worker", "els => els.map(e => e.dataset.worker)"
-            )
-            assert names == ["worker0", "worker1", "worker2"]
-            assert "JupyterLab's right side bar" in page.evaluate(PRINTED, "nbrpc: the cluster")
-            time.sleep(3)  # past the 2 s the kernel waits for the panel to say it rendered
-            assert not page.query_selector(".jp-Cell .nbrpc-cluster"), "a card in the cell too"
-            pid = page.get_attribute(
-                ".jupyterlab-sidecar .nbrpc-worker[data-worker='worker1']", "data-pid"
-            )
+    with _opened(lab, "panel.ipynb", 1500, 1000) as page:
+        page.evaluate(RUN_UP_TO, "os._exit")  # the cells above it, %rpc_panel the last
+        _wait(
+            page,
+            "() => document.querySelectorAll('.jupyterlab-sidecar .nbrpc-worker').length == 3",
+            "the panel to list the kernel and both workers",
+            timeout_s=120,
+        )
+        names = page.eval_on_selector_all(
+            ".jupyterlab-sidecar .nbrpc-worker", "els => els.map(e => e.dataset.worker)"
+        )
+        assert names == ["worker0", "worker1", "worker2"]
+        assert "JupyterLab's right side bar" in page.evaluate(PRINTED, "nbrpc: the cluster")
+        time.sleep(3)  # past the 2 s the kernel waits for the panel to say it rendered
+        assert not page.query_selector(".jp-Cell .nbrpc-cluster"), "a card in the cell too"
+        pid = page.get_attribute(
+            ".jupyterlab-sidecar .nbrpc-worker[data-worker='worker1']", "data-pid"
+        )
 
-            t0 = time.monotonic()
-            page.evaluate(RUN_CELL, "os._exit")
-            _wait(page, WORKER_IS, "worker1 to turn dead in the panel", 30, ["worker1", "dead", ""])
-            timings["dead worker shown dead in the panel"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        page.evaluate(RUN_CELL, "os._exit")
+        _wait(page, WORKER_IS, "worker1 to turn dead in the panel", 30, ["worker1", "dead", ""])
+        timings["dead worker shown dead in the panel"] = time.monotonic() - t0
 
-            t1 = time.monotonic()
-            page.click(".jupyterlab-sidecar button[data-action='restart'][data-target='worker1']")
-            assert "restart worker1?" in page.inner_text(".nbrpc-panel-status")
-            page.click(".jupyterlab-sidecar .nbrpc-confirm-yes")
-            _wait(page, WORKER_IS, "worker1 ready with a new pid", 90, ["worker1", "ready", pid])
-            _wait(
-                page,
-                "() => document.querySelector('.nbrpc-panel-status').innerText"
-                ".includes('worker1 restarted')",
-                "the panel to say what the restart did",
-                timeout_s=30,
-            )
-            timings["restart from the panel"] = time.monotonic() - t1
-            page.locator(".jupyterlab-sidecar").first.screenshot(path=str(ARTIFACTS / "panel.png"))
+        t1 = time.monotonic()
+        page.click(".jupyterlab-sidecar button[data-action='restart'][data-target='worker1']")
+        assert "restart worker1?" in page.inner_text(".nbrpc-panel-status")
+        page.click(".jupyterlab-sidecar .nbrpc-confirm-yes")
+        _wait(page, WORKER_IS, "worker1 ready with a new pid", 90, ["worker1", "ready", pid])
+        _wait(
+            page,
+            "() => document.querySelector('.nbrpc-panel-status').innerText"
+            ".includes('worker1 restarted')",
+            "the panel to say what the restart did",
+            timeout_s=30,
+        )
+        timings["restart from the panel"] = time.monotonic() - t1
+        page.locator(".jupyterlab-sidecar").first.screenshot(path=str(ARTIFACTS / "panel.png"))
 
-            page.evaluate(RUN_CELL, "%rpc_shutdown")
-            _wait(
-                page,
-                "() => !!document.querySelector("
-                "'.jupyterlab-sidecar .nbrpc-cluster[data-state=\"closed\"]')",
-                "the panel to say there is no cluster",
-                timeout_s=60,
-            )
-            assert "no cluster" in page.inner_text(".jupyterlab-sidecar .nbrpc-cluster")
-            assert not page.evaluate(ERRORS)
-        finally:
-            browser.close()
+        page.evaluate(RUN_CELL, "%rpc_shutdown")
+        _wait(
+            page,
+            "() => !!document.querySelector("
+            "'.jupyterlab-sidecar .nbrpc-cluster[data-state=\"closed\"]')",
+            "the panel to say there is no cluster",
+            timeout_s=60,
+        )
+        assert "no cluster" in page.inner_text(".jupyterlab-sidecar .nbrpc-cluster")
+        assert not page.evaluate(ERRORS)
     print("panel test timings (s):", {k: round(v, 1) for k, v in timings.items()})
