@@ -208,10 +208,14 @@ def test_a_killed_worker_is_dead_and_the_others_answer(slurm, kernel):
 
 @needs_slurm
 def test_shutdown_ends_the_job_and_leaves_no_engine_on_any_node(slurm, kernel):
+    """... and a release leaves no file of ipyparallel's behind (a job's cluster file was)."""
+    cluster_file = kernel.value("nbrpc.current().engines.source.controller.cluster_file")
     kernel.run("%rpc_shutdown")
     assert slurm.jobs() == []
     for host in slurm.hosts.names:
         assert not [p for p in slurm.hosts.processes(host) if "nbrpc._engines" in p], host
+    kernel.run("%rpc_shutdown --release")
+    assert not os.path.exists(cluster_file)
 
 
 @needs_slurm

@@ -212,9 +212,11 @@ class Controller:
         watchdog.reap(sorted({p for p in ours if p != os.getpid()}))
 
     def release(self) -> None:
-        """Stop the controller, whatever engines are left and the watchdog."""
+        """Stop the controller, whatever engines are left and the watchdog, and remove
+        ipyparallel's files of this controller (a Slurm job's left its cluster file)."""
         self._stop_processes()
         self._stop_watchdog()
+        watchdog.remove_cluster_files(self.cluster_file)
 
     def dump_stacks(
         self, engine_ids: list[int], pids: list[int], timeout: float

@@ -357,6 +357,7 @@ class HostController(Controller):
             self._ipp.stop_cluster_sync()
         self._close_connections()
         self._stop_watchdog()
+        watchdog.remove_cluster_files(self.cluster_file)
 
     def _close_connections(self) -> None:
         """Close the shared ssh connection to each host (OpenSSH's ``-O exit``)."""

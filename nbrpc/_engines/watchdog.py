@@ -208,6 +208,25 @@ def started_with(marker: str) -> list[int]:
     return found
 
 
+def remove_cluster_files(cluster_file: str) -> None:
+    """Remove ipyparallel's ``cluster-ID.json`` and the controller's connection files
+    beside it (``ipcontroller-ID-client.json``, ``-engine.json``): at the death of the
+    kernel here, and at a release (:meth:`.controller.Controller.release`), which stops the
+    processes itself and so leaves ipyparallel's files as they were."""
+    name = os.path.basename(cluster_file)
+    if not (name.startswith("cluster-") and name.endswith(".json")):
+        return
+    cluster_id = name[len("cluster-") : -len(".json")]
+    security = os.path.dirname(cluster_file)
+    for path in (
+        cluster_file,
+        os.path.join(security, f"ipcontroller-{cluster_id}-client.json"),
+        os.path.join(security, f"ipcontroller-{cluster_id}-engine.json"),
+    ):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
 def run_on_death(pidfile: str) -> None:
     """Run the command left in ``PIDFILE.on-death`` (a Slurm job's ``scancel``), if any."""
     import json
@@ -257,17 +276,8 @@ def main(argv: list[str]) -> int:
     run_on_death(pidfile)
     with contextlib.suppress(OSError):
         os.unlink(pidfile)
-    name = os.path.basename(cluster_file or "")
-    if cluster_file and name.startswith("cluster-") and name.endswith(".json"):
-        cluster_id = name[len("cluster-") : -len(".json")]
-        security = os.path.dirname(cluster_file)
-        for path in (
-            cluster_file,  # and the controller's connection files beside it
-            os.path.join(security, f"ipcontroller-{cluster_id}-client.json"),
-            os.path.join(security, f"ipcontroller-{cluster_id}-engine.json"),
-        ):
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+    if cluster_file:
+        remove_cluster_files(cluster_file)
     workdir = os.path.dirname(os.path.abspath(pidfile))
     if os.path.basename(workdir).startswith(WORKDIR_PREFIX):  # the controller's own, private
         shutil.rmtree(workdir, ignore_errors=True)
