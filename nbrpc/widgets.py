@@ -138,6 +138,34 @@ class _LiveView(_View):
             self._start(interval)
 
 
+def _cluster_now() -> dict[str, Any]:
+    """The cluster's state and every process's status row (closed: none), as
+    :class:`ClusterView` and :class:`ClusterPanel` draw them."""
+    try:
+        cluster = lifecycle.current()
+        return {
+            "state": cluster.state.value,
+            "workers": cluster.status(POLL_TIMEOUT_S, ask_ipyparallel=False),
+        }
+    except NbrpcError:  # none, or it closed meanwhile
+        return {"state": "closed", "workers": []}
+
+
+def _ownership_now() -> dict[str, Any]:
+    """The group's members and every live RRef, as :class:`OwnershipView` and
+    :class:`ClusterPanel` draw them."""
+    try:
+        return {"workers": calls.workers(), "rrefs": census.ownership(POLL_TIMEOUT_S)}
+    except NbrpcError:
+        return {"workers": [], "rrefs": []}
+
+
+def _recording_now(rec: timeline.Recording) -> dict[str, Any]:
+    """A recording's calls and processes, as :class:`TimelineView` and
+    :class:`ClusterPanel` draw them."""
+    return {"calls": rec.calls, "processes": rec.processes, "recording": rec.recording}
+
+
 class ClusterView(_LiveView):
     """One card per process: state, pid@host, devices, calls running/done, RRefs.
 
@@ -145,14 +173,7 @@ class ClusterView(_LiveView):
     """
 
     def _compute(self) -> dict[str, Any]:
-        try:
-            cluster = lifecycle.current()
-        except NbrpcError:
-            return {"state": "closed", "workers": []}
-        return {
-            "state": cluster.state.value,
-            "workers": cluster.status(POLL_TIMEOUT_S, ask_ipyparallel=False),
-        }
+        return _cluster_now()
 
     def _render(self, data: dict[str, Any]) -> str:
         return _views.cluster_html(data["workers"], data["state"])
@@ -169,12 +190,7 @@ class OwnershipView(_LiveView):
     """
 
     def _compute(self) -> dict[str, Any]:
-        try:
-            workers = calls.workers()
-            rrefs = census.ownership(POLL_TIMEOUT_S)
-        except NbrpcError:
-            return {"workers": [], "rrefs": []}
-        return {"workers": workers, "rrefs": rrefs}
+        return _ownership_now()
 
     def _render(self, data: dict[str, Any]) -> str:
         return _views.ownership_svg(data["workers"], data["rrefs"])
@@ -234,11 +250,7 @@ class TimelineView(_View):
         return super().refresh()
 
     def _compute(self) -> dict[str, Any]:
-        return {
-            "calls": self.rec.calls,
-            "processes": self.rec.processes,
-            "recording": self.rec.recording,
-        }
+        return _recording_now(self.rec)
 
     def _render(self, data: dict[str, Any]) -> str:
         return _views.timeline_html(data["calls"], data["processes"], data["recording"])
@@ -280,27 +292,16 @@ class ClusterPanel(_View):
             self._start(interval)
 
     def _compute(self) -> dict[str, Any]:
-        data: dict[str, Any] = {"state": "closed", "workers": [], "members": [], "rrefs": []}
-        cluster = lifecycle.running()
-        if cluster is not None:
-            try:
-                data = {
-                    "state": cluster.state.value,
-                    "workers": cluster.status(POLL_TIMEOUT_S, ask_ipyparallel=False),
-                    "members": calls.workers(),
-                    "rrefs": census.ownership(POLL_TIMEOUT_S),
-                }
-            except NbrpcError:  # it closed meanwhile
-                data = {"state": "closed", "workers": [], "members": [], "rrefs": []}
+        owned = _ownership_now()
         rec = timeline.latest()
         if rec is not None and rec.recording:
             rec.refresh()
-        data["timeline"] = (
-            None
-            if rec is None
-            else {"calls": rec.calls, "processes": rec.processes, "recording": rec.recording}
-        )
-        return data
+        return {
+            **_cluster_now(),
+            "members": owned["workers"],
+            "rrefs": owned["rrefs"],
+            "timeline": None if rec is None else _recording_now(rec),
+        }
 
     def _render(self, data: dict[str, Any]) -> str:
         return _views.panel_html(data)

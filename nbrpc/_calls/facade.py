@@ -242,7 +242,7 @@ def rpc_sync(
     # The notebook's case, without the future rpc_async returns (measured ~40 µs a call):
     # the main thread waits on torch's future, or on its lane, itself and settles it here.
     dest = _destination(to, "rpc_sync")  # (bad input fails here, before anything is sent)
-    limit = rpc.get_rpc_timeout() if timeout is None else max(float(timeout), 0.0)
+    limit = limit_of(timeout)
     sent = (func, tuple(args), kwargs)
     way = lanes.route(dest, func, sent[1], kwargs, main=True)
     if way.lane is None:

@@ -319,7 +319,7 @@ class LogTail:
                     data += self._buffer[:got]
                     if got < _READ:
                         break
-            except (OSError, ValueError, TypeError):
+            except (OSError, ValueError):
                 return
             if not data and not (flush and self._pending):
                 return

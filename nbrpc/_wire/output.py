@@ -348,11 +348,6 @@ def kernel_name() -> str | None:
 _running: set[_CallOutput] = set()
 
 
-def running_calls() -> list[_CallOutput]:
-    """The outputs of the calls running on this worker now."""
-    return list(_running)
-
-
 def only_call(call: _CallOutput) -> bool:
     """Whether ``call`` is the only call running on this worker."""
     return len(_running) == 1 and call in _running

@@ -200,7 +200,7 @@ def head(
 ) -> bytes | None:
     """The pickle of ``func``'s whole reduction (:func:`reduce`'s, with the globals it
     reads), made once while its fingerprint holds: a lane call whose arguments are plain
-    values starts with it (:func:`nbrpc._wire.pickling.lane_call`). None where the
+    values starts with it (:func:`nbrpc._wire.lanes.messages.lane_call`). None where the
     function is not kept, or was not yet kept with this fingerprint: its call is pickled
     whole then (which keeps it). Equal fingerprints mean equal globals, so the pickled
     globals are the ones a fresh pickle would carry."""
@@ -231,10 +231,15 @@ def _made(key: str, blob: bytes, arriving: dict[str, Any]) -> FunctionType:
             _loaded[key] = func
             while len(_loaded) > _KEEP:
                 _loaded.popitem(last=False)
-    if arriving:
-        func.__globals__.update(namespace.arrive(arriving))
+    _put_in_place(func, arriving)
     _arrived.globals = arriving
     return func
+
+
+def _put_in_place(func: FunctionType, arriving: dict[str, Any]) -> None:
+    """The globals a kept function brought, where it runs, as a fresh pickle puts them."""
+    if arriving:
+        func.__globals__.update(namespace.arrive(arriving))
 
 
 class _Arrived(threading.local):
@@ -256,8 +261,7 @@ def from_head(head: Any) -> Any:
     hit = _by_head.get(key)
     if hit is not None:
         func, arriving = hit
-        if arriving:
-            func.__globals__.update(namespace.arrive(arriving))
+        _put_in_place(func, arriving)
         return func
     _arrived.globals = None
     func = pickle.loads(key)

@@ -113,10 +113,9 @@ def lane_reducers(recording_on: bool) -> dict:
 
 _PLAIN_ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
 _PLAIN_LEAVES = _PLAIN_ATOMS | {torch.Tensor}
-_PLAIN_TABLE: dict[Any, Any] = {torch.Tensor: _reduce_tensor}
 #: the C pickler's tables, by whether a timeline records (then each tensor's bytes count)
-_PLAIN_TABLES = {
-    False: _PLAIN_TABLE,
+_PLAIN_TABLES: dict[bool, dict[Any, Any]] = {
+    False: {torch.Tensor: _reduce_tensor},
     True: {torch.Tensor: recording.counted(_reduce_tensor, "lane")},
 }
 
@@ -195,10 +194,9 @@ def lane_dumps(obj: Any) -> bytes:
     value takes the C pickler alone (12 -> 3 µs for a small tensor)."""
     recording_on = recording.active() is not None
     if _plain(obj):
-        if not recording_on:
-            return _plain_pickle(obj, b"", _PLAIN_TABLE)
-        message = recording.message_for(obj)  # the row's: its tensors and bytes counted
-        data = _plain_pickle(obj, b"", _PLAIN_TABLES[True])
+        # recorded: the row's, where its tensors and bytes are counted
+        message = recording.message_for(obj) if recording_on else None
+        data = _plain_pickle(obj, b"", _PLAIN_TABLES[recording_on])
         if message is not None:
             recording.pickled(message, len(data))
         return data
@@ -213,8 +211,7 @@ class _PlainPickler(threading.local):
 
     def __init__(self) -> None:
         self.out = io.BytesIO()
-        self.pickler = pickle.Pickler(self.out, protocol=5)
-        self.pickler.dispatch_table = _PLAIN_TABLE
+        self.pickler = pickle.Pickler(self.out, protocol=5)  # its table: set per message
 
 
 _plain_pickler = _PlainPickler()
@@ -223,8 +220,7 @@ _plain_pickler = _PlainPickler()
 def _plain_pickle(obj: Any, head: bytes, table: dict) -> bytes:
     """``obj`` by the C pickler (plain values: :func:`_plain`) after ``head`` (a call's:
     its length and its function's pickle; a reply: none), its tensors by ``table``."""
-    _lane_counted.bytes = 0
-    _lane_counted.storages.clear()
+    _forget_counted()
     kept = _plain_pickler
     out, pickler = kept.out, kept.pickler
     out.seek(0)
@@ -242,6 +238,11 @@ def _plain_pickle(obj: Any, head: bytes, table: dict) -> bytes:
 
 def lane_message() -> io.BytesIO:
     """A new message's buffer; the tensors :func:`_reduce_tensor` counted are forgotten."""
+    _forget_counted()
+    return io.BytesIO()
+
+
+def _forget_counted() -> None:
+    """A new message: no tensor of it counted yet (:func:`_reduce_tensor`)."""
     _lane_counted.bytes = 0
     _lane_counted.storages.clear()
-    return io.BytesIO()
