@@ -296,8 +296,11 @@ class ClusterPanel(_View):
         rec = timeline.latest()
         if rec is not None and rec.recording:
             rec.refresh()
+        cluster = _cluster_now()
+        if cluster["state"] == "closed":  # says there is none (ClusterView: the last rows)
+            cluster["workers"] = []
         return {
-            **_cluster_now(),
+            **cluster,
             "members": owned["workers"],
             "rrefs": owned["rrefs"],
             "timeline": None if rec is None else _recording_now(rec),
