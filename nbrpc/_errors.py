@@ -204,10 +204,17 @@ class ConfigError(NbrpcError, ValueError):
 
 
 class UnknownWorkerError(NbrpcError, ValueError, RuntimeError):
-    def __init__(self, name: object, known: list[str]) -> None:
+    def __init__(self, name: object, known: list[str], left_at: str = "") -> None:
         self.name = name
         self.known = list(known)
-        self._init_args = (name, self.known)
+        self._init_args = (name, self.known, left_at)
+        if left_at:  # it was a worker: it left at a scale
+            super().__init__(
+                f"{name} left the cluster at a scale (%rpc_scale, at {left_at}): it is no "
+                f"longer in this RPC group. Its workers now: {', '.join(known) or '(none)'}. "
+                f"%rpc_scale --names {name} brings a new worker of that name."
+            )
+            return
         what = f"with rank {name}" if isinstance(name, int) else f"named {name!r}"
         super().__init__(
             f"No worker {what} in this RPC group. "
@@ -232,10 +239,23 @@ class WorkerDiedError(NbrpcError, ConnectionError, RuntimeError):
     """A worker's process is gone (killed, crashed, out of memory) or unreachable."""
 
     def __init__(
-        self, worker: str, detail: str = "", last_output: str = "", restarted: int | None = None
+        self,
+        worker: str,
+        detail: str = "",
+        last_output: str = "",
+        restarted: int | None = None,
+        left_at: str = "",
     ) -> None:
         self.worker = worker
-        self._init_args = (worker, detail, last_output, restarted)
+        self.left_at = left_at
+        self._init_args = (worker, detail, last_output, restarted, left_at)
+        if left_at:  # an object of a worker that left at a scale
+            super().__init__(
+                f"{worker} left the cluster at a scale (%rpc_scale, at {left_at}), and the "
+                f"objects it owned (RRefs) went with it. Make what you need again on a "
+                "worker of the cluster (nbrpc.workers() lists them)."
+            )
+            return
         if restarted is not None:  # nbrpc.restart replaced the process (rank ``restarted``)
             super().__init__(
                 f"{worker} was restarted (nbrpc.restart): the process this refers to (rank "

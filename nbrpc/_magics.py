@@ -1,4 +1,4 @@
-"""``%rpc_init``, ``%rpc_shutdown``, ``%rpc_status``, ``%rpc_debug``, ``%%rpc``,
+"""``%rpc_init``, ``%rpc_shutdown``, ``%rpc_scale``, ``%rpc_status``, ``%rpc_debug``, ``%%rpc``,
 ``%%rpc_timeline``, ``%rpc_stacks``: parse
 arguments, call the public API.
 
@@ -97,6 +97,38 @@ class RpcMagics(Magics):
         args = _parse(self.rpc_restart, line)
         names = [n for part in args.names for n in part.split(",") if n]
         print(actions.restart(*names))
+
+    @magic_arguments()
+    @argument("n", nargs="?", type=int, default=None, help="the number of workers to have")
+    @argument(
+        "--remove",
+        default=None,
+        help="the workers to leave, separated by commas (default: the highest ranks)",
+    )
+    @argument("--names", default=None, help="the new workers' names, separated by commas")
+    @argument(
+        "--hosts",
+        default=None,
+        help="where new workers start, separated by commas (a --hosts cluster; default: "
+        "round-robin over the hosts given at %%rpc_init)",
+    )
+    @argument(
+        "--force",
+        action="store_true",
+        help="cancel the leavers' calls in flight instead of waiting for them",
+    )
+    @line_magic
+    def rpc_scale(self, line: str) -> None:
+        """Grow or shrink the running cluster to N workers, from where its workers came;
+        the workers that stay keep everything (their processes, namespaces and RRefs)."""
+        args = _parse(self.rpc_scale, line)
+        how: dict[str, Any] = {"force": args.force}
+        for flag in ("remove", "names"):
+            if getattr(args, flag):
+                how[flag] = [n for n in getattr(args, flag).split(",") if n.strip()]
+        if args.hosts:
+            how["hosts"] = tuple(h for h in args.hosts.split(",") if h.strip())
+        print(actions.scale(args.n, **how))
 
     @line_magic
     def rpc_status(self, line: str) -> None:

@@ -148,6 +148,7 @@ class WorkerState(enum.StrEnum):
     DEAD = "dead"  # its process is gone; %rpc_restart replaces it
     RESTARTING = "restarting"  # a fresh process is being made for its name
     STOPPED = "stopped"  # it left at a shutdown
+    LEFT = "left"  # it left at a scale (%rpc_scale): the cluster goes on without it
 
     def __repr__(self) -> str:
         return repr(self.value)  # a list of states prints as it did when they were strings
@@ -155,10 +156,13 @@ class WorkerState(enum.StrEnum):
 
 #: The transitions a process's state may take (the cluster's own are ``_lifecycle.cluster._NEXT``).
 WORKER_NEXT: dict[WorkerState, frozenset[WorkerState]] = {
-    WorkerState.READY: frozenset({WorkerState.DEAD, WorkerState.RESTARTING, WorkerState.STOPPED}),
-    WorkerState.DEAD: frozenset({WorkerState.RESTARTING, WorkerState.STOPPED}),
+    WorkerState.READY: frozenset(
+        {WorkerState.DEAD, WorkerState.RESTARTING, WorkerState.STOPPED, WorkerState.LEFT}
+    ),
+    WorkerState.DEAD: frozenset({WorkerState.RESTARTING, WorkerState.STOPPED, WorkerState.LEFT}),
     WorkerState.RESTARTING: frozenset({WorkerState.READY, WorkerState.DEAD}),
     WorkerState.STOPPED: frozenset(),
+    WorkerState.LEFT: frozenset(),
 }
 
 
@@ -176,6 +180,10 @@ class WorkerRecord:
     engine_id: int | None = None
     state: WorkerState = WorkerState.READY
     local: bool = True  # on the kernel's host: its pid is this host's
+    #: ``nbrpc.rank()``: 0 for the kernel, 1..N for the workers as a script numbers them;
+    #: kept for the worker's life (a restart and a scale keep it; a grow fills the lowest
+    #: free one)
+    order: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

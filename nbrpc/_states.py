@@ -17,6 +17,8 @@ The transitions::
     failed      restarting -> dead: its restart failed              -> DIED
     stopped     ready or dead -> stopped, at a shutdown             -> STOPPED
     leaving     nbrpc makes them leave (a shutdown, a failed boot)  -> LEAVING
+    grew        new workers joined a running cluster (a scale)      -> JOINED
+    departed    ready or dead -> left, at a scale (%rpc_scale)      -> LEFT (``at`` set)
 
 The owner also keeps which workers' calls fail at once, unsent (:data:`unreachable`: a
 dead worker's and one being restarted, with why), for the call facade's lookup on every
@@ -26,12 +28,14 @@ same record for the workers its own calls found gone.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from ._errors import ConfigError
 from ._rows import WorkerRecord, WorkerState
 
 
@@ -56,6 +60,7 @@ class WorkerChange:
     ranks: tuple[int, ...] = ()  # LEFT: the ranks of the processes that left
     detail: str = ""  # DIED: why (what torch said, or why the restart failed)
     replaced: bool = False  # LEFT: fresh processes take their names (a restart)
+    at: str = ""  # LEFT at a scale: when ("14:02:11"); their names are free again
 
 
 #: A listener: called after the change, on the thread that made it (a call's failure
@@ -68,13 +73,17 @@ class _Owner:
     lock: threading.RLock = field(default_factory=threading.RLock)
     records: dict[str, WorkerRecord] = field(default_factory=dict)  # the workers, by name
     failing: dict[str, str] = field(default_factory=dict)  # name -> why its calls fail
+    departed: dict[str, str] = field(default_factory=dict)  # name -> when it left at a scale
     listeners: list[Listener] = field(default_factory=list)
+    changing: str = ""  # what changes the set of workers now (a scale, a restart)
 
 
 _owner = _Owner()
 
 #: Workers whose calls fail at once, unsent: name -> why (read-only; the owner's own dict)
 unreachable: Mapping[str, str] = MappingProxyType(_owner.failing)
+#: Workers that left this cluster at a scale, not back since: name -> when (read-only)
+departed: Mapping[str, str] = MappingProxyType(_owner.departed)
 
 
 def listen(listener: Listener) -> None:
@@ -98,10 +107,35 @@ def _tell(change: WorkerChange) -> None:
         listener(change)
 
 
+@contextlib.contextmanager
+def changing(what: str) -> Iterator[None]:
+    """One change of the set of workers at a time (``what``: "a scale to 4 workers", "a
+    restart of worker2"): a second one meanwhile is refused, naming the first."""
+    with _owner.lock:
+        if _owner.changing:
+            raise ConfigError(
+                f"{_owner.changing} is running: wait for it to end, then try again. Nothing "
+                "changed."
+            )
+        _owner.changing = what
+    try:
+        yield
+    finally:
+        _owner.changing = ""
+
+
 def state_of(name: str) -> WorkerState | None:
     """Worker ``name``'s state in the current cluster (None: not one of its workers)."""
     record = _owner.records.get(name)
     return record.state if record is not None else None
+
+
+def orders() -> dict[str, int]:
+    """The ``nbrpc.rank()`` of each worker of the running cluster ({}: none here, as in a
+    worker process, or it stopped)."""
+    with _owner.lock:
+        records = list(_owner.records.values())
+    return {r.name: r.order for r in records if r.state is not WorkerState.STOPPED}
 
 
 def adopt(workers: list[WorkerRecord]) -> None:
@@ -110,7 +144,32 @@ def adopt(workers: list[WorkerRecord]) -> None:
     with _owner.lock:
         _owner.records = {r.name: r for r in workers}
         _owner.failing.clear()
+        _owner.departed.clear()
     _tell(WorkerChange(Change.JOINED, tuple(r.name for r in workers)))
+
+
+def grew(workers: list[WorkerRecord]) -> None:
+    """New workers joined the running cluster (a scale): owned here beside the others; a
+    name that left at an earlier scale is a worker again."""
+    with _owner.lock:
+        for record in workers:
+            _owner.records[record.name] = record
+            _owner.failing.pop(record.name, None)
+            _owner.departed.pop(record.name, None)
+    _tell(WorkerChange(Change.JOINED, tuple(r.name for r in workers)))
+
+
+def departed_at_scale(names: list[str], ranks: list[int], at: str) -> None:
+    """``names`` (the processes of ``ranks``) left the cluster at a scale, at ``at``: they
+    are no longer its workers; calls to them and their RRefs say so."""
+    with _owner.lock:
+        for name in names:
+            _owner.failing.pop(name, None)
+            _owner.departed[name] = at
+            record = _owner.records.pop(name, None)
+            if record is not None:
+                record.move(WorkerState.LEFT)
+    _tell(WorkerChange(Change.LEFT, tuple(names), tuple(ranks), at=at))
 
 
 def mark_dead(name: str, detail: str = "") -> None:

@@ -50,8 +50,9 @@ class _Calls:
 
     cancelled: bool = False
     last_output: Callable[[str], str] | None = None
-    #: ranks of processes nbrpc.restart replaced -> their name: what they owned is gone
-    replaced: dict[int, str] = field(default_factory=dict)
+    #: ranks of processes a restart replaced, or that left at a scale -> (their name, when
+    #: they left at the scale, or "" for a restart): what they owned is gone
+    gone: dict[int, tuple[str, str]] = field(default_factory=dict)
     #: a name or rank -> its WorkerInfo, found once per membership (torch's lookup lets go
     #: of the GIL: where other threads want it, a call waited ~20 µs for it back, measured)
     infos: dict[Any, WorkerInfo] = field(default_factory=dict)
@@ -123,21 +124,24 @@ def set_active(active: bool, last_output: Callable[[str], str] | None = None) ->
 def on_worker_change(change: _states.WorkerChange) -> None:
     """A listener of :mod:`nbrpc._states` (registered by the lifecycle): the old ranks of
     workers a restart replaces are remembered (what they owned is gone), and the workers'
-    ``WorkerInfo`` is looked up afresh after a restart or a death."""
-    if change.kind is _states.Change.LEFT and change.replaced:
+    ``WorkerInfo`` is looked up afresh after a restart, a scale or a death."""
+    if change.kind is _states.Change.LEFT and (change.replaced or change.at):
         for name, rank in zip(change.names, change.ranks, strict=True):
-            _calls.replaced[rank] = name
-        scripts.forget(change.names)  # their fresh processes compiled no TorchScript yet
-    elif change.kind not in (_states.Change.REJOINED, _states.Change.DIED):
+            _calls.gone[rank] = (name, change.at)
+        scripts.forget(change.names)  # a fresh process of that name compiled nothing yet
+    elif change.kind not in (_states.Change.REJOINED, _states.Change.DIED, _states.Change.JOINED):
         return
     _calls.infos.clear()
 
 
-def replaced_error(rank: int) -> WorkerDiedError | None:
-    name = _calls.replaced.get(rank)
-    if name is None:
+def gone_error(rank: int) -> WorkerDiedError | None:
+    """The error for what the process of torch rank ``rank`` owned, if a restart replaced
+    it or it left at a scale (None: neither)."""
+    gone = _calls.gone.get(rank)
+    if gone is None:
         return None
-    return WorkerDiedError(name, restarted=rank)
+    name, at = gone
+    return WorkerDiedError(name, left_at=at) if at else WorkerDiedError(name, restarted=rank)
 
 
 def cancel_calls_in_flight() -> None:
@@ -170,9 +174,11 @@ def _destination(to: str | WorkerInfo | int, what: str) -> WorkerInfo:
             return info
     _group.require_active(what)
     if isinstance(to, WorkerInfo):
-        replaced = replaced_error(to.id)
-        if replaced is not None:
-            raise replaced
+        gone = gone_error(to.id)
+        if gone is not None:
+            if gone.left_at:  # a call to a worker that left: as to its name
+                raise UnknownWorkerError(to.name, _group.member_names(), gone.left_at)
+            raise gone
         return to
     if isinstance(to, str) and to in _states.unreachable:  # dead, or being restarted
         raise WorkerDiedError(to, _states.unreachable[to], _last_output(to))
@@ -192,7 +198,7 @@ def _destination(to: str | WorkerInfo | int, what: str) -> WorkerInfo:
                 why = _states.unreachable[info.name]
                 raise WorkerDiedError(info.name, why, _last_output(info.name))
             return info
-    raise UnknownWorkerError(to, _group.member_names())
+    raise UnknownWorkerError(to, _group.member_names(), _states.departed.get(str(to), ""))
 
 
 def get_worker_info(worker_name: str | int | None = None) -> WorkerInfo:

@@ -30,7 +30,7 @@ def _owner(rref: Any) -> WorkerInfo:
     try:
         return _torch.original_owner(rref)
     except RuntimeError:
-        replaced = facade.replaced_error(_ledger.owner_rank(rref))
+        replaced = facade.gone_error(_ledger.owner_rank(rref))
         if replaced is not None:
             raise replaced from None
         raise
@@ -53,7 +53,7 @@ def _to_here(rref: Any, timeout: float = _torch.UNSET_RPC_TIMEOUT) -> Any:
             raise failures.delivered(exc)  # noqa: B904 (the worker's own, as raised there)
         owner = _torch.owner_name(rref)
         if owner is None:
-            replaced = facade.replaced_error(_ledger.owner_rank(rref))
+            replaced = facade.gone_error(_ledger.owner_rank(rref))
             if replaced is not None:
                 raise replaced from None
             # it left the group (died, or belonged to a cluster since shut down)

@@ -181,6 +181,17 @@ class Engines:
         self.taken = [i for i in self.taken if i not in engine_ids] + new
         return new
 
+    def grow(self, n: int, hosts: tuple[str, ...], registered: Callable[..., None]) -> list[int]:
+        """``n`` more engines from the source (a scale); they become this cluster's."""
+        new = self.source.grow(n, hosts, ENGINE_START_TIMEOUT_S, registered)
+        self.taken = self.taken + new
+        return new
+
+    def shrink(self, engine_ids: list[int], pids: list[int]) -> None:
+        """Stop engines whose workers left at a scale; they are no longer this cluster's."""
+        self.taken = [i for i in self.taken if i not in engine_ids]
+        self.source.shrink(engine_ids, pids)
+
     def stop(self, pids: list[int], keep_spares: bool) -> None:
         """Stop the engines this cluster used (never reusable: torch joins once per
         process); the source may warm spares for the next cluster."""

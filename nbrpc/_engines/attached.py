@@ -34,6 +34,8 @@ log = logging.getLogger("nbrpc")
 #: without a cluster file: no new engine for this long means all have registered (longer
 #: than two ticks of ipyparallel's heart monitor, 3 s by default)
 SETTLE_S = 7.0
+#: How long a grow waits for idle engines to register in an attached cluster.
+GROW_WAIT_S = 30.0
 
 
 def started_with(profile: str | None, cluster_id: str | None) -> int | None:
@@ -63,9 +65,12 @@ class AttachedSource(EngineSource):
         "the engine with ipyparallel, then %rpc_shutdown and %rpc_init"
     )
 
+    cannot_scale = ""
+
     def __init__(self, settings: _options.Settings) -> None:
         super().__init__(settings)
         self._client: Any = None
+        self._used: set[int] = set()  # engine ids handed to the cluster (torch joins once)
 
     @classmethod
     def wants(cls, settings: _options.Settings) -> bool:
@@ -113,6 +118,7 @@ class AttachedSource(EngineSource):
             ids = sorted(self.client().ids)
             registered(len(ids))
             if n is not None and len(ids) >= n:
+                self._used.update(ids[:n])
                 return ids[:n]
             if len(ids) != seen:
                 seen, since = len(ids), time.monotonic()
@@ -123,6 +129,7 @@ class AttachedSource(EngineSource):
                     "Pass -n N (n=N) to wait for N engines.",
                     stacklevel=2,
                 )
+                self._used.update(ids)
                 return ids
             if time.monotonic() > deadline:
                 expected = "at least 1" if n is None else str(n)
@@ -132,6 +139,31 @@ class AttachedSource(EngineSource):
                     "(ipcluster engines -n N --profile NAME), or ask for fewer with -n."
                 )
             time.sleep(0.05)
+
+    def grow(
+        self, n: int, hosts: tuple[str, ...], timeout: float, registered: Callable[..., None]
+    ) -> list[int]:
+        """Idle engines that registered with the attached cluster, waited for up to
+        :data:`GROW_WAIT_S`: nbrpc never starts engines there. An engine a worker of this
+        cluster ran in is never taken again (a process joins torch's RPC once)."""
+        deadline = time.monotonic() + min(timeout, GROW_WAIT_S)
+        while True:
+            idle = [i for i in sorted(self.client().ids) if i not in self._used]
+            registered(len(idle))
+            if len(idle) >= n:
+                self._used.update(idle[:n])
+                return idle[:n]
+            if time.monotonic() > deadline:
+                raise BootError(
+                    f"the attached ipyparallel cluster has {len(idle)} idle engine"
+                    f"{'' if len(idle) == 1 else 's'}, not {n}, after {GROW_WAIT_S:.0f} s: "
+                    "nbrpc does not start engines there. Start more (ipcluster engines -n "
+                    f"{n - len(idle)} --profile NAME), then %rpc_scale again."
+                )
+            time.sleep(0.05)
+
+    def shrink(self, engine_ids: list[int], pids: list[int]) -> None:
+        """Its engines run on (they left the RPC group, and are never taken again)."""
 
     def stop(self, engine_ids: list[int], pids: list[int], keep_warm: bool) -> None:
         """Its engines run on; only the client closes."""

@@ -32,6 +32,9 @@ class EngineSource:
     #: why :meth:`replace` cannot work for this source ("": it can), said before a
     #: restart stops anything
     cannot_replace: str = "this kind of engine cannot be replaced alone"
+    #: why :meth:`grow` and :meth:`shrink` cannot work for this source ("": they can),
+    #: said before a scale changes anything
+    cannot_scale: str = "this kind of cluster cannot change its size while it runs"
 
     def __init__(self, settings: _options.Settings) -> None:
         self.settings = settings
@@ -109,6 +112,29 @@ class EngineSource:
         start as many new ones where they ran; the new ids, registered, in that order
         (``nbrpc.restart``)."""
         raise ConfigError(self.cannot_replace)
+
+    def grow(
+        self, n: int, hosts: tuple[str, ...], timeout: float, registered: Callable[..., None]
+    ) -> list[int]:
+        """``n`` more engines for a running cluster (``%rpc_scale``), from where its first
+        ones came; ``hosts``: where, for a source that places engines on hosts (else
+        ``()``: its own choice). Their ids, registered, in worker order; ``registered`` as
+        in :meth:`take`."""
+        raise ConfigError(self.cannot_scale)
+
+    def check_hosts(self, hosts: tuple[str, ...]) -> None:
+        """Refuse ``hosts`` for a :meth:`grow` before anything starts (a source that
+        places engines on hosts checks them; the others take none)."""
+        if hosts:
+            raise ConfigError(
+                "--hosts names where new workers start: only a cluster started with "
+                "--hosts takes it"
+            )
+
+    def shrink(self, engine_ids: list[int], pids: list[int]) -> None:
+        """Stop some of a running cluster's engines, whose workers left (``pids``: of
+        this host, or on their own hosts for a remote source); the others keep running."""
+        raise ConfigError(self.cannot_scale)
 
     def dump_stacks(
         self, engine_ids: list[int], pids: list[int], timeout: float

@@ -496,6 +496,7 @@ class LocalSource(ControllerSource[LocalController]):
 
     remote = False
     cannot_replace = ""
+    cannot_scale = ""
 
     @classmethod
     def wants(cls, settings: _options.Settings) -> bool:
@@ -541,3 +542,12 @@ class LocalSource(ControllerSource[LocalController]):
                 os.kill(pid, signal.SIGKILL)
         ours.retire(engine_ids, pids)
         return ours.take(len(engine_ids), timeout, lambda *_: None)
+
+    def grow(
+        self, n: int, hosts: tuple[str, ...], timeout: float, registered: Callable[..., None]
+    ) -> list[int]:
+        """Forks of the zygote (registered spares first)."""
+        return self._ours().take(n, timeout, registered)
+
+    def shrink(self, engine_ids: list[int], pids: list[int]) -> None:
+        self._ours().retire(engine_ids, pids)

@@ -199,6 +199,10 @@ class SlurmController(Controller):
         super().__init__(listen, self.workdir, _Step if self.step else _Job)
         self._launcher: Any = None
         self._task_of: dict[int, tuple[int, str]] = {}  # engine id -> (task, node)
+        #: every job (or step) of engines, the first one's first: [job, launcher, its ids]
+        #: (a scale adds more; a job whose engines all left is cancelled)
+        self._batches: list[list[Any]] = []
+        self._retired: set[int] = set()  # engine ids a shrink stopped
         self._ended = ""  # how the job ended, once Slurm says it for good (lost())
         self._start_controller()
 
@@ -253,12 +257,17 @@ class SlurmController(Controller):
             self._watch()  # srun is a process of this host: the watchdog stops it too
         else:
             self.job = str(self._launcher.job_id)
-            watchdog_cancel(self.pidfile, ["scancel", self.job])
+        self._batches.append([self.job, self._launcher, set()])
+        if not self.step:
+            jobs = [str(job) for job, _, _ in self._batches]
+            watchdog_cancel(self.pidfile, ["scancel", *jobs])
 
     def pids(self) -> list[int]:
         """The controller's processes, and ``srun`` when the engines are a step."""
-        srun = getattr(self._launcher, "pid", None) if self.step else None
-        return super().pids() + ([srun] if srun else [])
+        if not self.step:
+            return super().pids()
+        sruns = [getattr(launcher, "pid", None) for _, launcher, _ in self._batches]
+        return super().pids() + [p for p in sruns if p]
 
     def take(self, n: int, timeout: float, registered: Callable[..., None]) -> list[int]:
         """Engine ids in task order, once every engine registered; the job's wait in the
@@ -270,8 +279,9 @@ class SlurmController(Controller):
         t0 = time.monotonic()
         running_since: float | None = None
         polled = 0.0
+        known = set(self._task_of) | self._retired  # engines of earlier jobs (a scale)
         while True:
-            ids = sorted(client.ids)
+            ids = sorted(i for i in client.ids if i not in known)
             if len(ids) >= n:
                 break
             if time.monotonic() - polled >= QUEUE_POLL_S and not self.step:
@@ -333,7 +343,41 @@ class SlurmController(Controller):
         order = sorted(zip(tasks, ids, strict=True))
         taken = [eid for _, eid in order[:n]]
         self._task_of.update({eid: task for task, eid in order})
+        self._batches[-1][2].update(taken)
         return taken
+
+    def grow(self, n: int, timeout: float, registered: Callable[..., None]) -> list[int]:
+        """``n`` engines of a further job (or a further step of the kernel's allocation),
+        waited for as at the start; a job that fails to bring them is cancelled."""
+        first = self.job, self._launcher
+        self.spawn(n)
+        batch = self._batches[-1]
+        try:
+            return self.take(n, timeout, registered)
+        except BaseException:
+            self._cancel_batch(batch)
+            raise
+        finally:
+            self.job, self._launcher = first
+
+    def shrink(self, engine_ids: list[int]) -> None:
+        """Stop engines whose workers left; a job (or step) none of whose engines is left
+        is cancelled."""
+        if self._client is not None:
+            live = [i for i in engine_ids if i in self._client.ids]
+            if live:
+                with contextlib.suppress(Exception):
+                    self._client.shutdown(targets=live, hub=False, block=False)
+        self._retired.update(engine_ids)
+        for batch in list(self._batches):
+            if batch[2] and batch[2] <= self._retired:
+                self._cancel_batch(batch)
+        if self._batches and self._launcher is not self._batches[0][1]:
+            self.job, self._launcher = self._batches[0][0], self._batches[0][1]
+
+    def job_of(self, engine_id: int) -> str:
+        """The job (or, for a step, the allocation's job) engine ``engine_id`` runs in."""
+        return next((str(j) for j, _, ids in self._batches if engine_id in ids), self.job or "")
 
     def admit(self, addresses: list[str]) -> None:
         """Let the job's nodes through the member filter of the kernel and its controller
@@ -384,20 +428,30 @@ class SlurmController(Controller):
         """Run :mod:`nbrpc._wire.stacks` on each node, as a step of the job (``srun
         --overlap``): no ssh into the nodes needed. Its parts by engine id."""
 
-        def run(node: str, argv: list[str]) -> str:
-            step = ["srun", f"--jobid={self.job}", "--overlap", "-n1", "-N1", f"-w{node}"]
+        def run(where: str, argv: list[str]) -> str:
+            job, _, node = where.partition("@")
+            step = ["srun", f"--jobid={job}", "--overlap", "-n1", "-N1", f"-w{node}"]
             done = _slurm([*step, "--quiet", self.python, *argv], timeout + SLURM_TIMEOUT_S)
             return done.stdout
 
-        where = zip(engine_ids, pids, strict=True)
-        return stacks.gather({eid: (self.node_of(eid), pid) for eid, pid in where}, run)
+        on = {eid: f"{self.job_of(eid)}@{self.node_of(eid)}" for eid in engine_ids}
+        return stacks.gather(
+            {eid: (on[eid], pid) for eid, pid in zip(engine_ids, pids, strict=True)}, run
+        )
 
     # -- stop ------------------------------------------------------------------------
 
     def cancel(self) -> None:
-        """Cancel the job (or the step), and wait until Slurm no longer runs it."""
+        """Cancel every job (or step) of engines, and wait until Slurm no longer runs it."""
+        for batch in list(self._batches) or [[self.job, self._launcher, set()]]:
+            self._cancel_batch(batch)
+
+    def _cancel_batch(self, batch: list[Any]) -> None:
+        """Cancel one job (or step) of engines; it is no longer this controller's."""
+        if batch in self._batches:
+            self._batches.remove(batch)
+        job, launcher, _ = batch
         if self.step:
-            launcher = self._launcher
             if launcher is not None and launcher.state == "running":
                 with contextlib.suppress(Exception):
                     launcher.signal(15)  # srun passes it to the tasks and ends the step
@@ -407,12 +461,12 @@ class SlurmController(Controller):
                     if launcher.state == "running":
                         launcher.signal(9)
             return
-        if not self.job:
+        if not job:
             return
         with contextlib.suppress(BootError, ConfigError):
-            _slurm(["scancel", self.job])
+            _slurm(["scancel", job])
             deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and job_state(self.job)[0] not in ("", *ENDED):
+            while time.monotonic() < deadline and job_state(job)[0] not in ("", *ENDED):
                 time.sleep(0.2)
 
     def retire(self, engine_ids: list[int], pids: list[int]) -> None:
@@ -443,7 +497,10 @@ def watchdog_cancel(pidfile: str, argv: list[str]) -> None:
 
 
 class SlurmSource(ControllerSource[SlurmController]):
-    """Engines from Slurm (``--slurm``): one job, or a step of the kernel's job."""
+    """Engines from Slurm (``--slurm``): one job, or a step of the kernel's job (a scale
+    adds a further job or step)."""
+
+    cannot_scale = ""
 
     cannot_replace = (
         "a worker from Slurm cannot be replaced alone: its engine is a task of the job's "
@@ -482,10 +539,20 @@ class SlurmSource(ControllerSource[SlurmController]):
         ours = self.controller
         if ours is None or not ours.job:
             return ""
+        jobs = [str(job) for job, _, _ in ours._batches] or [ours.job]
         nodes = sorted({node for _, node in ours._task_of.values() if node})
         what = (
-            f"a step of Slurm job {ours.job} (the kernel's)"
+            f"{'steps' if len(jobs) > 1 else 'a step'} of Slurm job {ours.job} (the kernel's)"
             if ours.step
-            else f"Slurm job {ours.job}"
+            else f"Slurm job{'s' if len(jobs) > 1 else ''} {', '.join(jobs)}"
         )
         return f"workers from {what}, on {', '.join(nodes) or 'its nodes'}"
+
+    def grow(
+        self, n: int, hosts: tuple[str, ...], timeout: float, registered: Callable[..., None]
+    ) -> list[int]:
+        """A further job with the same options (or a further step of the allocation)."""
+        return self._ours().grow(n, timeout, registered)
+
+    def shrink(self, engine_ids: list[int], pids: list[int]) -> None:
+        self._ours().shrink(engine_ids)

@@ -43,8 +43,8 @@ from typing import Any
 
 from ipyparallel.cluster.launcher import SSHEngineLauncher, SSHEngineSetLauncher
 
-from nbrpc import _options
-from nbrpc._errors import BootError
+from nbrpc import _fence, _options
+from nbrpc._errors import BootError, ConfigError
 from nbrpc._source_options import Hosts
 from nbrpc._wire import stacks
 
@@ -182,6 +182,7 @@ class HostController(Controller):
         self.remote_dir = f".nbrpc/run-{self._ipp.cluster_id}"
         self._launchers: list[HostEngineLauncher] = []
         self.entry_of: dict[int, str] = {}  # engine id -> its --hosts entry
+        self._retired: set[int] = set()  # engine ids a shrink stopped
         self._start_controller()
 
     @property
@@ -260,16 +261,26 @@ class HostController(Controller):
         """Kill engines on their hosts (over ssh), start new ones on the same entries, and
         return their ids once registered, in that order."""
         entries = [self.entry_of[eid] for eid in engine_ids]
+        self._kill(entries, pids)
+        client = self.client()
+        deadline = time.monotonic() + timeout
+        while any(eid in client.ids for eid in engine_ids) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the heart monitor notices (about 2 s)
+        return self.start_more(entries, max(1.0, deadline - time.monotonic()))
+
+    def _kill(self, entries: list[str], pids: list[int]) -> None:
         by_host = {la.location: la for la in self._launchers}
         for entry, pid in zip(entries, pids, strict=True):
             launcher = by_host.get(entry)
             if launcher is not None:
                 self._quietly(launcher, f"kill -9 {int(pid)} 2>/dev/null; true")
+
+    def start_more(self, entries: list[str], timeout: float) -> list[int]:
+        """Start one engine on each of ``entries`` (a restart's, or a grow's) and return
+        their ids once registered, in that order."""
         client = self.client()
         deadline = time.monotonic() + timeout
-        while any(eid in client.ids for eid in engine_ids) and time.monotonic() < deadline:
-            time.sleep(0.05)  # the heart monitor notices (about 2 s)
-        known = set(client.ids) | set(self.entry_of)
+        known = set(client.ids) | set(self.entry_of) | self._retired
         self._start_on(entries)
         new: list[int] = []
         while True:
@@ -290,6 +301,61 @@ class HostController(Controller):
             new.append(eid)
             self.entry_of[eid] = entry
         return new
+
+    def next_entries(self, n: int) -> list[str]:
+        """Where ``n`` more engines go: round-robin over the ``--hosts`` entries given at
+        init, each time the one with the fewest engines of this cluster (list order wins
+        a tie)."""
+        load = {e: 0 for e in self.plan.entries}
+        for entry in self.entry_of.values():
+            if entry in load:
+                load[entry] += 1
+        chosen = []
+        for _ in range(n):
+            entry = min(self.plan.entries, key=lambda e: (load[e], self.plan.entries.index(e)))
+            load[entry] += 1
+            chosen.append(entry)
+        return chosen
+
+    def check_new_hosts(self, entries: list[str]) -> None:
+        """Hosts a grow names that the cluster does not run on yet: admitted through the
+        member filter, then checked as at init (the preflight); a host that fails it is
+        let go of again, and nothing started."""
+        new = tuple(e for e in hosts.counts(tuple(entries)) if e not in self.plan.entries)
+        if not new:
+            return
+        admitted = _fence.members()
+        added = set(hosts.addresses(new, self.plan.ssh_args))
+        if admitted is not None:
+            _fence.admit(admitted | added)
+            for pid in self.controller_pids():
+                with contextlib.suppress(OSError):
+                    _fence.fence_process(pid)
+        try:
+            hosts.preflight(
+                replace(self.plan, entries=new), self.python, self.listen, self.ssh_args
+            )
+        except BaseException:
+            if admitted is not None:
+                _fence.admit(admitted)
+            raise
+        self.plan = replace(self.plan, entries=self.plan.entries + new)
+
+    def forget(self, engine_ids: list[int], pids: list[int]) -> None:
+        """Stop some engines (a shrink): asked to exit, killed on their hosts if not."""
+        if self._client is not None:
+            live = [i for i in engine_ids if i in self._client.ids]
+            if live:
+                with contextlib.suppress(Exception):
+                    self._client.shutdown(targets=live, hub=False, block=False)
+        entries = [self.entry_of.pop(eid, "") for eid in engine_ids]
+        self._retired.update(engine_ids)
+        deadline = time.monotonic() + controller.ENGINE_EXIT_WAIT_S
+        while self._client is not None and time.monotonic() < deadline:
+            if not any(eid in self._client.ids for eid in engine_ids):
+                break
+            time.sleep(0.05)
+        self._kill(entries, pids)  # what is left of them (their pids are gone otherwise)
 
     def dump_stacks(
         self, engine_ids: list[int], pids: list[int], timeout: float
@@ -374,6 +440,7 @@ class SshSource(ControllerSource[HostController]):
     """Engines on other hosts over ssh (``--hosts``), one per entry, in list order."""
 
     cannot_replace = ""
+    cannot_scale = ""
 
     @classmethod
     def wants(cls, settings: _options.Settings) -> bool:
@@ -407,3 +474,20 @@ class SshSource(ControllerSource[HostController]):
 
     def replace(self, engine_ids: list[int], pids: list[int], timeout: float) -> list[int]:
         return self._ours().replace(engine_ids, pids, timeout)
+
+    def check_hosts(self, hosts: tuple[str, ...]) -> None:
+        bad = [h for h in hosts if not h or h.startswith("-") or any(c.isspace() for c in h)]
+        if bad:
+            raise ConfigError(f"--hosts {','.join(hosts)}: {bad[0]!r} is not a host")
+
+    def grow(
+        self, n: int, hosts: tuple[str, ...], timeout: float, registered: Callable[..., None]
+    ) -> list[int]:
+        """On ``hosts`` (preflighted if new), else round-robin over the init's entries."""
+        ours = self._ours()
+        entries = [hosts[i % len(hosts)] for i in range(n)] if hosts else ours.next_entries(n)
+        ours.check_new_hosts(entries)
+        return ours.start_more(entries, timeout)
+
+    def shrink(self, engine_ids: list[int], pids: list[int]) -> None:
+        self._ours().forget(engine_ids, pids)

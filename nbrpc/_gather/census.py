@@ -19,7 +19,7 @@ import torch.distributed.rpc as rpc
 from nbrpc import _group, _ledger, _process, _states
 from nbrpc._calls import facade as calls
 from nbrpc._errors import NbrpcError, RpcTimeoutError, UnknownWorkerError, WorkerDiedError
-from nbrpc._rows import OwnershipRow
+from nbrpc._rows import OwnershipRow, StatusRow, WorkerRecord, WorkerState
 from nbrpc._wire import callee, side_door
 
 SNAPSHOT_TIMEOUT_S = 5.0
@@ -171,3 +171,34 @@ def ownership(timeout: float = SNAPSHOT_TIMEOUT_S) -> list[OwnershipRow]:
     An RRef dropped everywhere and garbage-collected is gone from the list.
     """
     return _ledger.merge(list(snapshots(timeout).values()))
+
+
+def status_rows(
+    records: list[WorkerRecord], snaps: dict[str, dict], device_maps: dict
+) -> list[StatusRow]:
+    """``nbrpc.status()``'s rows: each process's record with the figures it answered
+    (``snaps``, by name; None where it is not ready or did not answer)."""
+    rows: list[StatusRow] = []
+    for r in records:
+        snap = snaps.get(r.name) if r.state is WorkerState.READY else None
+        rows.append(
+            StatusRow(
+                name=r.name,
+                rank=r.rank,
+                pid=r.pid,
+                host=r.host,
+                role=r.role,
+                devices=list(r.devices),
+                engine_id=r.engine_id,
+                state=r.state,
+                calls_in_flight=snap["calls_in_flight"] if snap else None,
+                calls_done=snap["calls_done"] if snap else None,
+                rrefs_owned=snap["owned"] if snap else None,
+                rrefs_held=len(snap["handles"]) if snap else None,
+                cpu_percent=snap["cpu_percent"] if snap else None,
+                memory_rss=snap["memory_rss"] if snap else None,
+                cuda=snap["cuda"] if snap else None,
+                device_maps=device_maps.get(r.name, {}),
+            )
+        )
+    return rows

@@ -1,5 +1,5 @@
-"""What ``%rpc_shutdown``, ``%rpc_restart`` and ``%rpc_stacks`` do and the line each says:
-one piece of code each, for the magics and for the cluster panel's buttons
+"""What ``%rpc_shutdown``, ``%rpc_restart``, ``%rpc_scale`` and ``%rpc_stacks`` do and the
+line each says: one piece of code each, for the magics and for the cluster panel's buttons
 (:class:`nbrpc.widgets.ClusterPanel`), which must do exactly what the magics do."""
 
 from __future__ import annotations
@@ -28,6 +28,13 @@ def restart(*names: str) -> str:
     """Replace workers ``names`` with fresh processes (:func:`.cluster.restart`); what
     happened to each."""
     return lifecycle.restart(*names).summary()
+
+
+def scale(n: int | None = None, **how: object) -> str:
+    """Grow or shrink the running cluster (:func:`.cluster.scale`); what happened, then the
+    cluster's summary, as ``%rpc_init`` shows it."""
+    done = lifecycle.scale(n, **how)  # type: ignore[arg-type]
+    return f"{done.summary()}\n{lifecycle.current().summary()}"
 
 
 def stacks(*names: str) -> str:

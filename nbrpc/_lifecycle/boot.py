@@ -127,7 +127,7 @@ class _Boot:
         kernel, me = self.kernel, member.name
         self.booted.records = [
             WorkerRecord(me, 0, kernel["pid"], kernel["host"], "kernel", kernel["devices"]),
-            *(joining.record(name, infos[name]) for name in names),
+            *(joining.record(name, infos[name], i) for i, name in enumerate(names, 1)),
         ]
         phases["total"] = _since(self.t0)
 
@@ -241,9 +241,16 @@ class Joining:
         self.first_rank = ranks[0]
         return {name: (r, eid) for name, r, eid in zip(names, ranks, engine_ids, strict=True)}
 
-    def join(self, places: dict[str, tuple[int, int]], maps: dict, chosen: dict) -> dict[str, dict]:
+    def join(
+        self,
+        places: dict[str, tuple[int, int]],
+        maps: dict,
+        chosen: dict,
+        infos: dict[str, dict] | None = None,
+    ) -> dict[str, dict]:
         """Every worker in ``places`` joins at once, with its device maps and devices
-        (:func:`nbrpc._engines.worker.join`); what each reported of itself."""
+        (:func:`nbrpc._engines.worker.join`); what each reported of itself (also in
+        ``infos`` as they come: a scale stopped half way keeps those that joined)."""
         pending = {}
         for name, (rank, eid) in places.items():
             self.progress.update(name, 2)
@@ -261,10 +268,11 @@ class Joining:
                 self.members,
             )
             self.booted.engine_of[name] = eid
-        return wait_for_joins(pending, self.progress)
+        return wait_for_joins(pending, self.progress, infos)
 
-    def record(self, name: str, info: dict) -> WorkerRecord:
-        """The row of worker ``name``, from what its join reported (``info``)."""
+    def record(self, name: str, info: dict, order: int = 0) -> WorkerRecord:
+        """The row of worker ``name``, from what its join reported (``info``); ``order``:
+        its ``nbrpc.rank()`` (a restart keeps the old row's)."""
         eid = self.booted.engine_of[name]
         return WorkerRecord(
             name,
@@ -275,6 +283,7 @@ class Joining:
             info["devices"],
             eid,
             local=not self.engines.source.remote,
+            order=order,
         )
 
     def set_up_fast_path(self, names: list[str]) -> None:
@@ -335,9 +344,11 @@ def _join_kernel(
     return member
 
 
-def wait_for_joins(pending: dict[str, Any], progress: BootProgress) -> dict[str, dict]:
+def wait_for_joins(
+    pending: dict[str, Any], progress: BootProgress, infos: dict[str, dict] | None = None
+) -> dict[str, dict]:
     deadline = time.monotonic() + JOIN_TIMEOUT_S
-    infos: dict[str, dict] = {}
+    infos = {} if infos is None else infos
     while len(infos) < len(pending):
         for name, ar in pending.items():
             if name in infos or not ar.ready():

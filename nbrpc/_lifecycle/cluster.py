@@ -45,7 +45,7 @@ from nbrpc._options import Options, Settings, options_doc
 from nbrpc._rows import StackRow, StatusRow, WorkerRecord, WorkerState
 from nbrpc._wire import lanes, native_output, shm
 
-from . import aside, boot, collective, restart as restarts
+from . import aside, boot, collective, restart as restarts, scale as scales
 
 log = logging.getLogger("nbrpc")
 
@@ -238,9 +238,24 @@ class Cluster:
                 "Start one with %rpc_init."
             )
         try:
-            return restarts.run(self, list(names))
+            with _states.changing(f"a restart of {', '.join(names)}"):
+                return restarts.run(self, list(names))
         finally:
             self.aside.keep_doors_open(renew=names)  # the new processes' doors, same paths
+
+    def scale(self, n: int | None = None, **how: Unpack[scales.How]) -> scales.Scaled:
+        """Grow or shrink the running cluster to ``n`` workers (see :func:`scale`)."""
+        if self.state is not ClusterState.READY:
+            raise ClusterClosedError(
+                f"this cluster is {self.state.value}: scale works on a running cluster. "
+                "Start one with %rpc_init."
+            )
+        what = f"a scale to {n} workers" if n is not None else "a scale"
+        try:
+            with _states.changing(what):
+                return scales.run(self, n, **how)
+        finally:
+            self.aside.keep_doors_open(renew=[r.name for r in self.records[1:]])
 
     def restart_dead(self) -> None:
         """``restart='dead'``: replace the workers that died, saying which and why (before
@@ -441,30 +456,7 @@ class Cluster:
         if self.state is ClusterState.READY:
             dead = set(self.dead_workers(ask_ipyparallel))
             snaps = census.snapshots(timeout, skip=dead, aside=self.aside.figures)
-        rows: list[StatusRow] = []
-        for r in self.records:
-            snap = snaps.get(r.name) if r.state is WorkerState.READY else None
-            rows.append(
-                StatusRow(
-                    name=r.name,
-                    rank=r.rank,
-                    pid=r.pid,
-                    host=r.host,
-                    role=r.role,
-                    devices=list(r.devices),
-                    engine_id=r.engine_id,
-                    state=r.state,
-                    calls_in_flight=snap["calls_in_flight"] if snap else None,
-                    calls_done=snap["calls_done"] if snap else None,
-                    rrefs_owned=snap["owned"] if snap else None,
-                    rrefs_held=len(snap["handles"]) if snap else None,
-                    cpu_percent=snap["cpu_percent"] if snap else None,
-                    memory_rss=snap["memory_rss"] if snap else None,
-                    cuda=snap["cuda"] if snap else None,
-                    device_maps=self.device_maps.get(r.name, {}),
-                )
-            )
-        return rows
+        return census.status_rows(self.records, snaps, self.device_maps)
 
     def _rows(self) -> list[dict[str, Any]]:
         if self.state is ClusterState.READY:
@@ -548,6 +540,15 @@ def restart(*names: str) -> restarts.Restarted:
     join is a :class:`~nbrpc.BootError`, and the rest of the cluster keeps working.
     Returns what it did (its repr says it)."""
     return current().restart(*names)
+
+
+def scale(n: int | None = None, /, **how: Unpack[scales.How]) -> scales.Scaled:
+    """Grow or shrink the running cluster to ``n`` workers, from the source it started
+    from (``%rpc_scale N``); the workers that stay keep everything. ``remove``: the
+    workers to leave (default: the highest ranks); ``names``, ``hosts``: the new workers'
+    names and hosts; ``force``: cancel the leavers' calls instead of waiting. See
+    docs/architecture.md, "Scaling a running cluster". Returns what it did."""
+    return current().scale(n, **how)
 
 
 def status(timeout: float = census.SNAPSHOT_TIMEOUT_S) -> list[StatusRow]:

@@ -2,16 +2,17 @@
 
 torch's own ids (``get_worker_info().id``) are that only in a kernel's first cluster: the
 kernel's RPC agent joins once and keeps a connection per id for its life, so a later
-cluster's workers take new ids (docs/architecture.md, "Ranks").
+cluster's workers take new ids (docs/architecture.md, "Ranks"). A worker keeps its rank
+for its life: a restart and a scale leave it alone, and a grow gives a new worker the
+lowest free one (``WorkerRecord.order``). A worker asks the kernel once; a scale tells
+the workers that stay the new ranks (:func:`set_order`).
 """
 
 from __future__ import annotations
 
-from nbrpc import _group, _process, _torch
+from nbrpc import _group, _process, _states, _torch
 from nbrpc._errors import UnknownWorkerError
 from nbrpc._wire import output
-
-from .cluster import running
 
 
 def rank(name: str | None = None) -> int:
@@ -23,24 +24,31 @@ def rank(name: str | None = None) -> int:
     name = me if name is None else name
     order = _order()
     if name not in order:
-        raise UnknownWorkerError(name, order)
-    return order.index(name)
+        raise UnknownWorkerError(name, list(order))
+    return order[name]
 
 
-def names_in_order() -> list[str]:
-    """The current cluster's processes, the kernel first, in naming order ([] for none)."""
-    cluster = running()
-    return [r.name for r in cluster.records] if cluster is not None else []
+def ranks_of_names() -> dict[str, int]:
+    """The current cluster's processes and their ranks, the kernel first ({} for none, and
+    in a worker: its cluster lives in the kernel)."""
+    workers = _states.orders()
+    return {_process.name(): 0, **workers} if workers else {}
 
 
-def _order() -> list[str]:
+def set_order(order: dict[str, int]) -> None:
+    """Runs on a worker: the cluster's ranks changed (a scale)."""
+    _asked_order.clear()
+    _asked_order.update(order)
+
+
+def _order() -> dict[str, int]:
     _group.require_active("nbrpc.rank()")
-    order = names_in_order()
+    order = ranks_of_names()
     if order:
         return order
     if not _asked_order:  # a worker: its cluster lives in the kernel
-        _asked_order.extend(_torch.rpc_sync(output.kernel_name(), names_in_order))
+        _asked_order.update(_torch.rpc_sync(output.kernel_name(), ranks_of_names))
     return _asked_order
 
 
-_asked_order: list[str] = []  # a worker's cluster does not change its names
+_asked_order: dict[str, int] = {}  # a worker's: asked once, then told at each scale

@@ -327,7 +327,7 @@ class LogTail:
             cut = len(text) if flush else text.rfind(b"\n") + 1
             self._pending = text[cut:]
             lines = output.lines_of(text[:cut].decode(errors="replace"))
-        keep = [line for line in lines if not IPYPARALLEL_LOG.match(line)]
+        keep = [line for line in _kept(lines) if not IPYPARALLEL_LOG.match(line)]
         if keep:
             with contextlib.suppress(Exception):  # the kernel is gone: the log keeps it
                 self._send("".join(keep))

@@ -122,3 +122,32 @@ def test_a_live_view_redraws_at_once_on_a_change_and_stops_listening_when_closed
     asked.clear()
     _states.leaving(["test-w9"])
     assert not asked.wait(0.2)
+
+
+def test_a_scale_s_leavers_are_left_and_their_names_free_until_one_comes_back(told):
+    _states.mark_dead("test-w2", "EOF")
+    _states.departed_at_scale(["test-w1", "test-w2"], [9001, 9002], "12:00:01")
+    assert told[-1] == WorkerChange(
+        Change.LEFT, ("test-w1", "test-w2"), (9001, 9002), at="12:00:01"
+    )
+    assert _states.state_of("test-w1") is None  # no longer a worker of the cluster
+    assert _states.departed == {"test-w1": "12:00:01", "test-w2": "12:00:01"}
+    assert "test-w2" not in _states.unreachable  # unknown now, not dead
+    _states.grew([WorkerRecord("test-w1", 9005, 105, "h", "engine 5", order=1)])
+    assert told[-1] == WorkerChange(Change.JOINED, ("test-w1",))
+    assert _states.state_of("test-w1") is WorkerState.READY
+    assert _states.orders() == {"test-w1": 1}
+    assert _states.departed == {"test-w2": "12:00:01"}
+
+
+def test_one_change_of_the_workers_at_a_time(told):
+    from nbrpc._errors import ConfigError
+
+    with (
+        _states.changing("a scale to 4 workers"),
+        pytest.raises(ConfigError, match="a scale to 4 workers is running"),
+        _states.changing("a restart of test-w1"),
+    ):
+        pass
+    with _states.changing("a restart of test-w1"):  # the first one ended
+        pass

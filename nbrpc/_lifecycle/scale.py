@@ -1,0 +1,526 @@
+"""Grow and shrink a running cluster: ``%rpc_scale N``, :func:`nbrpc.scale`.
+
+torch's dynamic RPC group (the kind nbrpc's kernel makes) lets processes join and leave
+while the others run: a grow is a boot's join for the new workers only, a shrink is
+torch's own graceful leave for the leavers only. The workers that stay keep their
+process, ``%%rpc`` namespace, notebook globals, RRefs and ``nbrpc.rank()``.
+
+A grow, in order: everything is checked before anything starts; the new names (the
+lowest free default names, or ``--names``) and ranks (the lowest free ``nbrpc.rank()``)
+are chosen; the source brings engines where the first ones came from
+(``EngineSource.grow``); they join (:class:`~.boot.Joining`, as at a boot and a
+restart); the shared memory and lanes, the clock offsets and the process group follow.
+
+A shrink, in order: the leavers (the highest ranks, or ``--remove``) finish their calls
+in flight (``force``: they are cancelled), let go of the RRefs they hold, and leave by
+torch's own leave; a leaver that cannot is dropped on its behalf (``_group.forget``).
+What they owned then fails with an error naming the worker and the scale; a call to
+them is an :class:`~nbrpc.UnknownWorkerError` that says when they left. Their engines
+stop (``EngineSource.shrink``).
+
+A process group (``--process-group``) is made again among its members at the new size
+(its old communicators are destroyed first: objects holding the old group, such as a
+DDP module, must be made again). The stop button during a grow keeps the workers that
+had joined and cleans up the rest; during a shrink it cancels the leavers' calls and
+finishes their leave.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Protocol, TypedDict
+
+from nbrpc import _fence, _group, _states, _torch
+from nbrpc._engines import JOIN_TIMEOUT_S, Engines, worker
+from nbrpc._errors import ConfigError
+from nbrpc._gather import timeline
+from nbrpc._options import Settings
+from nbrpc._placement import validate_names
+from nbrpc._rows import WorkerRecord, WorkerState
+from nbrpc._wire import cancelling, native_output
+
+from . import collective
+from .aside import Aside
+from .boot import Booted, Joining
+from .progress import BootProgress
+from .ranks import set_order
+
+LEAVE_TIMEOUT_S = 30.0  # a leaver's calls in flight, then its leave, at most this each
+ORDER_TIMEOUT_S = 10.0
+
+
+class Cluster(Protocol):
+    """What a scale reads and changes of the cluster (``nbrpc.Cluster``)."""
+
+    settings: Settings
+    booted: Booted
+    engines: Engines
+    aside: Aside
+
+    @property
+    def records(self) -> list[WorkerRecord]: ...
+
+
+class How(TypedDict, total=False):
+    """:func:`nbrpc.scale`'s options besides the size."""
+
+    remove: list[str]  # the workers that leave (default: the highest ranks)
+    names: list[str]  # the new workers' names (default: the lowest free worker names)
+    hosts: tuple[str, ...]  # where new workers start (--hosts clusters)
+    force: bool  # the leavers' calls in flight are cancelled, not waited for
+
+
+@dataclass
+class Scaled:
+    """What one scale did, as the notebook shows it."""
+
+    joined: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (pid, rank)
+    left: list[str] = field(default_factory=list)
+    workers: int = 0  # the cluster's size after it
+    process_group: int | None = None  # rebuilt: its new world size
+    seconds: float = 0.0
+
+    def __repr__(self) -> str:
+        return self.summary()
+
+    def summary(self) -> str:
+        lines = []
+        if self.joined:
+            joined = ", ".join(
+                f"{name} (nbrpc.rank() {rank}, pid {pid})"
+                for name, (pid, rank) in self.joined.items()
+            )
+            lines.append(f"nbrpc: {joined} joined")
+        if self.left:
+            lines.append(f"nbrpc: {', '.join(self.left)} left the cluster")
+        lines.append(
+            f"nbrpc: the cluster has {self.workers} worker{'s' * (self.workers != 1)} now "
+            f"({self.seconds:.1f} s)"
+            + ("" if self.joined or self.left else ": it had that many already")
+        )
+        if self.process_group is not None:
+            lines.append(
+                f"nbrpc: the process group was made again among its members (world size "
+                f"{self.process_group}): objects holding the old one, such as a "
+                "DistributedDataParallel module, must be made again"
+            )
+        return "\n".join(lines)
+
+
+def run(
+    cluster: Cluster,
+    n: int | None = None,
+    remove: list[str] | None = None,
+    names: list[str] | None = None,
+    hosts: tuple[str, ...] = (),
+    force: bool = False,
+) -> Scaled:
+    """Take ``cluster`` to ``n`` workers, or without the workers ``remove`` (see the
+    module doc). Bad input is a :class:`ConfigError` before anything changes."""
+    t0 = time.monotonic()
+    workers = [r for r in cluster.records[1:]]
+    leavers, count = _check(cluster, workers, n, remove or [], names, hosts)
+    result = Scaled()
+    if leavers:
+        _shrink(cluster, leavers, force, result)
+    if count:
+        _grow(cluster, count, names, hosts, result)
+    result.workers = len(cluster.records) - 1
+    result.seconds = time.monotonic() - t0
+    return result
+
+
+def _check(
+    cluster: Cluster,
+    workers: list[WorkerRecord],
+    n: int | None,
+    remove: list[str],
+    names: list[str] | None,
+    hosts: tuple[str, ...],
+) -> tuple[list[WorkerRecord], int]:
+    """Refuse, before anything changes, what a scale cannot do; the leavers and how many
+    join."""
+    current = [r.name for r in workers]
+    if n is None and not remove:
+        raise ConfigError(
+            "say the new size (%rpc_scale 4) or the workers to remove (%rpc_scale --remove worker3)"
+        )
+    if n is not None and n < 1:
+        raise ConfigError(
+            f"%rpc_scale {n}: a cluster keeps at least 1 worker. %rpc_shutdown stops them all."
+        )
+    unknown = [name for name in remove if name not in current]
+    if unknown:
+        raise ConfigError(
+            f"cannot remove {', '.join(unknown)}: not workers of this cluster. Its workers: "
+            f"{', '.join(current)} (the kernel cannot leave its own cluster)."
+        )
+    if len(set(remove)) != len(remove):
+        raise ConfigError(f"--remove {', '.join(remove)}: a name is given twice")
+    if remove and n is not None and n != len(current) - len(remove):
+        raise ConfigError(
+            f"%rpc_scale {n} --remove {','.join(remove)}: removing {len(remove)} of "
+            f"{len(current)} workers leaves {len(current) - len(remove)}, not {n}"
+        )
+    target = n if n is not None else len(current) - len(remove)
+    if target < 1:
+        raise ConfigError("a cluster keeps at least 1 worker: %rpc_shutdown stops them all")
+    if remove:
+        leavers = [r for r in workers if r.name in remove]
+    else:  # the highest ranks leave first
+        leavers = sorted(workers, key=lambda r: r.order)[target:] if target < len(workers) else []
+    count = max(0, target - len(current))
+    if (names or hosts) and not count:
+        flag = "--names" if names else "--hosts"
+        raise ConfigError(f"{flag} says where new workers go, but %rpc_scale {target} adds none")
+    settings, source = cluster.settings, cluster.engines.source
+    if source.cannot_scale:
+        raise ConfigError(f"cannot scale this cluster: {source.cannot_scale}")
+    if count and settings.wants_devices:
+        raise ConfigError(
+            "cannot grow a cluster with device maps (--gpus, --device-map): torch fixed "
+            "the kernel's maps when it joined, and they cannot name new workers. Shrinking "
+            "works; for more workers, %rpc_shutdown then %rpc_init -n N with the maps."
+        )
+    if names is not None:
+        if len(names) != count:
+            raise ConfigError(
+                f"--names {','.join(names)}: {len(names)} names for {count} new workers"
+            )
+        taken = [name for name in names if name in current]
+        if taken:
+            raise ConfigError(f"--names {', '.join(taken)}: already workers of this cluster")
+        validate_names(names, settings.self_name)
+    if count:
+        source.check_hosts(hosts)
+    pg = cluster.booted.process_group
+    if pg and pg["backend"] not in collective.REBUILDABLE:
+        raise ConfigError(
+            f"cannot scale: the workers' {pg['backend']} process group cannot be made again "
+            "at a new size. Nothing changed; run %rpc_shutdown then %rpc_init."
+        )
+    return leavers, count
+
+
+# -- shrink ------------------------------------------------------------------------------
+
+
+def _shrink(cluster: Cluster, leavers: list[WorkerRecord], force: bool, result: Scaled) -> None:
+    booted = cluster.booted
+    names = [r.name for r in leavers]
+    stayers = [r.name for r in cluster.records[1:] if r.name not in names]
+    live = [r.name for r in leavers if r.state is WorkerState.READY]
+    pg = booted.process_group
+    if pg:  # every member leaves it: it is made again among the stayers below
+        collective.destroy(
+            pg, [r.name for r in cluster.records[1:] if r.state is WorkerState.READY]
+        )
+        booted.process_group = None
+    _states.leaving(names)
+    _expect_leaving(stayers, names)
+    try:
+        if force:
+            _cancel(cluster.aside, live)
+        else:
+            _wait_for_calls(cluster.aside, live)
+    except KeyboardInterrupt:  # the stop button: no more waiting, but no half-leave
+        _cancel(cluster.aside, live)
+        _leave(cluster, leavers, stayers, live, result)
+        print(
+            f"nbrpc: the stop button during a scale: the calls of {', '.join(names)} were "
+            "cancelled and they left the cluster",
+            file=sys.stderr,
+        )
+        raise
+    _leave(cluster, leavers, stayers, live, result)
+    if pg:
+        _rebuild_process_group(cluster, pg, result)
+    _tell_ranks(cluster)
+
+
+def _expect_leaving(stayers: list[str], names: list[str]) -> None:
+    """The workers that stay drop torch's line about the leavers' closed connections, as
+    the kernel does (``native_output.expected``)."""
+    futures = [
+        _torch.rpc_async(name, native_output.expect_leaving, args=(names,), timeout=5)
+        for name in stayers
+        if _states.state_of(name) is WorkerState.READY
+    ]
+    for fut in futures:
+        with contextlib.suppress(Exception):
+            fut.wait()
+
+
+def _wait_for_calls(aside: Aside, names: list[str]) -> None:
+    """The leavers' calls in flight finish first (bounded by :data:`LEAVE_TIMEOUT_S`)."""
+    deadline = time.monotonic() + LEAVE_TIMEOUT_S
+    said = False
+    while names and time.monotonic() < deadline:
+        figures = aside.figures(names, (frozenset(),), 5.0)
+        busy = [n for n in names if (figures.get(n) or {}).get("calls_in_flight")]
+        if not busy:
+            return
+        if not said and time.monotonic() > deadline - LEAVE_TIMEOUT_S + 1.0:
+            said = True
+            print(
+                f"nbrpc: waiting up to {deadline - time.monotonic():.0f} s for the calls "
+                f"running on {', '.join(busy)} to finish before they leave. The stop button "
+                "cancels them (or %rpc_scale --force).",
+                file=sys.stderr,
+                flush=True,
+            )
+        time.sleep(0.05)
+
+
+def _cancel(aside: Aside, names: list[str]) -> None:
+    if names:
+        aside.ask(
+            names,
+            "cancel",
+            cancelling.cancel,
+            (cancelling.EVERYTHING, cancelling.GRACE_S, False),
+            cancelling.GRACE_S + 2.0,
+        )
+
+
+def _leave(
+    cluster: Cluster,
+    leavers: list[WorkerRecord],
+    stayers: list[str],
+    live: list[str],
+    result: Scaled,
+) -> None:
+    """The leavers let go of their RRefs and leave by torch's leave; one that cannot is
+    dropped on its behalf. Then their engines stop and the records say they left."""
+    booted, engines = cluster.booted, cluster.engines
+    names = [r.name for r in leavers]
+    ids = {r.name: r.engine_id for r in leavers if r.engine_id is not None}
+    live_ids = [ids[n] for n in live if n in ids]
+    asked = [engines.apply(eid, worker.release_rrefs, 2.0) for eid in live_ids]
+    for ar in asked:  # one that fails still leaves below; what it held goes with it
+        with contextlib.suppress(Exception):
+            ar.get(timeout=10)
+    with native_output.quiet_stderr_while_leaving(live):
+        failed = engines.leave(live_ids, True, LEAVE_TIMEOUT_S)
+    gone = [r.name for r in leavers if r.name not in live or f"engine {r.engine_id}" in failed]
+    if gone:  # dead, or its leave failed: out of the group on its behalf
+        ready = [n for n in stayers if _states.state_of(n) is WorkerState.READY]
+        try:
+            _group.forget(gone, ready)
+        finally:
+            _group.release_stale_token()
+    at = time.strftime("%H:%M:%S")
+    _states.departed_at_scale(names, [r.rank for r in leavers], at)
+    try:
+        engines.shrink(list(ids.values()), [r.pid for r in leavers])
+    finally:
+        booted.records[:] = [r for r in booted.records if r.name not in names]
+        for name in names:
+            booted.engine_of.pop(name, None)
+        result.left.extend(names)
+
+
+# -- grow --------------------------------------------------------------------------------
+
+
+def _grow(
+    cluster: Cluster, count: int, names: list[str] | None, hosts: tuple[str, ...], result: Scaled
+) -> None:
+    settings, booted, engines = cluster.settings, cluster.booted, cluster.engines
+    current = {r.name for r in cluster.records}
+    new = names or _free_names(settings, current, count)
+    orders = _free_orders({r.order for r in cluster.records}, count)
+    reused = [name for name in new if name in _states.departed]
+    if reused:  # their entries in torch's list of names, should one be left
+        _group.forget_names(reused)
+    progress = BootProgress(new, settings.progress)
+
+    def registered(done: int, note: str = "") -> None:
+        for name in new[:done]:
+            progress.update(name, 1)
+        if note:
+            for name in new[done:]:
+                progress.update(name, 0, note)
+
+    pg = booted.process_group
+    member = _group.current_kernel_membership()
+    assert member is not None, "the kernel joined at the boot"
+    ordered = dict(zip(new, orders, strict=True))
+    engine_ids: list[int] = []
+    described: dict[int, dict] = {}
+    joining = Joining(settings, engines, booted, member, None, progress)
+    infos: dict[str, dict] = {}
+    try:
+        engine_ids = engines.grow(count, hosts, registered)
+        described = _describe(engines, engine_ids)
+        joining.members = _admit(cluster, engine_ids)
+        joining.join(joining.places(new, engine_ids), booted.device_maps, {}, infos)
+    except BaseException as exc:
+        unjoined = dict(zip(new, engine_ids, strict=False))  # name -> engine id, if taken
+        _clean_up_unjoined(cluster, unjoined, described, infos)
+        if infos:
+            _adopt(cluster, joining, infos, ordered, result)
+        if isinstance(exc, KeyboardInterrupt):
+            left_out = [name for name in new if name not in infos]
+            print(
+                "nbrpc: the stop button during a scale: "
+                + (f"{', '.join(infos)} joined and stay; " if infos else "no new worker joined; ")
+                + f"{', '.join(left_out)} did not join and were cleaned up",
+                file=sys.stderr,
+            )
+        raise
+    _adopt(cluster, joining, infos, ordered, result)
+    if pg:
+        collective.destroy(pg, [r.name for r in cluster.records[1:] if r.name not in infos])
+        booted.process_group = None
+        _rebuild_process_group(cluster, pg, result, joining)
+    _tell_ranks(cluster)
+
+
+def _free_names(settings: Settings, current: set[str], count: int) -> list[str]:
+    """The lowest free default names (``worker1``, ``worker2``, ...)."""
+    found: list[str] = []
+    i = 1
+    while len(found) < count:
+        name = f"worker{i}"
+        if name not in current and name != settings.self_name:
+            found.append(name)
+        i += 1
+    return found
+
+
+def _free_orders(used: set[int], count: int) -> list[int]:
+    """The lowest free ``nbrpc.rank()`` values (0 is the kernel's)."""
+    found: list[int] = []
+    i = 1
+    while len(found) < count:
+        if i not in used:
+            found.append(i)
+        i += 1
+    return found
+
+
+def _describe(engines: Engines, engine_ids: list[int]) -> dict[int, dict]:
+    """Each new engine's pid and host, before it joins (a stop button during the join
+    then knows what to stop)."""
+    asked = {eid: engines.apply(eid, worker.describe_process) for eid in engine_ids}
+    return {eid: ar.get(timeout=JOIN_TIMEOUT_S) for eid, ar in asked.items()}
+
+
+def _admit(cluster: Cluster, engine_ids: list[int]) -> list[str] | None:
+    """Across hosts: the addresses the new engines reach the kernel from join the
+    members, in the kernel, its controller and every worker that stays, before any of
+    them joins. The members, for the new workers' own sockets (None: loopback only)."""
+    admitted = _fence.members()
+    if admitted is None:
+        return None
+    engines, listen = cluster.engines, cluster.settings.listen
+    asked = [engines.apply(eid, worker.address_toward, listen) for eid in engine_ids]
+    members = set(admitted) | {ar.get(timeout=JOIN_TIMEOUT_S) for ar in asked}
+    if members != admitted:
+        _fence.admit(members)
+        engines.fence_controller()
+        told = [
+            engines.apply(r.engine_id, _fence.admit, sorted(members))
+            for r in cluster.records[1:]
+            if r.engine_id is not None and r.state is WorkerState.READY
+        ]
+        for ar in told:
+            ar.get(timeout=JOIN_TIMEOUT_S)
+    return sorted(members)
+
+
+def _adopt(
+    cluster: Cluster,
+    joining: Joining,
+    infos: dict[str, dict],
+    orders: dict[str, int],
+    result: Scaled,
+) -> None:
+    """The workers that joined become the cluster's: records, states, clocks, fast path."""
+    booted = cluster.booted
+    records = [joining.record(name, info, orders[name]) for name, info in infos.items()]
+    booted.records[1:] = sorted([*booted.records[1:], *records], key=lambda r: r.order)
+    _states.grew(records)
+    joined = list(infos)
+    if booted.fast_path or booted.lanes:  # across hosts: every worker's peers, again
+        remote = cluster.engines.source.remote
+        joining.set_up_fast_path([r.name for r in booted.records[1:]] if remote else joined)
+    # after the lanes: a call to a worker whose lane is not open yet takes TensorPipe
+    # from then on
+    timeline.measure_clocks(joined)
+    result.joined.update({r.name: (r.pid, r.order) for r in records})
+
+
+def _clean_up_unjoined(
+    cluster: Cluster,
+    taken: dict[str, int],
+    described: dict[int, dict],
+    infos: dict[str, dict],
+) -> None:
+    """After a grow that failed or was stopped: the workers that did not join are out of
+    the group (joined half way or not at all) and the engines taken for them stop
+    (``taken``: name -> engine id; ``described``: their pids, where known)."""
+    booted, engines = cluster.booted, cluster.engines
+    missing = [name for name in taken if name not in infos]
+    if not missing:
+        return
+    _states.leaving(missing)
+    ids = [taken[name] for name in missing]
+    try:
+        engines.shrink(ids, [described[eid]["pid"] for eid in ids if eid in described])
+    finally:
+        stayers = [r.name for r in cluster.records[1:] if r.state is WorkerState.READY]
+        try:
+            _group.forget(missing, stayers)
+        finally:
+            _group.forget_names(missing)
+            for name in missing:
+                booted.engine_of.pop(name, None)
+
+
+# -- after either ------------------------------------------------------------------------
+
+
+def _rebuild_process_group(
+    cluster: Cluster,
+    pg: collective.ProcessGroupInfo,
+    result: Scaled,
+    joining: Joining | None = None,
+) -> None:
+    """The process group among its members at the new size: the old members that stay,
+    then the new workers (a grow's), in rank order."""
+    booted = cluster.booted
+    workers = [r.name for r in booted.records[1:] if r.state is WorkerState.READY]
+    old = [name for name in pg["ranks"] if name in workers]
+    added = list(result.joined) if joining is not None else []
+    members = old + [name for name in added if name not in old]
+    if not members:
+        return
+    if joining is None:
+        member = _group.current_kernel_membership()
+        assert member is not None, "the kernel joined at the boot"
+        joining = Joining(
+            cluster.settings, cluster.engines, booted, member, None, BootProgress([], "off")
+        )
+        joining.first_rank = member.allocate_ranks(1)[0]  # names the group's store keys
+    devices = {r.name: r.devices for r in booted.records[1:]}
+    joining.start_process_group(pg["backend"], members, devices)
+    result.process_group = len(members)
+
+
+def _tell_ranks(cluster: Cluster) -> None:
+    """Every worker learns the ranks as they are now (``nbrpc.rank()`` asks the kernel
+    once, then keeps what it was told)."""
+    order = {r.name: r.order for r in cluster.records}
+    futures = [
+        _torch.rpc_async(r.name, set_order, args=(order,), timeout=ORDER_TIMEOUT_S)
+        for r in cluster.records[1:]
+        if r.state is WorkerState.READY
+    ]
+    for fut in futures:  # a worker that died meanwhile: its calls say so
+        with contextlib.suppress(Exception):
+            fut.wait()

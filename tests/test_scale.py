@@ -1,0 +1,256 @@
+"""Grow and shrink a running cluster (``%rpc_scale``) in a real kernel, as a person types.
+
+One kernel's cluster of two workers with a gloo process group goes 2 -> 4 -> 1 -> 3: the
+workers that stay keep their process, ``%%rpc`` namespace, RRefs and ``nbrpc.rank()``; the
+new ones are full members (calls by name and by ``WorkerInfo``, from the kernel and from a
+peer, lanes, shared memory, distributed autograd and the optimizer, compared with a local
+reference); the leavers' RRefs and names say they left; the process group has the new
+world size and the views show each step. Then every bad input, a scale while another runs,
+and the stop button in the middle of one.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import running_kernel
+
+SETUP = """%load_ext nbrpc
+%rpc_init -n 2 --process-group gloo --quiet
+import os, threading, time, torch, nbrpc
+from nbrpc import autograd as dist_autograd
+from nbrpc.optim import DistributedOptimizer
+
+class Counter:
+    def __init__(self):
+        self.n = 0
+    def add(self, k):
+        self.n += k
+        return self.n
+
+def whoami():
+    return os.getpid()
+
+def call_peer(info):
+    return nbrpc.rpc_sync(info, whoami)
+
+def double(t):
+    return t * 2
+
+def make_layer():
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 2)
+
+def forward(layer_rref, x):
+    return layer_rref.local_value()(x)
+
+def params(layer_rref):
+    return [nbrpc.RRef(p) for p in layer_rref.local_value().parameters()]
+
+def weights(layer_rref):
+    return [p.detach().clone() for p in layer_rref.local_value().parameters()]
+
+def pids():
+    return {n: nbrpc.rpc_sync(n, whoami) for n in nbrpc.workers()[1:]}
+"""
+
+#: every worker's world size and the sum of ones over the process group
+REDUCE = (
+    "%%rpc\nimport torch, torch.distributed as dist\n"
+    "x = torch.ones(1)\ndist.all_reduce(x)\nprint('world', dist.get_world_size(), x.item())"
+)
+
+TRAIN = """
+layer = nbrpc.remote('{w}', make_layer)
+x = torch.ones(3, 4)
+with dist_autograd.context() as ctx:
+    loss = nbrpc.rpc_sync('{w}', forward, args=(layer, x)).sum()
+    dist_autograd.backward(ctx, [loss])
+    rrefs = nbrpc.rpc_sync('{w}', params, args=(layer,))
+    opt = DistributedOptimizer(torch.optim.SGD, rrefs, lr=0.1)
+    opt.step(ctx)
+remote_w = nbrpc.rpc_sync('{w}', weights, args=(layer,))
+ref = make_layer()
+ref(x).sum().backward()
+torch.optim.SGD(ref.parameters(), lr=0.1).step()
+same = all(torch.allclose(a, b) for a, b in zip(remote_w, ref.parameters()))
+"""
+
+
+def _first(errors: list[str]) -> str:
+    return errors[0] if errors else ""
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    with running_kernel(SETUP, closing="nbrpc.shutdown(release=True)") as k:
+        yield k
+
+
+def _views(k) -> dict:
+    """What the views show: status rows, ownership owners, a recording's callees."""
+    return k.value(
+        "{'status': [(r['name'], r['state']) for r in nbrpc.status()], "
+        "'owners': sorted({r['owner'] for r in nbrpc.ownership()}), "
+        "'ranks': {n: nbrpc.rank(n) for n in nbrpc.workers()}}"
+    )
+
+
+def _ranks_seen_by_workers(k) -> dict:
+    return k.value("{n: nbrpc.rpc_sync(n, nbrpc.rank) for n in nbrpc.workers()[1:]}")
+
+
+def test_two_four_one_three(kernel):
+    k = kernel
+    k.run(
+        "c1 = nbrpc.remote('worker1', Counter)\nc2 = nbrpc.remote('worker2', Counter)\n"
+        "c1.rpc_sync().add(5); c2.rpc_sync().add(7)\nbefore = pids()"
+    )
+    k.run("%%rpc\nimport nbrpc\nremembered = nbrpc.rank()")
+    assert "world 2 2.0" in k.run(REDUCE)
+
+    # 2 -> 4: the new workers take the next names and ranks, as %rpc_init shows them
+    out = k.run("%rpc_scale 4")
+    assert "worker3 (nbrpc.rank() 3" in out, out
+    assert "worker4 (nbrpc.rank() 4" in out, out
+    assert "the cluster has 4 workers now" in out, out
+    assert "nbrpc RPC group: 5 processes, ready" in out, out  # %rpc_init's summary
+    assert "world size 4" in out, out
+    assert k.value(
+        "pids()['worker1'] == before['worker1'] and pids()['worker2'] == before['worker2']"
+    )
+    assert k.value("c1.rpc_sync().add(1)") == 6
+    assert k.value("c2.rpc_sync().add(1)") == 8
+    cells = k.run("%%rpc\nprint(globals().get('remembered'))")
+    assert "[worker1] 1" in cells, cells
+    assert "[worker2] 2" in cells, cells
+    assert "[worker3] None" in cells, cells
+    assert "[worker4] None" in cells, cells
+    assert _ranks_seen_by_workers(k) == {"worker1": 1, "worker2": 2, "worker3": 3, "worker4": 4}
+    assert k.run(REDUCE).count("world 4 4.0") == 4
+    views = _views(k)
+    assert views["status"] == [[f"worker{i}", "ready"] for i in range(5)], views
+    assert "worker2" in views["owners"], views
+
+    # the new workers are full members: by name and WorkerInfo, from a peer, lanes,
+    # shared memory, distributed autograd and the optimizer (against a local reference)
+    assert k.value("nbrpc.rpc_sync(nbrpc.get_worker_info('worker4'), whoami)") == k.value(
+        "nbrpc.rpc_sync('worker4', whoami)"
+    )
+    assert k.value(
+        "nbrpc.rpc_sync('worker1', call_peer, args=(nbrpc.get_worker_info('worker3'),))"
+    ) == k.value("nbrpc.rpc_sync('worker3', whoami)")
+    k.run(
+        "big = torch.randn(4 * 2**20)\n"
+        "with nbrpc.record() as rec:\n"
+        "    small = nbrpc.rpc_sync('worker4', whoami)\n"
+        "    doubled = nbrpc.rpc_sync('worker4', double, args=(big,))\n"
+    )
+    assert k.value("torch.equal(doubled, big * 2)")
+    calls = k.value("[(c['callee'], c['route'], c['path_in']) for c in rec.calls]")
+    assert ["worker4", "lane", ""] in calls, calls
+    assert any(c[0] == "worker4" and c[2] in ("arena", "segment") for c in calls), calls
+    k.run(TRAIN.format(w="worker4"))
+    assert k.value("same")
+
+    # 4 -> 1: the highest ranks leave; what they owned and their names say so
+    out = k.run("%rpc_scale 1")
+    assert "worker2, worker3, worker4 left the cluster" in out, out
+    assert "the cluster has 1 worker now" in out, out
+    out, errors = k.execute("c2.to_here()")
+    assert _first(errors).startswith("WorkerDiedError"), errors
+    assert "worker2 left the cluster at a scale" in errors[0], errors
+    out, errors = k.execute("nbrpc.rpc_sync('worker3', whoami)")
+    assert _first(errors).startswith("UnknownWorkerError"), errors
+    assert "worker3 left the cluster at a scale (%rpc_scale, at " in errors[0], errors
+    assert k.value("c1.rpc_sync().add(1)") == 7
+    assert "[worker1] 1" in k.run("%%rpc\nprint(remembered)")
+    assert "world 1 1.0" in k.run(REDUCE)
+    views = _views(k)
+    assert views["status"] == [["worker0", "ready"], ["worker1", "ready"]], views
+    assert "worker2" not in views["owners"], views
+    assert views["ranks"] == {"worker0": 0, "worker1": 1}
+
+    # 1 -> 3: the names and ranks come back, fresh processes under them
+    out = k.run("%rpc_scale 3")
+    assert "worker2 (nbrpc.rank() 2" in out, out
+    assert "worker3 (nbrpc.rank() 3" in out, out
+    assert "not unique" not in out
+    assert _ranks_seen_by_workers(k) == {"worker1": 1, "worker2": 2, "worker3": 3}
+    assert k.run(REDUCE).count("world 3 3.0") == 3
+    cells = k.run("%%rpc\nprint(globals().get('remembered'))")
+    assert "[worker1] 1" in cells, cells
+    assert "[worker2] None" in cells, cells
+    assert k.value("nbrpc.rpc_sync('worker2', Counter).add(2)") == 2
+    k.run(TRAIN.format(w="worker3"))
+    assert k.value("same")
+    assert [s for s, _ in _views(k)["status"]] == [f"worker{i}" for i in range(4)]
+
+
+def test_removing_a_named_worker_leaves_a_gap_the_next_grow_fills(kernel):
+    k = kernel
+    out = k.run("%rpc_scale --remove worker2")
+    assert "worker2 left the cluster" in out, out
+    assert _ranks_seen_by_workers(k) == {"worker1": 1, "worker3": 3}  # they keep theirs
+    out = k.run("%rpc_scale 3 --names ps")
+    assert "ps (nbrpc.rank() 2" in out, out
+    assert _ranks_seen_by_workers(k) == {"worker1": 1, "ps": 2, "worker3": 3}
+    out = k.run("%rpc_scale --remove ps")
+    out = k.run("%rpc_scale 3")
+    assert "worker2 (nbrpc.rank() 2" in out, out
+
+
+def test_bad_input_changes_nothing(kernel):
+    k = kernel
+    before = k.value("[(r.name, r.pid) for r in nbrpc.current().records]")
+    for line, says in (
+        ("%rpc_scale 0", "keeps at least 1 worker"),
+        ("%rpc_scale --remove worker9", "worker9: not workers of this cluster"),
+        ("%rpc_scale --remove worker1,worker2,worker3", "keeps at least 1 worker"),
+        ("%rpc_scale 5 --names a", "1 names for 2 new workers"),
+        ("%rpc_scale 4 --names worker1", "already workers of this cluster"),
+        ("%rpc_scale 4 --hosts fakeh1", "only a cluster started with --hosts"),
+        ("%rpc_scale 1 --remove worker3", "leaves 2, not 1"),
+        ("%rpc_scale", "say the new size"),
+    ):
+        _, errors = k.execute(line)
+        assert _first(errors).startswith("ConfigError"), (line, errors)
+        assert says in errors[0], (line, errors)
+    # a scale while another one runs, and a restart meanwhile
+    k.run(
+        "done = []\n"
+        "t = threading.Thread(target=lambda: done.append(nbrpc.scale(5)))\n"
+        "t.start(); time.sleep(0.05)"
+    )
+    _, errors = k.execute("nbrpc.scale(6)")
+    _, restart = k.execute("nbrpc.restart('worker1')")
+    k.run("t.join()")
+    assert _first(errors).startswith("ConfigError"), errors
+    assert "a scale to 5 workers is running" in errors[0], errors
+    assert "a scale to 5 workers is running" in _first(restart), restart
+    assert k.value("len(done)") == 1
+    k.run("nbrpc.scale(3)")
+    after = k.value("[(r.name, r.pid) for r in nbrpc.current().records]")
+    assert after == before
+    assert k.value("nbrpc.rpc_sync('worker3', lambda: 6 * 7)") == 42
+
+
+def test_the_stop_button_in_the_middle_of_a_grow(kernel):
+    k = kernel
+    before = k.value("nbrpc.workers()")
+    __, errors = k.stop_after("%rpc_scale 6", 0.3)
+    assert _first(errors).startswith("KeyboardInterrupt"), errors
+    assert "the stop button during a scale" in k.stderr, k.stderr
+    said = k.stderr.split("the stop button during a scale: ", 1)[1].splitlines()[0]
+    print("the stop button during a grow:", said)
+    workers = k.value("nbrpc.workers()")
+    assert workers[: len(before)] == before
+    for name in workers[len(before) :]:
+        assert f"{name}" in said.split(" did not join")[0], (said, workers)
+    # every worker there answers, and the next scale works at once under the same names
+    assert k.value("[nbrpc.rpc_sync(n, lambda: 1) for n in nbrpc.workers()[1:]]") == [1] * (
+        len(workers) - 1
+    )
+    out = k.run("%rpc_scale 4")
+    assert "the cluster has 4 workers now" in out, out
+    assert sorted(k.value("nbrpc.workers()")) == [f"worker{i}" for i in range(5)]
+    assert k.run(REDUCE).count("world 4 4.0") == 4
