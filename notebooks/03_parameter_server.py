@@ -16,13 +16,14 @@
 # %% [markdown]
 # # A parameter server
 #
-# A `ParameterServer` class defined here lives on worker1. Trainers on worker2 and worker3
-# pull the weights, compute gradients on their own shard of data made here, and push them
-# back. The loss, measured on all the data, falls.
+# A `ParameterServer` class defined here lives on worker1. A trainer on worker2 pulls the
+# weights, computes gradients on the data made here, and pushes them back. Then a second
+# trainer joins the running cluster (`%rpc_scale`), and the two share the data. The loss,
+# measured on all the data, falls.
 
 # %%
 # %load_ext nbrpc
-# %rpc_init -n 3 --quiet
+# %rpc_init -n 2 --quiet
 
 # %%
 import threading
@@ -35,7 +36,6 @@ torch.manual_seed(0)
 true_w = torch.tensor([[2.0], [-3.0], [0.5]])
 X = torch.randn(600, 3)
 y = X @ true_w + 0.01 * torch.randn(600, 1)
-shards = {"worker2": (X[:300], y[:300]), "worker3": (X[300:], y[300:])}
 
 
 class ParameterServer:
@@ -70,16 +70,44 @@ def train(ps, X, y, steps):
     return losses
 
 
+def run_epochs(trainers, epochs, steps=5):
+    """Each trainer takes its shard of the data (one slice per trainer) for ``epochs``."""
+    shards = {
+        name: (X[i :: len(trainers)], y[i :: len(trainers)]) for i, name in enumerate(trainers)
+    }
+    for _ in range(epochs):
+        futs = [
+            nbrpc.rpc_async(name, train, args=(ps, *shard, steps)) for name, shard in shards.items()
+        ]
+        torch.futures.wait_all(futs)
+        w = ps.rpc_sync().get_weights()
+        history.append(((X @ w - y) ** 2).mean().item())
+        print(
+            f"epoch {len(history) - 1} ({len(trainers)} trainers): "
+            f"loss on all data {history[-1]:.4f}"
+        )
+
+
 ps = nbrpc.remote("worker1", ParameterServer, args=(3, 0.05))
 history = []
-for epoch in range(8):
-    futs = [nbrpc.rpc_async(name, train, args=(ps, *shard, 5)) for name, shard in shards.items()]
-    torch.futures.wait_all(futs)
-    w = ps.rpc_sync().get_weights()
-    history.append(((X @ w - y) ** 2).mean().item())
-    print(f"epoch {epoch}: loss on all data {history[-1]:.4f}")
+run_epochs(["worker2"], 4)
 print("updates applied on the server:", ps.rpc_sync().update_count())
-assert ps.rpc_sync().update_count() == 8 * 2 * 5
+assert ps.rpc_sync().update_count() == 4 * 5
+
+# %% [markdown]
+# ## A second trainer, without starting over
+#
+# `%rpc_scale 3` starts worker3 where the others came from and joins it to the running
+# group: worker1 keeps its process and the `ParameterServer` with its weights, worker2
+# keeps its process. The new trainer pulls the weights the first one trained.
+
+# %%
+# %rpc_scale 3
+
+# %%
+run_epochs(["worker2", "worker3"], 4)
+print("updates applied on the server:", ps.rpc_sync().update_count())
+assert ps.rpc_sync().update_count() == 4 * 5 + 4 * 2 * 5  # the same server, on and on
 assert history[-1] < history[0] / 10, history
 
 # %%
@@ -87,10 +115,11 @@ import matplotlib.pyplot as plt
 
 fig, ax = plt.subplots(figsize=(5, 3))
 ax.plot(range(len(history)), history, marker="o")
-ax.set_xlabel("epoch")
+ax.axvline(3.5, color="gray", linestyle=":")
+ax.set_xlabel("epoch (a second trainer from epoch 4)")
 ax.set_ylabel("mean squared error")
 ax.set_yscale("log")
-ax.set_title("parameter server: 2 trainers, 1 server")
+ax.set_title("parameter server: 1, then 2 trainers")
 plt.show()
 print("learned weights:", ps.rpc_sync().get_weights().flatten().tolist())
 

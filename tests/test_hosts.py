@@ -391,6 +391,48 @@ def test_shutdown_leaves_nothing_on_the_hosts_and_init_works_again(hosts, kernel
 
 
 @needs_hosts
+def test_a_cluster_on_hosts_grows_round_robin_or_where_named_and_shrinks(hosts, kernel):
+    """%rpc_scale over ssh: the cluster of fakeh1 and fakeh2 (with its gloo group) gets a
+    worker on the host with the fewest (list order first), then one where named; then
+    both leave and their engines are gone from the hosts."""
+    reduce = (
+        "%%rpc\nimport torch, torch.distributed as dist\n"
+        "x = torch.ones(1)\ndist.all_reduce(x)\nprint('world', x.item())"
+    )
+    kept = kernel.value("{n: nbrpc.rpc_sync(n, os.getpid) for n in ('worker1', 'worker2')}")
+    t0 = time.monotonic()
+    out = kernel.run("%rpc_scale 3")
+    print(f"grow by one over ssh: {time.monotonic() - t0:.2f} s")
+    assert "worker3 (nbrpc.rank() 3" in out, out
+    out = kernel.run("%rpc_scale 4 --hosts fakeh2")
+    assert "worker4 (nbrpc.rank() 4" in out, out
+    where = kernel.value("{n: nbrpc.rpc_sync(n, socket.gethostname) for n in nbrpc.workers()[1:]}")
+    assert where == {
+        "worker1": "fakeh1",
+        "worker2": "fakeh2",
+        "worker3": "fakeh1",
+        "worker4": "fakeh2",
+    }
+    assert kernel.run(reduce).count("world 4.0") == 4
+    nested = "nbrpc.rpc_sync('worker4', nbrpc.rpc_sync, args=('worker3', abs, (-3,)))"
+    assert kernel.value(nested) == 3  # the new workers reach each other across hosts
+    engines = {h: sum("nbrpc._engine" in p for p in hosts.processes(h)) for h in hosts.names}
+    assert engines == {"fakeh1": 2, "fakeh2": 2}, engines
+
+    out = kernel.run("%rpc_scale 2")
+    assert "worker3, worker4 left the cluster" in out, out
+    assert kernel.run(reduce).count("world 2.0") == 2
+    assert kernel.value("{n: nbrpc.rpc_sync(n, os.getpid) for n in ('worker1', 'worker2')}") == kept
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        engines = {h: sum("nbrpc._engine" in p for p in hosts.processes(h)) for h in hosts.names}
+        if engines == {"fakeh1": 1, "fakeh2": 1}:
+            break
+        time.sleep(0.2)
+    assert engines == {"fakeh1": 1, "fakeh2": 1}, engines
+
+
+@needs_hosts
 def test_engines_exit_when_the_controller_is_gone(hosts, kernel):
     """Failure 4: engines outlived a killed controller by minutes."""
     kernel.run('nbrpc.shutdown()\n%rpc_init --hosts fakeh2 --ssh-args "$SSH" --quiet')

@@ -53,6 +53,16 @@ def pids():
     return {n: nbrpc.rpc_sync(n, whoami) for n in nbrpc.workers()[1:]}
 """
 
+#: a DDP module in each worker (wrapped again where there is one), one backward step: the
+#: gradient averaged over the group, 4 * (1 + ... + world) / world
+DDP = (
+    "import torch\nfrom torch.nn.parallel import DistributedDataParallel\n"
+    "ddp = DistributedDataParallel(ddp.module if 'ddp' in globals() else torch.nn.Linear(2, 1))\n"
+    "ddp.module.zero_grad()\nrank = torch.distributed.get_rank()\n"
+    "ddp(torch.ones(4, 2) * (rank + 1)).sum().backward()\n"
+    "print('grad', ddp.module.weight.grad[0, 0].item())"
+)
+
 #: every worker's world size and the sum of ones over the process group
 REDUCE = (
     "%%rpc\nimport torch, torch.distributed as dist\n"
@@ -107,6 +117,7 @@ def test_two_four_one_three(kernel):
     )
     k.run("%%rpc\nimport nbrpc\nremembered = nbrpc.rank()")
     assert "world 2 2.0" in k.run(REDUCE)
+    assert k.run("%%rpc\n" + DDP).count("grad 6.0") == 2
 
     # 2 -> 4: the new workers take the next names and ranks, as %rpc_init shows them
     out = k.run("%rpc_scale 4")
@@ -127,6 +138,10 @@ def test_two_four_one_three(kernel):
     assert "[worker4] None" in cells, cells
     assert _ranks_seen_by_workers(k) == {"worker1": 1, "worker2": 2, "worker3": 3, "worker4": 4}
     assert k.run(REDUCE).count("world 4 4.0") == 4
+    # a DDP module made before the scale holds the old group: refused, not a hang
+    _, errors = k.execute("%%rpc worker1\nddp(torch.ones(4, 2)).sum().backward()")
+    assert "Wrap the model again" in _first(errors), errors
+    assert k.run("%%rpc\n" + DDP).count("grad 10.0") == 4  # wrapped again: 4 members
     views = _views(k)
     assert views["status"] == [[f"worker{i}", "ready"] for i in range(5)], views
     assert "worker2" in views["owners"], views

@@ -207,6 +207,36 @@ def test_a_killed_worker_is_dead_and_the_others_answer(slurm, kernel):
 
 
 @needs_slurm
+def test_a_slurm_cluster_grows_by_a_further_job_which_is_cancelled_when_its_workers_leave(
+    slurm, kernel
+):
+    """After the test before, worker3 is dead: --remove drops it (its job keeps worker1
+    and worker2), a grow submits a further job, and the job ends once its worker left."""
+    (first,) = slurm.jobs()
+    out = kernel.run("%rpc_scale --remove worker3")
+    assert "worker3 left the cluster" in out, out
+    assert slurm.jobs() == [first]  # worker1 and worker2 still run in it
+    t0 = time.monotonic()
+    out = kernel.run("%rpc_scale 3")
+    print(f"grow by a further Slurm job: {time.monotonic() - t0:.2f} s")
+    assert "worker3 (nbrpc.rank() 3" in out, out
+    jobs = slurm.jobs()
+    assert len(jobs) == 2, jobs
+    (further,) = [j for j in jobs if j != first]
+    assert f"workers from Slurm jobs {first}, {further}" in out, out
+    assert kernel.value("nbrpc.rpc_sync('worker3', lambda: os.environ['SLURM_JOB_ID'])") == further
+    out = kernel.run(
+        "%%rpc\nimport torch, torch.distributed as dist\n"
+        "t = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item())"
+    )
+    assert out.count("sum 3.0") == 3, out
+    out = kernel.run("%rpc_scale 2")
+    assert "worker3 left the cluster" in out, out
+    assert slurm.jobs() == [first]
+    assert kernel.value("nbrpc.rpc_sync('worker2', lambda: 7)") == 7
+
+
+@needs_slurm
 def test_shutdown_ends_the_job_and_leaves_no_engine_on_any_node(slurm, kernel):
     """... and a release leaves no file of ipyparallel's behind (a job's cluster file was)."""
     cluster_file = kernel.value("nbrpc.current().engines.source.controller.cluster_file")

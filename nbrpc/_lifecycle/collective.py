@@ -22,6 +22,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -140,10 +142,39 @@ def init_process_group(
         timeout=timedelta(seconds=timeout_s),
     )
     _fence.fence_process(os.getpid())  # gloo's own listeners, across hosts
+    _torch.guard_ddp(refuse_destroyed)
     return {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
+
+
+@dataclass
+class _Destroyed:
+    """On a worker: the process groups nbrpc destroyed here, and when (a DDP module that
+    still holds one is refused: gloo's abort does not stop its collectives, and its next
+    one waited for peers that had left, until its timeout)."""
+
+    groups: list[tuple[Any, str]] = field(default_factory=list)
+
+
+_destroyed = _Destroyed()
 
 
 def destroy_process_group() -> None:
     """Runs on a worker: leave the process group."""
     if dist.is_initialized():
+        old = dist.group.WORLD
         dist.destroy_process_group()
+        _destroyed.groups.append((old, time.strftime("%H:%M:%S")))
+
+
+def refuse_destroyed(group: Any) -> None:
+    """Raise if ``group`` is one nbrpc destroyed (a DDP module made before a scale or a
+    restart); the error says to wrap the model again."""
+    for old, when in _destroyed.groups:
+        if group is old:
+            world = dist.get_world_size() if dist.is_initialized() else None
+            raise ConfigError(
+                f"this DistributedDataParallel module holds the workers' process group of "
+                f"before {when}, when nbrpc made it again (%rpc_scale or %rpc_restart)"
+                + (f"; the group has {world} members now" if world else "")
+                + ". Wrap the model again: ddp = DistributedDataParallel(ddp.module)."
+            )

@@ -94,6 +94,7 @@ from .group import (
     agent as agent,
     agent_is_set as agent_is_set,
     forget_locally as forget_locally,
+    guard_ddp as guard_ddp,
     leave_group as leave_group,
     reset_all_gather as reset_all_gather,
     route_all_gather as route_all_gather,

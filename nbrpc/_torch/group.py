@@ -86,3 +86,26 @@ GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
 def tensorpipe_options(transports: list[str], channels: list[str], **kwargs: Any) -> Any:
     """``TensorPipeRpcBackendOptions`` with transport and channel lists (private arguments)."""
     return rpc.TensorPipeRpcBackendOptions(_transports=transports, _channels=channels, **kwargs)
+
+
+# -- DistributedDataParallel -------------------------------------------------------------
+
+
+def guard_ddp(check: Callable[[Any], None]) -> None:
+    """``DistributedDataParallel.forward`` calls ``check(module.process_group)`` first
+    (idempotent): nbrpc refuses a module whose process group it destroyed, which would
+    otherwise wait in its first collective for peers that left that group."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    forward = DistributedDataParallel.forward
+    if getattr(forward, "_nbrpc_guard", None) is not None:
+        forward._nbrpc_guard[0] = check  # type: ignore[attr-defined]
+        return
+    guard = [check]
+
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        guard[0](self.process_group)
+        return forward(self, *args, **kwargs)
+
+    guarded._nbrpc_guard = guard  # type: ignore[attr-defined]
+    DistributedDataParallel.forward = guarded  # type: ignore[method-assign]
