@@ -294,10 +294,13 @@ class CallCancelledError(NbrpcError, RuntimeError):
     """The call was cancelled where it ran: the stop button was pressed in the cell that
     started it (or ``nbrpc.cancel``, or a script's Ctrl-C), before it returned."""
 
-    def __init__(self, worker: str, call: str = "?", started: bool = True) -> None:
+    def __init__(self, worker: str, call: str = "?", started: bool = True, why: str = "") -> None:
         self.worker = worker
-        self._init_args = (worker, call, started)
+        self._init_args = (worker, call, started, why)
         how = "while it ran" if started else "before it started"
+        if why:  # cut off by nbrpc itself, not by the caller's stop button
+            super().__init__(f"the {call} on {worker} was cut off {how}: {why}")
+            return
         super().__init__(
             f"the call of {call} on {worker} was cancelled {how}: the stop button was "
             "pressed in the cell that started it (or nbrpc.cancel, or Ctrl-C). Run the "

@@ -58,7 +58,7 @@ class WorkerChange:
     kind: Change
     names: tuple[str, ...]
     ranks: tuple[int, ...] = ()  # LEFT: the ranks of the processes that left
-    detail: str = ""  # DIED: why (what torch said, or why the restart failed)
+    detail: str = ""  # DIED: why (what torch said, or why the restart failed); LEAVING: why
     replaced: bool = False  # LEFT: fresh processes take their names (a restart)
     at: str = ""  # LEFT at a scale: when ("14:02:11"); their names are free again
 
@@ -228,10 +228,10 @@ def stopped(names: list[str]) -> None:
     _tell(WorkerChange(Change.STOPPED, tuple(names)))
 
 
-def leaving(names: Iterable[str]) -> None:
-    """nbrpc makes ``names`` leave (a shutdown, a boot that failed): no state changes yet,
-    but the end of their connections is expected."""
-    _tell(WorkerChange(Change.LEAVING, tuple(names)))
+def leaving(names: Iterable[str], why: str = "") -> None:
+    """nbrpc makes ``names`` leave (a shutdown, a boot that failed, a scale: ``why``): no
+    state changes yet, but the end of their connections is expected."""
+    _tell(WorkerChange(Change.LEAVING, tuple(names), detail=why))
 
 
 def _move(names: list[str], state: WorkerState) -> None:

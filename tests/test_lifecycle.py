@@ -89,7 +89,7 @@ def test_torch_shutdown_from_a_tutorial_stops_workers_not_the_kernel():
     assert nbrpc.rpc_sync("worker1", min, args=(3, 4)) == 3
 
 
-def test_attach_to_running_ipyparallel_cluster_leaves_it_running():
+def test_attach_to_running_ipyparallel_cluster_leaves_it_running(monkeypatch):
     """Attaching takes every engine the cluster was started with, also those still
     registering: one engine is up, the second one is only starting when nbrpc attaches
     (ipyparallel registers engines at its heart monitor's ticks; taking "what registered
@@ -109,10 +109,19 @@ def test_attach_to_running_ipyparallel_cluster_leaves_it_running():
         assert nbrpc.workers() == ["worker0", "worker1", "worker2"]
         assert nbrpc.rpc_sync("worker2", lambda x: x + 1, args=(41,)) == 42
         pids = [r.pid for r in attached.workers[1:]]
+        # a scale takes an idle engine that registered there, and never starts one
+        engines.start_engines_sync(n=1)
+        assert list(nbrpc.scale(3).joined) == ["worker3"]
+        assert nbrpc.rpc_sync("worker3", lambda: 6 * 7) == 42
+        assert nbrpc.scale(2).left == ["worker3"]  # its engine runs on, used
+        monkeypatch.setattr(attached_mod, "GROW_WAIT_S", 0.5)
+        with pytest.raises(nbrpc.BootError, match=r"0 idle engines, not 1.*ipcluster engines"):
+            nbrpc.scale(3)
+        assert nbrpc.workers() == ["worker0", "worker1", "worker2"]
         nbrpc.shutdown()
         client = engines.connect_client_sync()
-        client.wait_for_engines(2, timeout=30)
-        assert sorted(client[:].apply_sync(__import__("os").getpid)) == sorted(pids)
+        client.wait_for_engines(3, timeout=30)
+        assert set(pids) < set(client[:].apply_sync(__import__("os").getpid))
         # torch cannot join twice from one process: attaching again is refused clearly
         with pytest.raises(nbrpc.BootError, match=r"cannot join twice.*restart"):
             nbrpc.init(cluster_id=engines.cluster_id, progress=False)

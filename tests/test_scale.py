@@ -269,3 +269,35 @@ def test_the_stop_button_in_the_middle_of_a_grow(kernel):
     assert "the cluster has 4 workers now" in out, out
     assert sorted(k.value("nbrpc.workers()")) == [f"worker{i}" for i in range(5)]
     assert k.run(REDUCE).count("world 4 4.0") == 4
+
+
+def test_calls_in_flight_finish_or_are_cancelled_and_the_stop_button_in_a_shrink(kernel):
+    k = kernel
+    k.run(
+        "def nap(s):\n    time.sleep(s)\n    return s\n"
+        "stay = nbrpc.rpc_async('worker1', nap, args=(1.5,))\n"
+        "going = nbrpc.rpc_async('worker4', nap, args=(1.5,))"
+    )
+    out = k.run("%rpc_scale 3")  # worker4 leaves once its call returned
+    assert "worker4 left the cluster" in out, out
+    assert k.value("[stay.wait(), going.wait()]") == [1.5, 1.5]
+
+    k.run("%rpc_scale 4\ngoing = nbrpc.rpc_async('worker4', nap, args=(30,))")
+    t0 = k.value("time.monotonic()")
+    out = k.run("%rpc_scale 3 --force")  # cancelled, not waited for
+    assert "worker4 left the cluster" in out, out
+    assert k.value(f"time.monotonic() - {t0}") < 15
+    _, errors = k.execute("going.wait()")
+    assert _first(errors).startswith("CallCancelledError"), errors
+    assert "left the cluster at a scale" in errors[0], errors  # not "died"
+
+    # the stop button while a shrink waits for a leaver's call: it is cancelled and the
+    # leaver leaves; the next scale works at once
+    k.run("%rpc_scale 4\ngoing = nbrpc.rpc_async('worker4', nap, args=(30,))")
+    _, errors = k.stop_after("%rpc_scale 3", 2.0)
+    assert _first(errors).startswith("KeyboardInterrupt"), errors
+    assert "calls of worker4 were cancelled and they left the cluster" in k.stderr, k.stderr
+    assert sorted(k.value("nbrpc.workers()")) == [f"worker{i}" for i in range(4)]
+    _, errors = k.execute("going.wait()")
+    assert _first(errors).startswith("CallCancelledError"), errors
+    assert "the cluster has 4 workers now" in k.run("%rpc_scale 4")

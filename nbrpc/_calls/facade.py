@@ -27,6 +27,7 @@ from torch.distributed.rpc import RRef, WorkerInfo
 from nbrpc import _group, _ledger, _states, _torch
 from nbrpc._debugger import deadlines, prompts
 from nbrpc._errors import (
+    CallCancelledError,
     ClusterClosedError,
     RpcTimeoutError,
     SerializationError,
@@ -56,6 +57,8 @@ class _Calls:
     #: a name or rank -> its WorkerInfo, found once per membership (torch's lookup lets go
     #: of the GIL: where other threads want it, a call waited ~20 µs for it back, measured)
     infos: dict[Any, WorkerInfo] = field(default_factory=dict)
+    #: workers nbrpc makes leave at a scale -> why: a call they cut off says so
+    leaving: dict[str, str] = field(default_factory=dict)
     infos_of: Any = None  # the agent they are of (kept alive: its identity is checked)
 
 
@@ -125,6 +128,12 @@ def on_worker_change(change: _states.WorkerChange) -> None:
     """A listener of :mod:`nbrpc._states` (registered by the lifecycle): the old ranks of
     workers a restart replaces are remembered (what they owned is gone), and the workers'
     ``WorkerInfo`` is looked up afresh after a restart, a scale or a death."""
+    if change.kind is _states.Change.LEAVING and change.detail:  # a scale's leavers
+        _calls.leaving.update(dict.fromkeys(change.names, change.detail))
+        return
+    if change.kind in (_states.Change.JOINED, _states.Change.REJOINED):
+        for name in change.names:
+            _calls.leaving.pop(name, None)
     if change.kind is _states.Change.LEFT and (change.replaced or change.at):
         for name, rank in zip(change.names, change.ranks, strict=True):
             _calls.gone[rank] = (name, change.at)
@@ -415,6 +424,8 @@ def translate(exc: BaseException, what: str, dest: str, timeout: float | None) -
                 "shut down with graceful=False while it ran. Use a graceful shutdown "
                 "(the default) to let calls in flight finish."
             )
+        if dest in _calls.leaving:  # a forced scale's leaver, whose call could not stop
+            return CallCancelledError(dest, what, True, _calls.leaving[dest])
         detail = str(exc).splitlines()[0]
         _states.mark_dead(dest, detail)  # the owner of its state: calls to it now fail at once
         return WorkerDiedError(dest, detail, _last_output(dest))

@@ -50,6 +50,12 @@ from .ranks import set_order
 
 LEAVE_TIMEOUT_S = 30.0  # a leaver's calls in flight, then its leave, at most this each
 ORDER_TIMEOUT_S = 10.0
+#: what a call says that a leaver's leave cut off (one the cancel could not stop)
+LEFT_MID_CALL = (
+    "the worker left the cluster at a scale that did not wait for its calls (%rpc_scale "
+    "--force, or the stop button during %rpc_scale), and the call could not be stopped "
+    "where it ran (inside C code, such as time.sleep)"
+)
 
 
 class Cluster(Protocol):
@@ -219,7 +225,7 @@ def _shrink(cluster: Cluster, leavers: list[WorkerRecord], force: bool, result: 
             pg, [r.name for r in cluster.records[1:] if r.state is WorkerState.READY]
         )
         booted.process_group = None
-    _states.leaving(names)
+    _states.leaving(names, LEFT_MID_CALL)
     _expect_leaving(stayers, names)
     try:
         if force:
