@@ -203,6 +203,7 @@ def test_two_four_one_three(kernel):
 
 def test_removing_a_named_worker_leaves_a_gap_the_next_grow_fills(kernel):
     k = kernel
+    k.run("%rpc_scale 3")  # as the test before leaves it
     out = k.run("%rpc_scale --remove worker2")
     assert "worker2 left the cluster" in out, out
     assert _ranks_seen_by_workers(k) == {"worker1": 1, "worker3": 3}  # they keep theirs
@@ -216,6 +217,7 @@ def test_removing_a_named_worker_leaves_a_gap_the_next_grow_fills(kernel):
 
 def test_bad_input_changes_nothing(kernel):
     k = kernel
+    k.run("%rpc_scale 3")  # as the test before leaves it
     before = k.value("[(r.name, r.pid) for r in nbrpc.current().records]")
     for line, says in (
         ("%rpc_scale 0", "keeps at least 1 worker"),
@@ -273,6 +275,7 @@ def test_the_stop_button_in_the_middle_of_a_grow(kernel):
 
 def test_calls_in_flight_finish_or_are_cancelled_and_the_stop_button_in_a_shrink(kernel):
     k = kernel
+    k.run("%rpc_scale 4")  # (the tests before leave 4 workers: this says so and does nothing)
     k.run(
         "def nap(s):\n    time.sleep(s)\n    return s\n"
         "stay = nbrpc.rpc_async('worker1', nap, args=(1.5,))\n"
