@@ -144,6 +144,20 @@ def source_options(v: dict[str, Any], opts: dict[str, Any]) -> SourceOptions | N
     return next(iter(asked.values()), None)
 
 
+def check_named(names: list[str], workers: list[str], doing: str, kernel_note: str) -> None:
+    """Refuse ``names`` that are not among ``workers`` or are given twice, for a change
+    of the cluster (``doing``: "restart", "remove"; ``kernel_note``: why the kernel is not
+    among them), before anything changes."""
+    unknown = [n for n in names if n not in workers]
+    if unknown:
+        raise ConfigError(
+            f"cannot {doing} {', '.join(unknown)}: not workers of this cluster. Its workers: "
+            f"{', '.join(workers)} ({kernel_note})."
+        )
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{doing} {', '.join(names)}: a name is given twice")
+
+
 def validate_names(names: list[str] | tuple[str, ...], self_name: str) -> None:
     for name in [self_name, *names]:
         if not name or len(name) >= 128 or not all(c.isalnum() or c in "_-" for c in name):

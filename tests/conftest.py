@@ -122,6 +122,69 @@ def user_environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
 
 
+#: A class the tests make remote objects of (an RRef's owner keeps its state).
+COUNTER = """
+class Counter:
+    def __init__(self):
+        self.n = 0
+    def add(self, k):
+        self.n += k
+        return self.n
+"""
+
+#: What the restart and scale tests type into their kernel: a counter, a process's pid, a
+#: call to a peer (by name or WorkerInfo), and a layer to train on a worker.
+MEMBER_CODE = (
+    COUNTER
+    + """
+def whoami():
+    return os.getpid()
+
+def call_peer(to):
+    return nbrpc.rpc_sync(to, whoami)
+
+def double(t):
+    return t * 2
+
+def make_layer():
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 2)
+
+def forward(layer_rref, x):
+    return layer_rref.local_value()(x)
+
+def params(layer_rref):
+    return [nbrpc.RRef(p) for p in layer_rref.local_value().parameters()]
+
+def weights(layer_rref):
+    return [p.detach().clone() for p in layer_rref.local_value().parameters()]
+"""
+)
+
+#: One step of distributed autograd and the DistributedOptimizer through worker ``{w}``,
+#: and the same step here: ``same`` says whether the weights agree.
+TRAIN_ON = """
+layer = nbrpc.remote('{w}', make_layer)
+x = torch.ones(3, 4)
+with dist_autograd.context() as ctx:
+    loss = nbrpc.rpc_sync('{w}', forward, args=(layer, x)).sum()
+    dist_autograd.backward(ctx, [loss])
+    rrefs = nbrpc.rpc_sync('{w}', params, args=(layer,))
+    opt = DistributedOptimizer(torch.optim.SGD, rrefs, lr=0.1)
+    opt.step(ctx)
+remote_w = nbrpc.rpc_sync('{w}', weights, args=(layer,))
+ref = make_layer()
+ref(x).sum().backward()
+torch.optim.SGD(ref.parameters(), lr=0.1).step()
+same = all(torch.allclose(a, b) for a, b in zip(remote_w, ref.parameters()))
+"""
+
+
+def first_error(errors: list[str]) -> str:
+    """A cell's first error ("" when it raised none)."""
+    return errors[0] if errors else ""
+
+
 class Kernel:
     """A real Jupyter kernel, driven as a notebook would drive it.
 

@@ -17,51 +17,20 @@ import time
 
 import psutil
 import pytest
-from conftest import Kernel, running_kernel
+from conftest import MEMBER_CODE, TRAIN_ON, Kernel, first_error, running_kernel
 
-SETUP = """%load_ext nbrpc
+SETUP = (
+    """%load_ext nbrpc
 %rpc_init -n 2 --quiet
 import os, time, torch, nbrpc
 from nbrpc import autograd as dist_autograd
 from nbrpc.optim import DistributedOptimizer
 
-class Counter:
-    def __init__(self):
-        self.n = 0
-    def add(self, k):
-        self.n += k
-        return self.n
-
-def whoami():
-    return os.getpid()
-
 def call_back():
     return nbrpc.rpc_sync("worker0", whoami)
-
-def call_peer(name):
-    return nbrpc.rpc_sync(name, whoami)
-
-def double(t):
-    return t * 2
-
-def make_layer():
-    torch.manual_seed(0)
-    return torch.nn.Linear(4, 2)
-
-def forward(layer_rref, x):
-    return layer_rref.local_value()(x)
-
-def params(layer_rref):
-    return [nbrpc.RRef(p) for p in layer_rref.local_value().parameters()]
-
-def weights(layer_rref):
-    return [p.detach().clone() for p in layer_rref.local_value().parameters()]
 """
-
-
-def _first(errors: list[str]) -> str:
-    """The cell's first error ("" when it raised none)."""
-    return errors[0] if errors else ""
+    + MEMBER_CODE
+)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +65,7 @@ def test_restart_keeps_the_rest_and_every_path_to_the_new_process_works(kernel):
     # what the old worker2 owned fails, naming the restart
     for expr in ("c2.to_here()", "c2.rpc_sync().add(1)"):
         out, errors = k.execute(expr)
-        assert _first(errors).startswith("WorkerDiedError"), (expr, errors)
+        assert first_error(errors).startswith("WorkerDiedError"), (expr, errors)
         assert "worker2 was restarted" in errors[0], errors[0]
     owners = k.value("sorted({r['owner'] for r in nbrpc.ownership()})")
     assert "worker2" not in owners, owners  # the view shows the old one's objects gone
@@ -112,22 +81,7 @@ def test_restart_keeps_the_rest_and_every_path_to_the_new_process_works(kernel):
     assert k.value("torch.equal(nbrpc.rpc_sync('worker2', double, args=(big,)), big * 2)")
 
     # distributed autograd and the optimizer across it, against a local reference
-    step = (
-        "layer = nbrpc.remote('worker2', make_layer)\n"
-        "x = torch.ones(3, 4)\n"
-        "with dist_autograd.context() as ctx:\n"
-        "    loss = nbrpc.rpc_sync('worker2', forward, args=(layer, x)).sum()\n"
-        "    dist_autograd.backward(ctx, [loss])\n"
-        "    opt = DistributedOptimizer(torch.optim.SGD, "
-        "nbrpc.rpc_sync('worker2', params, args=(layer,)), lr=0.1)\n"
-        "    opt.step(ctx)\n"
-        "remote_w = nbrpc.rpc_sync('worker2', weights, args=(layer,))\n"
-        "ref = make_layer()\n"
-        "ref(x).sum().backward()\n"
-        "torch.optim.SGD(ref.parameters(), lr=0.1).step()\n"
-        "same = all(torch.allclose(a, b) for a, b in zip(remote_w, ref.parameters()))"
-    )
-    k.run(step)
+    k.run(TRAIN_ON.format(w="worker2"))
     assert k.value("same")
     states = dict(k.value("[(r['name'], r['state']) for r in nbrpc.status()]"))
     assert set(states.values()) == {"ready"}, states
@@ -137,14 +91,14 @@ def test_a_dead_worker_is_restarted_and_a_bad_name_stops_nothing(kernel):
     k = kernel
     before = k.value("[r.pid for r in nbrpc.current().records]")
     out, errors = k.execute("%rpc_restart worker9")
-    assert _first(errors).startswith("ConfigError"), errors
+    assert first_error(errors).startswith("ConfigError"), errors
     assert "worker9: not workers of this cluster" in errors[0]
     assert k.value("[r.pid for r in nbrpc.current().records]") == before  # nothing stopped
 
     pid = k.value("nbrpc.rpc_sync('worker1', whoami)")
     os.kill(pid, signal.SIGKILL)
     out, errors = k.execute("nbrpc.rpc_sync('worker1', whoami)")
-    assert _first(errors).startswith("WorkerDiedError"), errors
+    assert first_error(errors).startswith("WorkerDiedError"), errors
     out = k.run("%rpc_restart worker1")
     assert "worker1 restarted" in out, out
     assert k.value("nbrpc.rpc_sync('worker1', whoami)") != pid
@@ -174,7 +128,7 @@ def test_a_new_process_that_dies_as_it_starts_is_a_boot_error_and_a_second_try_w
     finally:
         stop.set()
         killer.join()
-    assert _first(errors).startswith("BootError"), (out, errors)
+    assert first_error(errors).startswith("BootError"), (out, errors)
     print("restart of a process that died at start:", errors[0])
     assert k.value("nbrpc.rpc_sync('worker1', lambda: 41 + 1)") == 42  # the rest works
     out = k.run("%rpc_restart worker2")

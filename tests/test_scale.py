@@ -12,46 +12,20 @@ and the stop button in the middle of one.
 from __future__ import annotations
 
 import pytest
-from conftest import running_kernel
+from conftest import MEMBER_CODE, TRAIN_ON, first_error, running_kernel
 
-SETUP = """%load_ext nbrpc
+SETUP = (
+    """%load_ext nbrpc
 %rpc_init -n 2 --process-group gloo --quiet
 import os, threading, time, torch, nbrpc
 from nbrpc import autograd as dist_autograd
 from nbrpc.optim import DistributedOptimizer
 
-class Counter:
-    def __init__(self):
-        self.n = 0
-    def add(self, k):
-        self.n += k
-        return self.n
-
-def whoami():
-    return os.getpid()
-
-def call_peer(info):
-    return nbrpc.rpc_sync(info, whoami)
-
-def double(t):
-    return t * 2
-
-def make_layer():
-    torch.manual_seed(0)
-    return torch.nn.Linear(4, 2)
-
-def forward(layer_rref, x):
-    return layer_rref.local_value()(x)
-
-def params(layer_rref):
-    return [nbrpc.RRef(p) for p in layer_rref.local_value().parameters()]
-
-def weights(layer_rref):
-    return [p.detach().clone() for p in layer_rref.local_value().parameters()]
-
 def pids():
     return {n: nbrpc.rpc_sync(n, whoami) for n in nbrpc.workers()[1:]}
 """
+    + MEMBER_CODE
+)
 
 #: a DDP module in each worker (wrapped again where there is one), one backward step: the
 #: gradient averaged over the group, 4 * (1 + ... + world) / world
@@ -68,26 +42,6 @@ REDUCE = (
     "%%rpc\nimport torch, torch.distributed as dist\n"
     "x = torch.ones(1)\ndist.all_reduce(x)\nprint('world', dist.get_world_size(), x.item())"
 )
-
-TRAIN = """
-layer = nbrpc.remote('{w}', make_layer)
-x = torch.ones(3, 4)
-with dist_autograd.context() as ctx:
-    loss = nbrpc.rpc_sync('{w}', forward, args=(layer, x)).sum()
-    dist_autograd.backward(ctx, [loss])
-    rrefs = nbrpc.rpc_sync('{w}', params, args=(layer,))
-    opt = DistributedOptimizer(torch.optim.SGD, rrefs, lr=0.1)
-    opt.step(ctx)
-remote_w = nbrpc.rpc_sync('{w}', weights, args=(layer,))
-ref = make_layer()
-ref(x).sum().backward()
-torch.optim.SGD(ref.parameters(), lr=0.1).step()
-same = all(torch.allclose(a, b) for a, b in zip(remote_w, ref.parameters()))
-"""
-
-
-def _first(errors: list[str]) -> str:
-    return errors[0] if errors else ""
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +94,7 @@ def test_two_four_one_three(kernel):
     assert k.run(REDUCE).count("world 4 4.0") == 4
     # a DDP module made before the scale holds the old group: refused, not a hang
     _, errors = k.execute("%%rpc worker1\nddp(torch.ones(4, 2)).sum().backward()")
-    assert "Wrap the model again" in _first(errors), errors
+    assert "Wrap the model again" in first_error(errors), errors
     assert k.run("%%rpc\n" + DDP).count("grad 10.0") == 4  # wrapped again: 4 members
     views = _views(k)
     assert views["status"] == [[f"worker{i}", "ready"] for i in range(5)], views
@@ -164,7 +118,7 @@ def test_two_four_one_three(kernel):
     calls = k.value("[(c['callee'], c['route'], c['path_in']) for c in rec.calls]")
     assert ["worker4", "lane", ""] in calls, calls
     assert any(c[0] == "worker4" and c[2] in ("arena", "segment") for c in calls), calls
-    k.run(TRAIN.format(w="worker4"))
+    k.run(TRAIN_ON.format(w="worker4"))
     assert k.value("same")
 
     # 4 -> 1: the highest ranks leave; what they owned and their names say so
@@ -172,10 +126,10 @@ def test_two_four_one_three(kernel):
     assert "worker2, worker3, worker4 left the cluster" in out, out
     assert "the cluster has 1 worker now" in out, out
     out, errors = k.execute("c2.to_here()")
-    assert _first(errors).startswith("WorkerDiedError"), errors
+    assert first_error(errors).startswith("WorkerDiedError"), errors
     assert "worker2 left the cluster at a scale" in errors[0], errors
     out, errors = k.execute("nbrpc.rpc_sync('worker3', whoami)")
-    assert _first(errors).startswith("UnknownWorkerError"), errors
+    assert first_error(errors).startswith("UnknownWorkerError"), errors
     assert "worker3 left the cluster at a scale (%rpc_scale, at " in errors[0], errors
     assert k.value("c1.rpc_sync().add(1)") == 7
     assert "[worker1] 1" in k.run("%%rpc\nprint(remembered)")
@@ -196,7 +150,7 @@ def test_two_four_one_three(kernel):
     assert "[worker1] 1" in cells, cells
     assert "[worker2] None" in cells, cells
     assert k.value("nbrpc.rpc_sync('worker2', Counter).add(2)") == 2
-    k.run(TRAIN.format(w="worker3"))
+    k.run(TRAIN_ON.format(w="worker3"))
     assert k.value("same")
     assert [s for s, _ in _views(k)["status"]] == [f"worker{i}" for i in range(4)]
 
@@ -230,7 +184,7 @@ def test_bad_input_changes_nothing(kernel):
         ("%rpc_scale", "say the new size"),
     ):
         _, errors = k.execute(line)
-        assert _first(errors).startswith("ConfigError"), (line, errors)
+        assert first_error(errors).startswith("ConfigError"), (line, errors)
         assert says in errors[0], (line, errors)
     # a scale while another one runs, and a restart meanwhile
     k.run(
@@ -241,9 +195,9 @@ def test_bad_input_changes_nothing(kernel):
     _, errors = k.execute("nbrpc.scale(6)")
     _, restart = k.execute("nbrpc.restart('worker1')")
     k.run("t.join()")
-    assert _first(errors).startswith("ConfigError"), errors
+    assert first_error(errors).startswith("ConfigError"), errors
     assert "a scale to 5 workers is running" in errors[0], errors
-    assert "a scale to 5 workers is running" in _first(restart), restart
+    assert "a scale to 5 workers is running" in first_error(restart), restart
     assert k.value("len(done)") == 1
     k.run("nbrpc.scale(3)")
     after = k.value("[(r.name, r.pid) for r in nbrpc.current().records]")
@@ -255,7 +209,7 @@ def test_the_stop_button_in_the_middle_of_a_grow(kernel):
     k = kernel
     before = k.value("nbrpc.workers()")
     __, errors = k.stop_after("%rpc_scale 6", 0.3)
-    assert _first(errors).startswith("KeyboardInterrupt"), errors
+    assert first_error(errors).startswith("KeyboardInterrupt"), errors
     assert "the stop button during a scale" in k.stderr, k.stderr
     said = k.stderr.split("the stop button during a scale: ", 1)[1].splitlines()[0]
     print("the stop button during a grow:", said)
@@ -291,16 +245,16 @@ def test_calls_in_flight_finish_or_are_cancelled_and_the_stop_button_in_a_shrink
     assert "worker4 left the cluster" in out, out
     assert k.value(f"time.monotonic() - {t0}") < 15
     _, errors = k.execute("going.wait()")
-    assert _first(errors).startswith("CallCancelledError"), errors
+    assert first_error(errors).startswith("CallCancelledError"), errors
     assert "left the cluster at a scale" in errors[0], errors  # not "died"
 
     # the stop button while a shrink waits for a leaver's call: it is cancelled and the
     # leaver leaves; the next scale works at once
     k.run("%rpc_scale 4\ngoing = nbrpc.rpc_async('worker4', nap, args=(30,))")
     _, errors = k.stop_after("%rpc_scale 3", 2.0)
-    assert _first(errors).startswith("KeyboardInterrupt"), errors
+    assert first_error(errors).startswith("KeyboardInterrupt"), errors
     assert "calls of worker4 were cancelled and they left the cluster" in k.stderr, k.stderr
     assert sorted(k.value("nbrpc.workers()")) == [f"worker{i}" for i in range(4)]
     _, errors = k.execute("going.wait()")
-    assert _first(errors).startswith("CallCancelledError"), errors
+    assert first_error(errors).startswith("CallCancelledError"), errors
     assert "the cluster has 4 workers now" in k.run("%rpc_scale 4")

@@ -9,12 +9,13 @@ import time
 
 import pytest
 import torch
-from conftest import running_kernel
+from conftest import COUNTER, running_kernel
 
 import nbrpc
 from nbrpc import widgets
 
-CELL = """
+CELL = (
+    """
 import time
 import torch
 import nbrpc
@@ -35,14 +36,9 @@ def big(n):
 
 def ask_kernel(x):
     return nbrpc.rpc_sync(KERNEL, inner, (x,))
-
-class Counter:
-    def __init__(self):
-        self.n = 0
-    def add(self, k):
-        self.n += k
-        return self.n
 """
+    + COUNTER
+)
 
 
 @pytest.fixture

@@ -35,6 +35,7 @@ from nbrpc import _fence, _group, _process, _states
 from nbrpc._engines import JOIN_TIMEOUT_S, Engines
 from nbrpc._errors import BootError, ConfigError
 from nbrpc._options import Settings
+from nbrpc._placement import check_named
 from nbrpc._rows import WorkerRecord, WorkerState
 from nbrpc._wire import native_output
 
@@ -153,14 +154,7 @@ def _check(cluster: Cluster, names: list[str], records: dict[str, WorkerRecord])
     """Refuse, before anything stops, what a restart cannot do."""
     if not names:
         raise ConfigError("name the workers to restart, e.g. %rpc_restart worker2")
-    unknown = [n for n in names if n not in records]
-    if unknown:
-        raise ConfigError(
-            f"cannot restart {', '.join(unknown)}: not workers of this cluster. Its workers: "
-            f"{', '.join(records)} (the kernel cannot be restarted from itself)."
-        )
-    if len(set(names)) != len(names):
-        raise ConfigError(f"restart {', '.join(names)}: a name is given twice")
+    check_named(names, list(records), "restart", "the kernel cannot be restarted from itself")
     why = cluster.engines.source.cannot_replace
     if why:
         raise ConfigError(f"cannot restart {', '.join(names)}: {why}")

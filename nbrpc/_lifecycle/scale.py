@@ -38,7 +38,7 @@ from nbrpc._engines import JOIN_TIMEOUT_S, Engines, worker
 from nbrpc._errors import ConfigError
 from nbrpc._gather import timeline
 from nbrpc._options import Settings
-from nbrpc._placement import validate_names
+from nbrpc._placement import check_named, validate_names
 from nbrpc._rows import WorkerRecord, WorkerState
 from nbrpc._wire import cancelling, native_output
 
@@ -128,7 +128,7 @@ def run(
     module doc). Bad input is a :class:`ConfigError` before anything changes."""
     t0 = time.monotonic()
     workers = [r for r in cluster.records[1:]]
-    leavers, count = _check(cluster, workers, n, remove or [], names, hosts)
+    leavers, count = check(cluster, workers, n, remove or [], names, hosts)
     result = Scaled()
     if leavers:
         _shrink(cluster, leavers, force, result)
@@ -139,7 +139,7 @@ def run(
     return result
 
 
-def _check(
+def check(
     cluster: Cluster,
     workers: list[WorkerRecord],
     n: int | None,
@@ -158,14 +158,7 @@ def _check(
         raise ConfigError(
             f"%rpc_scale {n}: a cluster keeps at least 1 worker. %rpc_shutdown stops them all."
         )
-    unknown = [name for name in remove if name not in current]
-    if unknown:
-        raise ConfigError(
-            f"cannot remove {', '.join(unknown)}: not workers of this cluster. Its workers: "
-            f"{', '.join(current)} (the kernel cannot leave its own cluster)."
-        )
-    if len(set(remove)) != len(remove):
-        raise ConfigError(f"--remove {', '.join(remove)}: a name is given twice")
+    check_named(remove, current, "remove", "the kernel cannot leave its own cluster")
     if remove and n is not None and n != len(current) - len(remove):
         raise ConfigError(
             f"%rpc_scale {n} --remove {','.join(remove)}: removing {len(remove)} of "
@@ -337,8 +330,8 @@ def _grow(
 ) -> None:
     settings, booted, engines = cluster.settings, cluster.booted, cluster.engines
     current = {r.name for r in cluster.records}
-    new = names or _free_names(settings, current, count)
-    orders = _free_orders({r.order for r in cluster.records}, count)
+    new = names or free_names(settings, current, count)
+    orders = free_orders({r.order for r in cluster.records}, count)
     reused = [name for name in new if name in _states.departed]
     if reused:  # their entries in torch's list of names, should one be left
         _group.forget_names(reused)
@@ -386,7 +379,7 @@ def _grow(
     _tell_ranks(cluster)
 
 
-def _free_names(settings: Settings, current: set[str], count: int) -> list[str]:
+def free_names(settings: Settings, current: set[str], count: int) -> list[str]:
     """The lowest free default names (``worker1``, ``worker2``, ...)."""
     found: list[str] = []
     i = 1
@@ -398,7 +391,7 @@ def _free_names(settings: Settings, current: set[str], count: int) -> list[str]:
     return found
 
 
-def _free_orders(used: set[int], count: int) -> list[int]:
+def free_orders(used: set[int], count: int) -> list[int]:
     """The lowest free ``nbrpc.rank()`` values (0 is the kernel's)."""
     found: list[int] = []
     i = 1

@@ -43,7 +43,7 @@ def _cluster(n: int = 3, *, devices: bool = False, backend: str | None = None, s
 
 
 def _check(cluster, n=None, remove=(), names=None, hosts=()):
-    return scale._check(cluster, cluster.records[1:], n, list(remove), names, hosts)
+    return scale.check(cluster, cluster.records[1:], n, list(remove), names, hosts)
 
 
 def test_the_highest_ranks_leave_first_or_the_named_ones():
@@ -92,11 +92,11 @@ def test_a_source_that_cannot_scale_and_a_group_that_cannot_be_rebuilt_are_refus
 
 def test_new_workers_take_the_lowest_free_names_and_ranks():
     settings = Settings.make(2)
-    assert scale._free_names(settings, {"worker0", "worker1", "worker3"}, 2) == [
+    assert scale.free_names(settings, {"worker0", "worker1", "worker3"}, 2) == [
         "worker2",
         "worker4",
     ]
-    assert scale._free_orders({0, 1, 3}, 3) == [2, 4, 5]
+    assert scale.free_orders({0, 1, 3}, 3) == [2, 4, 5]
 
 
 def test_the_summary_says_who_joined_and_left_and_the_size():
