@@ -328,6 +328,24 @@ def test_inside_an_allocation_the_workers_are_a_step_of_its_job(slurm, kernel):
         assert f"a step of Slurm job {job}" in out, out
         assert f"steps of {{'{job}'}}" in out, out
         assert slurm.jobs() == [job]  # no new job
+
+        def steps() -> list[str]:
+            listed = slurm.run("squeue", "-h", "-s", "-j", job, "-o", "%i").stdout.split()
+            return sorted(s for s in listed if not s.endswith(".batch"))
+
+        assert len(steps()) == 1, steps()
+        # a grow inside the allocation is a further step of it; a shrink ends that step
+        out = kernel.run("print(nbrpc.scale(3))")
+        assert "worker3 (nbrpc.rank() 3" in out, out
+        assert len(steps()) == 2, steps()
+        assert slurm.jobs() == [job]
+        assert kernel.value("nbrpc.rpc_sync('worker3', lambda: os.environ['SLURM_JOB_ID'])") == job
+        first = steps()[0]
+        kernel.run("nbrpc.scale(2)")
+        deadline = time.monotonic() + 15
+        while steps() != [first] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert steps() == [first]
         kernel.run("nbrpc.shutdown()\ndel os.environ['SLURM_JOB_ID']")
         steps = slurm.run("squeue", "-h", "-s", "-j", job, "-o", "%i").stdout.split()
         assert [s for s in steps if not s.endswith(".batch")] == [], steps

@@ -28,10 +28,11 @@ source it has; what the source knows is asked of the source itself (``engines.so
 1. a module here with a subclass of :class:`~.base.EngineSource` that writes what it does:
    ``wants(settings)`` says which options ask for it, ``start`` / ``launch`` / ``client``
    / ``take`` bring engines up in worker order, ``stop`` ends what it started; the rest
-   (``resolve``, ``replace``, ``dump_stacks``, ...) where it can do better than the
-   default. A source with a controller of this host extends
-   :class:`~.controller.ControllerSource` instead and writes its controller's four hooks
-   rather than ``launch`` / ``take`` / ``stop``;
+   (``resolve``, ``replace``, ``grow`` / ``shrink`` for ``%rpc_scale``, ``dump_stacks``,
+   ...) where it can do better than the default (which refuses, saying why). A source
+   with a controller of this host extends :class:`~.controller.ControllerSource`
+   instead and writes its controller's four hooks rather than ``launch`` / ``take`` /
+   ``stop``;
 2. its options in :class:`nbrpc._options.Options`; options of its own are one class
    extending :class:`~nbrpc._placement.SourceOptions`, registered once, whose fields its
    flags give (``part_of="slurm.nodes"``): no field of :class:`~nbrpc._options.Settings`,

@@ -166,7 +166,9 @@ class Controller:
     def client(self) -> Any:
         """The ipyparallel client, connected once the controller is up."""
         if self._client is None:
-            self._client = self._ipp.connect_client_sync()
+            # ipyparallel's client waits 10 s for the controller's first answer; a controller
+            # starting on a busy host took longer once ("Hub connection request timed out")
+            self._client = self._ipp.connect_client_sync(timeout=CONTROLLER_TIMEOUT_S)
             self.controller_seconds = time.monotonic() - self._started
             self._watch()  # the controller's forks exist by now
         return self._client

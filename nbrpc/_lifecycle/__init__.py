@@ -5,10 +5,11 @@
 * :mod:`.boot` -- the boot's steps in order, and :class:`~.boot.Joining`, the steps a boot
   and a restart share (ranks, joins, records, fast path, process group);
 * :mod:`.restart` -- a fresh process for a worker, the rest untouched (``%rpc_restart``);
+* :mod:`.scale` -- grow and shrink the running cluster, the rest untouched (``%rpc_scale``);
 * :mod:`.collective` -- the workers' ``torch.distributed`` process group (``--process-group``),
   started at the boot, rebuilt at a restart, destroyed at the shutdown;
 * :mod:`.progress` -- the boot's progress, shown while it runs;
 * :mod:`.ranks` -- ``nbrpc.rank()``: ranks as a script has them;
-* :mod:`.actions` -- what ``%rpc_shutdown``, ``%rpc_restart`` and ``%rpc_stacks`` do and
-  say, for the magics and the cluster panel's buttons.
+* :mod:`.actions` -- what ``%rpc_shutdown``, ``%rpc_restart``, ``%rpc_scale`` and
+  ``%rpc_stacks`` do and say, for the magics and the cluster panel's buttons.
 """
