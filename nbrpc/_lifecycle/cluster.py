@@ -548,7 +548,9 @@ def scale(n: int | None = None, /, **how: Unpack[scales.How]) -> scales.Scaled:
     workers to leave (default: the highest ranks); ``names``, ``hosts``: the new workers'
     names and hosts; ``force``: cancel the leavers' calls instead of waiting. See
     docs/architecture.md, "Scaling a running cluster". Returns what it did."""
-    return current().scale(n, **how)
+    if _current.cluster is None:
+        raise NotInitializedError("nbrpc.scale() (%rpc_scale)")
+    return _current.cluster.scale(n, **how)
 
 
 def status(timeout: float = census.SNAPSHOT_TIMEOUT_S) -> list[StatusRow]:

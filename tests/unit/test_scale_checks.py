@@ -106,3 +106,10 @@ def test_the_summary_says_who_joined_and_left_and_the_size():
     assert "worker5 left the cluster" in text
     assert "the cluster has 3 workers now (1.2 s)" in text
     assert "world size 3" in text
+
+
+def test_a_scale_before_init_says_to_run_it():
+    import nbrpc
+
+    with pytest.raises(nbrpc.NotInitializedError, match=r"nbrpc.scale\(\) \(%rpc_scale\)"):
+        nbrpc.scale(3)
