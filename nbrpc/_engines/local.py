@@ -366,6 +366,9 @@ class LocalController(Controller):
         for pid in list(self._logs):
             self._forget_log(pid)
         self._stop_watchdog()
+        # what ipyparallel's stop leaves when it fails (at interpreter exit its event loop
+        # may be gone): the cluster file and connection files, one set per such exit
+        watchdog.remove_cluster_files(self.cluster_file)
 
 
 #: faulthandler's first line when a process gets a fatal signal (a segfault; an abort,
