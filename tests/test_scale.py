@@ -227,6 +227,32 @@ def test_the_stop_button_in_the_middle_of_a_grow(kernel):
     assert k.run(REDUCE).count("world 4 4.0") == 4
 
 
+def test_a_grow_stopped_after_one_worker_joined_keeps_it_as_a_full_member(kernel):
+    """The stop button's moment made exact: the interrupt comes as soon as the first of
+    two new workers joined (the other's join may still finish meanwhile)."""
+    k = kernel
+    k.run("%rpc_scale 4")
+    out = k.run(
+        "import nbrpc._lifecycle.boot as boot_steps\n"
+        "real_wait = boot_steps.wait_for_joins\n"
+        "def first_then_stop(pending, progress, infos=None):\n"
+        "    real_wait(dict(list(pending.items())[:1]), progress, infos)\n"
+        "    raise KeyboardInterrupt\n"
+        "boot_steps.wait_for_joins = first_then_stop\n"
+        "try:\n    nbrpc.scale(6)\nexcept KeyboardInterrupt:\n    print('stopped')\n"
+        "finally:\n    boot_steps.wait_for_joins = real_wait"
+    )
+    assert "stopped" in out, out
+    assert "worker5 joined and stay; worker6 did not join and were cleaned up" in k.stderr
+    assert sorted(k.value("nbrpc.workers()")) == [f"worker{i}" for i in range(6)]
+    assert _ranks_seen_by_workers(k)["worker5"] == 5
+    assert k.run(REDUCE).count("world 5 5.0") == 5  # in the process group too
+    out = k.run("%rpc_scale 6")
+    assert "worker6 (nbrpc.rank() 6" in out, out
+    assert "not unique" not in out + k.stderr
+    assert "the cluster has 4 workers now" in k.run("%rpc_scale 4")
+
+
 def test_calls_in_flight_finish_or_are_cancelled_and_the_stop_button_in_a_shrink(kernel):
     k = kernel
     k.run("%rpc_scale 4")  # (the tests before leave 4 workers: this says so and does nothing)

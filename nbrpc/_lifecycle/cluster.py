@@ -32,6 +32,7 @@ from typing import Any, Unpack
 from nbrpc import _devices, _engines, _group, _ledger, _process, _setup, _states, _torch, _views
 from nbrpc._calls import cancel, facade as calls
 from nbrpc._debugger import prompts
+from nbrpc._departures import forget, forget_names, release_stale_token
 from nbrpc._engines import worker
 from nbrpc._engines.watchdog import process_alive, segment_prefix, sweep_segments
 from nbrpc._errors import (
@@ -198,7 +199,7 @@ class Cluster:
         finally:
             try:
                 if names and _torch.agent_is_set():
-                    _group.forget_names(names)
+                    forget_names(names)
             except Exception as exc:
                 log.warning("removing %s from the group: %s", ", ".join(names), exc)
             if release:
@@ -352,7 +353,7 @@ class Cluster:
             live = [r.name for r in self.records[1:] if r.state is WorkerState.READY]
             _states.left(dead, [r.rank for r in self.records[1:] if r.name in dead])
             try:
-                _group.forget(dead, live)
+                forget(dead, live)
             except Exception as exc:
                 log.warning("removing %s from the group: %s", ", ".join(dead), exc)
         if graceful:
@@ -372,7 +373,7 @@ class Cluster:
                 )
                 dead = dead or list(failed)
         if dead:
-            _group.release_stale_token()
+            release_stale_token()
 
     def _release_rrefs(self, timeout_s: float) -> None:
         """Every live process deletes its user RRefs at once, the kernel among them, as

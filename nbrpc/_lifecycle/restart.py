@@ -9,7 +9,7 @@ their processes, namespaces and RRefs. In order, for the names asked:
    source (an attached ipyparallel cluster's engines are not nbrpc's to replace), and a
    process group's backend (rebuilt among all its members afterwards: gloo or nccl).
 2. The old process is killed, not asked (a restart is for a worker that is broken or
-   stuck), and leaves the group on its behalf (``_group.forget``, as for a dead worker).
+   stuck), and leaves the group on its behalf (``_departures.forget``, as for a dead worker).
    Calls to it and RRefs it owned fail with :class:`~nbrpc.WorkerDiedError` naming the
    restart; the ownership view drops them.
 3. A new engine joins under the same name with a new rank (ranks are never reused: torch
@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from nbrpc import _fence, _group, _process, _states
+from nbrpc import _departures, _fence, _group, _process, _states
 from nbrpc._engines import JOIN_TIMEOUT_S, Engines
 from nbrpc._errors import BootError, ConfigError
 from nbrpc._options import Settings
@@ -123,8 +123,8 @@ def _run(cluster: Cluster, names: list[str]) -> Restarted:
         with native_output.quiet_stderr_while_leaving(live):  # a script's, as a kernel's
             new_ids = engines.replace(old_ids, [records[n].pid for n in names], JOIN_TIMEOUT_S)
     finally:  # the old processes are gone either way: out of the group, on their behalf
-        _group.forget(names, others)
-        _group.release_stale_token()
+        _departures.forget(names, others)
+        _departures.release_stale_token()
         _states.left(names, [old[n][1] for n in names])  # what they owned is gone
 
     member = _group.current_kernel_membership()
@@ -135,7 +135,7 @@ def _run(cluster: Cluster, names: list[str]) -> Restarted:
     try:
         infos = joining.join(joining.places(names, new_ids), booted.device_maps, {})
     except BootError:
-        _group.forget_names(names)  # half joined: neither its name nor torch's token stay
+        _departures.forget_names(names)  # half joined: neither its name nor torch's token stay
         raise
     _states.rejoined([joining.record(name, infos[name]) for name in names])
     if booted.fast_path or booted.lanes:  # across hosts: every worker's peers, again

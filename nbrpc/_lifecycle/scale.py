@@ -13,7 +13,7 @@ restart); the shared memory and lanes, the clock offsets and the process group f
 
 A shrink, in order: the leavers (the highest ranks, or ``--remove``) finish their calls
 in flight (``force``: they are cancelled), let go of the RRefs they hold, and leave by
-torch's own leave; a leaver that cannot is dropped on its behalf (``_group.forget``).
+torch's own leave; a leaver that cannot is dropped on its behalf (``_departures.forget``).
 What they owned then fails with an error naming the worker and the scale; a call to
 them is an :class:`~nbrpc.UnknownWorkerError` that says when they left. Their engines
 stop (``EngineSource.shrink``).
@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol, TypedDict
 
-from nbrpc import _fence, _group, _states, _torch
+from nbrpc import _departures, _fence, _group, _states, _torch
 from nbrpc._engines import JOIN_TIMEOUT_S, Engines, worker
 from nbrpc._errors import ConfigError
 from nbrpc._gather import timeline
@@ -302,15 +302,21 @@ def _leave(
     for ar in asked:  # one that fails still leaves below; what it held goes with it
         with contextlib.suppress(Exception):
             ar.get(timeout=10)
+    failed: dict[str, str] = {}
     with native_output.quiet_stderr_while_leaving(live):
-        failed = engines.leave(live_ids, True, LEAVE_TIMEOUT_S)
+        # one at a time: torch's leave holds the group's token, and a leave that fails
+        # keeps it, so the next one waited for it until its timeout (measured: 30 s)
+        for eid in live_ids:
+            failed.update(engines.leave([eid], True, LEAVE_TIMEOUT_S))
+            if f"engine {eid}" in failed:
+                _departures.release_stale_token()
     gone = [r.name for r in leavers if r.name not in live or f"engine {r.engine_id}" in failed]
-    if gone:  # dead, or its leave failed: out of the group on its behalf
+    if gone:  # dead, or its leave failed: out of the group on its behalf, everywhere
         ready = [n for n in stayers if _states.state_of(n) is WorkerState.READY]
         try:
-            _group.forget(gone, ready)
+            _departures.tell_peers_left({r.name: r.rank for r in leavers if r.name in gone}, ready)
         finally:
-            _group.release_stale_token()
+            _departures.forget_names(gone)  # the kernel's table, torch's list and its token
     at = time.strftime("%H:%M:%S")
     _states.departed_at_scale(names, [r.rank for r in leavers], at)
     try:
@@ -334,7 +340,7 @@ def _grow(
     orders = free_orders({r.order for r in cluster.records}, count)
     reused = [name for name in new if name in _states.departed]
     if reused:  # their entries in torch's list of names, should one be left
-        _group.forget_names(reused)
+        _departures.forget_names(reused)
     progress = BootProgress(new, settings.progress)
 
     def registered(done: int, note: str = "") -> None:
@@ -352,16 +358,21 @@ def _grow(
     described: dict[int, dict] = {}
     joining = Joining(settings, engines, booted, member, None, progress)
     infos: dict[str, dict] = {}
+    places: dict[str, tuple[int, int]] = {}  # name -> (torch rank, engine id)
     try:
         engine_ids = engines.grow(count, hosts, registered)
         described = _describe(engines, engine_ids)
         joining.members = _admit(cluster, engine_ids)
-        joining.join(joining.places(new, engine_ids), booted.device_maps, {}, infos)
+        places = joining.places(new, engine_ids)
+        joining.join(places, booted.device_maps, {}, infos)
     except BaseException as exc:
-        unjoined = dict(zip(new, engine_ids, strict=False))  # name -> engine id, if taken
-        _clean_up_unjoined(cluster, unjoined, described, infos)
-        if infos:
+        taken = {  # name -> (its torch rank, if handed out; its engine), if one was taken
+            n: (places.get(n, (None, eid))[0], eid) for n, eid in zip(new, engine_ids, strict=False)
+        }
+        _clean_up_unjoined(cluster, taken, described, infos)
+        if infos:  # full members, as after a scale that ended: the group and ranks too
             _adopt(cluster, joining, infos, ordered, result)
+            _complete(cluster, pg, infos, joining, result)
         if isinstance(exc, KeyboardInterrupt):
             left_out = [name for name in new if name not in infos]
             print(
@@ -372,9 +383,22 @@ def _grow(
             )
         raise
     _adopt(cluster, joining, infos, ordered, result)
+    _complete(cluster, pg, infos, joining, result)
+
+
+def _complete(
+    cluster: Cluster,
+    pg: collective.ProcessGroupInfo | None,
+    joined: dict[str, dict],
+    joining: Joining,
+    result: Scaled,
+) -> None:
+    """After the new workers ``joined``: the process group made again with them, and every
+    worker told the ranks."""
     if pg:
-        collective.destroy(pg, [r.name for r in cluster.records[1:] if r.name not in infos])
-        booted.process_group = None
+        old = [r.name for r in cluster.records[1:] if r.name not in joined]
+        collective.destroy(pg, old)
+        cluster.booted.process_group = None
         _rebuild_process_group(cluster, pg, result, joining)
     _tell_ranks(cluster)
 
@@ -456,27 +480,30 @@ def _adopt(
 
 def _clean_up_unjoined(
     cluster: Cluster,
-    taken: dict[str, int],
+    taken: dict[str, tuple[int | None, int]],
     described: dict[int, dict],
     infos: dict[str, dict],
 ) -> None:
     """After a grow that failed or was stopped: the workers that did not join are out of
     the group (joined half way or not at all) and the engines taken for them stop
-    (``taken``: name -> engine id; ``described``: their pids, where known)."""
+    (``taken``: name -> (its torch rank, if handed out; its engine id); ``described``:
+    their pids, where known)."""
     booted, engines = cluster.booted, cluster.engines
     missing = [name for name in taken if name not in infos]
     if not missing:
         return
     _states.leaving(missing)
-    ids = [taken[name] for name in missing]
+    ids = [taken[name][1] for name in missing]
     try:
         engines.shrink(ids, [described[eid]["pid"] for eid in ids if eid in described])
     finally:
         stayers = [r.name for r in cluster.records[1:] if r.state is WorkerState.READY]
-        try:
-            _group.forget(missing, stayers)
+        stayers += list(infos)  # those that joined (adopted next) heard of the others too
+        ranked = {name: rank for name in missing if (rank := taken[name][0]) is not None}
+        try:  # a join that got as far as telling the members: they forget it
+            _departures.tell_peers_left(ranked, stayers)
         finally:
-            _group.forget_names(missing)
+            _departures.forget_names(missing)
             for name in missing:
                 booted.engine_of.pop(name, None)
 
