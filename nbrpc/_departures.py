@@ -35,9 +35,7 @@ def forget(dead: list[str], live: list[str]) -> None:
         if info is None:
             continue
         for peer in live:
-            _torch.rpc_sync(
-                peer, _torch.update_group_membership, args=(info, [], {}, False), timeout=10
-            )
+            _tell_left(peer, info)
         _torch.forget_locally(info)
         _remove_from_member_list(agent.store, info.name, info.id)
 
@@ -53,9 +51,12 @@ def tell_peers_left(ranks: dict[str, int], live: list[str]) -> None:
         info = rpc.WorkerInfo(name, rank)
         for peer in live:
             with contextlib.suppress(Exception):  # a peer that died meanwhile
-                _torch.rpc_sync(
-                    peer, _torch.update_group_membership, args=(info, [], {}, False), timeout=10
-                )
+                _tell_left(peer, info)
+
+
+def _tell_left(peer: str, info: rpc.WorkerInfo) -> None:
+    """The message torch's own leave sends each member: ``info`` left the group."""
+    _torch.rpc_sync(peer, _torch.update_group_membership, args=(info, [], {}, False), timeout=10)
 
 
 def forget_names(names: list[str]) -> None:

@@ -163,6 +163,18 @@ class Controller:
         the controller stays up (:meth:`release` stops it)."""
         raise NotImplementedError
 
+    def ask_to_exit(self, engine_ids: list[int]) -> None:
+        """Ask the engines of ``engine_ids`` that ipyparallel still lists to exit (a
+        retire's, a shrink's); their exit is waited for, or forced, by the caller."""
+        if self._client is None or not engine_ids:
+            return
+        live = [i for i in engine_ids if i in self._client.ids]
+        if live:
+            try:  # not block=True: it would wait forever for a dead engine's reply
+                self._client.shutdown(targets=live, hub=False, block=False)
+            except Exception as exc:
+                log.warning("asking engines to exit: %s", exc)
+
     def client(self) -> Any:
         """The ipyparallel client, connected once the controller is up."""
         if self._client is None:

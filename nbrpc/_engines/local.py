@@ -300,13 +300,7 @@ class LocalController(Controller):
         """Stop engines a cluster used: ask them to exit, then signal what is left."""
         if not engine_ids and not pids:
             return
-        if self._client is not None and engine_ids:
-            live = [i for i in engine_ids if i in self._client.ids]
-            if live:
-                try:  # not block=True: it would wait forever for a dead engine's reply
-                    self._client.shutdown(targets=live, hub=False, block=False)
-                except Exception as exc:
-                    log.warning("asking engines to exit: %s", exc)
+        self.ask_to_exit(engine_ids)
         deadline = time.monotonic() + controller.ENGINE_EXIT_WAIT_S
         while time.monotonic() < deadline and any(process_alive(p) for p in pids):
             time.sleep(0.02)

@@ -363,11 +363,7 @@ class SlurmController(Controller):
     def shrink(self, engine_ids: list[int]) -> None:
         """Stop engines whose workers left; a job (or step) none of whose engines is left
         is cancelled."""
-        if self._client is not None:
-            live = [i for i in engine_ids if i in self._client.ids]
-            if live:
-                with contextlib.suppress(Exception):
-                    self._client.shutdown(targets=live, hub=False, block=False)
+        self.ask_to_exit(engine_ids)
         self._retired.update(engine_ids)
         for batch in list(self._batches):
             if batch[2] and batch[2] <= self._retired:
@@ -472,11 +468,7 @@ class SlurmController(Controller):
     def retire(self, engine_ids: list[int], pids: list[int]) -> None:
         """Stop the engines (ask ipyparallel), then cancel the job: nothing of ours stays
         in ``squeue``, no engine on any node (``pids`` are the nodes': Slurm stops them)."""
-        if self._client is not None and engine_ids:
-            live = [i for i in engine_ids if i in self._client.ids]
-            if live:
-                with contextlib.suppress(Exception):
-                    self._client.shutdown(targets=live, hub=False, block=False)
+        self.ask_to_exit(engine_ids)
         self.cancel()
 
     def release(self) -> None:

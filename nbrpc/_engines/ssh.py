@@ -343,11 +343,7 @@ class HostController(Controller):
 
     def forget(self, engine_ids: list[int], pids: list[int]) -> None:
         """Stop some engines (a shrink): asked to exit, killed on their hosts if not."""
-        if self._client is not None:
-            live = [i for i in engine_ids if i in self._client.ids]
-            if live:
-                with contextlib.suppress(Exception):
-                    self._client.shutdown(targets=live, hub=False, block=False)
+        self.ask_to_exit(engine_ids)
         entries = [self.entry_of.pop(eid, "") for eid in engine_ids]
         self._retired.update(engine_ids)
         deadline = time.monotonic() + controller.ENGINE_EXIT_WAIT_S
@@ -377,11 +373,7 @@ class HostController(Controller):
     def retire(self, engine_ids: list[int], pids: list[int]) -> None:
         """Stop the engines (ask, then kill what is left on each host: the pids its
         launchers know) and remove the run's files there."""
-        if self._client is not None and engine_ids:
-            live = [i for i in engine_ids if i in self._client.ids]
-            if live:
-                with contextlib.suppress(Exception):
-                    self._client.shutdown(targets=live, hub=False, block=False)
+        self.ask_to_exit(engine_ids)
         deadline = time.monotonic() + controller.ENGINE_EXIT_WAIT_S
         by_host = {la.location: la for la in self._launchers}
         on_host = {h: [la.pid for la in self._launchers if la.location == h] for h in by_host}

@@ -30,8 +30,9 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, TypedDict
+from typing import Any, Protocol, TypedDict
 
 from nbrpc import _departures, _fence, _group, _states, _torch
 from nbrpc._engines import JOIN_TIMEOUT_S, Engines, worker
@@ -127,7 +128,7 @@ def run(
     """Take ``cluster`` to ``n`` workers, or without the workers ``remove`` (see the
     module doc). Bad input is a :class:`ConfigError` before anything changes."""
     t0 = time.monotonic()
-    workers = [r for r in cluster.records[1:]]
+    workers = cluster.records[1:]
     leavers, count = check(cluster, workers, n, remove or [], names, hosts)
     result = Scaled()
     if leavers:
@@ -214,10 +215,7 @@ def _shrink(cluster: Cluster, leavers: list[WorkerRecord], force: bool, result: 
     live = [r.name for r in leavers if r.state is WorkerState.READY]
     pg = booted.process_group
     if pg:  # every member leaves it: it is made again among the stayers below
-        collective.destroy(
-            pg, [r.name for r in cluster.records[1:] if r.state is WorkerState.READY]
-        )
-        booted.process_group = None
+        _destroy_group(cluster, pg)
     _states.leaving(names, LEFT_MID_CALL)
     _expect_leaving(stayers, names)
     try:
@@ -243,14 +241,7 @@ def _shrink(cluster: Cluster, leavers: list[WorkerRecord], force: bool, result: 
 def _expect_leaving(stayers: list[str], names: list[str]) -> None:
     """The workers that stay drop torch's line about the leavers' closed connections, as
     the kernel does (``native_output.expected``)."""
-    futures = [
-        _torch.rpc_async(name, native_output.expect_leaving, args=(names,), timeout=5)
-        for name in stayers
-        if _states.state_of(name) is WorkerState.READY
-    ]
-    for fut in futures:
-        with contextlib.suppress(Exception):
-            fut.wait()
+    _tell_ready(stayers, native_output.expect_leaving, names, 5.0)
 
 
 def _wait_for_calls(aside: Aside, names: list[str]) -> None:
@@ -396,9 +387,7 @@ def _complete(
     """After the new workers ``joined``: the process group made again with them, and every
     worker told the ranks."""
     if pg:
-        old = [r.name for r in cluster.records[1:] if r.name not in joined]
-        collective.destroy(pg, old)
-        cluster.booted.process_group = None
+        _destroy_group(cluster, pg, joined)
         _rebuild_process_group(cluster, pg, result, joining)
     _tell_ranks(cluster)
 
@@ -542,11 +531,31 @@ def _tell_ranks(cluster: Cluster) -> None:
     """Every worker learns the ranks as they are now (``nbrpc.rank()`` asks the kernel
     once, then keeps what it was told)."""
     order = {r.name: r.order for r in cluster.records}
+    _tell_ready([r.name for r in cluster.records[1:]], set_order, order, ORDER_TIMEOUT_S)
+
+
+def _tell_ready(names: list[str], func: Callable[[Any], None], arg: Any, timeout: float) -> None:
+    """``func(arg)`` in each of ``names`` that is ready, all at once; a worker that died
+    meanwhile is left out (its calls say so)."""
     futures = [
-        _torch.rpc_async(r.name, set_order, args=(order,), timeout=ORDER_TIMEOUT_S)
-        for r in cluster.records[1:]
-        if r.state is WorkerState.READY
+        _torch.rpc_async(name, func, args=(arg,), timeout=timeout)
+        for name in names
+        if _states.state_of(name) is WorkerState.READY
     ]
-    for fut in futures:  # a worker that died meanwhile: its calls say so
+    for fut in futures:
         with contextlib.suppress(Exception):
             fut.wait()
+
+
+def _destroy_group(
+    cluster: Cluster, pg: collective.ProcessGroupInfo, joined: dict[str, dict] | None = None
+) -> None:
+    """Every ready member leaves the process group (the ``joined`` workers of a grow are
+    not members yet); it is made again afterwards (:func:`_rebuild_process_group`)."""
+    ready = [
+        r.name
+        for r in cluster.records[1:]
+        if r.state is WorkerState.READY and r.name not in (joined or {})
+    ]
+    collective.destroy(pg, ready)
+    cluster.booted.process_group = None
