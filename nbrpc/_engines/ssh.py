@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import json
 import logging
 import os
 import shlex
@@ -76,6 +77,23 @@ def _ssh(
     return out.stdout
 
 
+def _written(path: str, timeout: float = 10.0) -> bytes:
+    """The controller's connection file once it is whole. The controller writes it in
+    place (``json.dump`` into the open file): a read as soon as it existed once sent an
+    engine an empty file, which it failed to parse (seen in a full run of the suite)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+            json.loads(data)
+            return data
+        except (OSError, ValueError):
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.05)
+
+
 class HostEngineLauncher(SSHEngineLauncher):
     """ipyparallel's SSH engine launcher, one ssh session per step (see the module doc)."""
 
@@ -86,11 +104,7 @@ class HostEngineLauncher(SSHEngineLauncher):
             self.user = user
         files = []
         for local, remote in self.to_send:
-            deadline = time.monotonic() + 10
-            while not os.path.exists(local) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            with open(local, "rb") as f:
-                data = base64.b64encode(f.read()).decode()
+            data = base64.b64encode(_written(local)).decode()
             files.append(f"echo {data} | base64 -d > {shlex.quote(remote)}")
         env = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in self.get_env().items())
         cmd = shlex.join(self.program + self.program_args)
