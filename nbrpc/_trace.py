@@ -148,6 +148,20 @@ def local_graph(context_id: int) -> dict[str, Any]:
     }
 
 
+def local_shape(context_id: int) -> tuple:
+    """This process's part of the backward graph as a hashable shape, found without any
+    RPC: each node's function, kind and (for a message) the worker that sent it, the
+    edges, the workers the context reached. Two passes of one training loop have the same
+    shape; message ids and tensors do not enter it."""
+    nodes, _index, edges, kinds = _walk(context_id)
+    described = []
+    for fn in nodes:
+        kind, mid = kinds[id(fn)]
+        described.append((fn.name(), kind, None if mid is None else mid >> 48))
+    known = tuple(sorted(_torch.autograd_known_workers(context_id)))
+    return tuple(described), tuple(edges), known
+
+
 def instrument(context_id: int) -> list[int]:
     """Runs on each worker before backward: hooks that time every node. Returns peers."""
     nodes, _index, _edges, _kinds = _walk(context_id)

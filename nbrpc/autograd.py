@@ -10,6 +10,7 @@ Plain ``torch.distributed.autograd`` keeps working alongside.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +31,8 @@ __all__ = [
 ]
 
 context = dist_autograd.context
+#: ``backward(..., check=EVERY_PASS)``: the whole check on every pass, not once per shape
+EVERY_PASS = "every pass"
 
 
 def current_context_id() -> int:
@@ -60,7 +63,7 @@ def backward(
     retain_graph: bool = False,
     *,
     timed: bool = False,
-    check: bool = True,
+    check: bool | str = True,
 ) -> None:
     """Run the backward pass across workers from scalar ``roots``.
 
@@ -69,10 +72,16 @@ def backward(
     every node of every worker taking part (one RPC round), so that
     :func:`nbrpc.trace_backward` reports when each function ran.
 
-    ``check=True`` (default) first looks at the graph on every worker taking part (one
-    RPC round per hop distance) and refuses, with the reason, a backward pass that torch
-    would never finish: one where a tensor sent by RPC inside the context (an argument or
-    a result) does not lead to the loss. ``check=False`` skips that round in hot loops.
+    ``check=True`` (default) refuses, with the reason, a backward pass that torch would
+    never finish: one where a tensor sent by RPC inside the context (an argument or a
+    result) does not lead to the loss. It looks at the graph on every worker taking part
+    (one RPC round per hop distance) the first time a graph of its shape comes; a later
+    pass whose part in this process has the same shape (the same functions, edges,
+    messages from the same workers, the same workers reached) is let through without
+    that round. What that assumes: a worker's part of the graph follows from what this
+    process sent it, as in a training loop; a worker whose part changes from pass to
+    pass on its own (a branch on its own state that leaves a result unused) is checked
+    on every pass with ``check="every pass"``. ``check=False`` checks nothing.
     """
     if roots is None:
         roots, context_id = context_id, current_context_id()  # type: ignore[assignment]
@@ -82,8 +91,10 @@ def backward(
     check_context(context_id, "backward")
     roots = list(roots)  # type: ignore[arg-type]
     _trace.remember_roots(context_id, roots)
+    if check not in (True, False, EVERY_PASS):
+        raise ValueError(f"check={check!r}: write True, False or {EVERY_PASS!r}")
     if check:
-        _refuse_hang(context_id)
+        _refuse_hang(context_id, every_pass=check == EVERY_PASS)
     if timed:
         _trace.instrument_all(context_id)
     _torch.dist_backward(context_id, roots, retain_graph)
@@ -107,10 +118,28 @@ def _torchs_backward(context_id: int, roots: list, retain_graph: bool = False) -
     _torch.dist_backward(context_id, roots, retain_graph)
 
 
-def _refuse_hang(context_id: int) -> None:
+#: graph shapes (:func:`nbrpc._trace.local_shape`) whose whole check found no hang
+_passed: dict[tuple, None] = {}
+_SHAPES_KEPT = 64
+_passed_lock = threading.Lock()
+
+
+def _refuse_hang(context_id: int, every_pass: bool = False) -> None:
+    """Refuse a backward pass torch would never finish (see :func:`backward`). The whole
+    check asks every worker taking part for its part of the graph (one RPC round per hop
+    distance); a pass whose part here has the shape of one that passed it before is let
+    through without asking (``every_pass``: ask anyway)."""
+    shape = None if every_pass else _trace.local_shape(context_id)
+    if shape is not None and shape in _passed:
+        return
     trace = _trace.trace_backward(context_id)
     stuck = _trace.never_reached(trace)
     if not stuck:
+        if shape is not None:
+            with _passed_lock:
+                _passed[shape] = None
+                while len(_passed) > _SHAPES_KEPT:
+                    del _passed[next(iter(_passed))]
         return
     receiver = {e["dst"]: e["src"].split("/")[0] for e in trace["edges"] if e["kind"] == "rpc"}
     pairs = ", ".join(

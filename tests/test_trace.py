@@ -216,6 +216,92 @@ def test_unused_rpc_result_is_refused_instead_of_hanging(cell):
         assert autograd.get_gradients(ctx)[x].shape == x.shape
 
 
+SOMETIMES_UNUSED = """
+import torch
+import torch.distributed.rpc as rpc
+
+class Sometimes(torch.nn.Module):
+    \"\"\"A stage whose part of the graph changes on its own: once told to, it also asks
+    worker2 for a result it leaves unused (a hang the kernel's side cannot show).\"\"\"
+    def __init__(self, helper):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3).double()
+        self.helper, self.stray = helper, False
+    def forward(self, x):
+        if self.stray:
+            _unused = self.helper.rpc_sync().forward(x)
+        return torch.tanh(self.lin(x))
+    def go_astray(self):
+        self.stray = True
+"""
+
+
+@pytest.fixture
+def whole_checks(monkeypatch):
+    """The whole checks the kernel runs (each asks every worker taking part)."""
+    from nbrpc import _trace
+
+    counted = []
+    real = _trace.trace_backward
+
+    def counting(context_id):
+        counted.append(context_id)
+        return real(context_id)
+
+    monkeypatch.setattr(_trace, "trace_backward", counting)
+    return counted
+
+
+def test_the_check_asks_the_workers_once_per_shape_of_graph(cell, whole_checks):
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    s1 = nbrpc.remote("worker1", cell.Stage, args=(1, 3, 3))
+    s2 = nbrpc.remote("worker2", cell.Stage, args=(2, 3, 3))
+    grads = []
+    for _ in range(3):  # a training loop: one shape, asked once
+        with autograd.context() as ctx:
+            autograd.backward(ctx, [s2.rpc_sync().forward(s1.rpc_sync().forward(x)).sum()])
+            grads.append(autograd.get_gradients(ctx)[x])
+    assert len(whole_checks) == 1, whole_checks
+    t1, t2 = cell.Stage(1, 3, 3), cell.Stage(2, 3, 3)
+    local_x = x.detach().clone().requires_grad_()
+    t2(t1(local_x)).sum().backward()
+    for got in grads:  # every pass, checked or not, computed the same gradient
+        assert torch.allclose(got, local_x.grad)
+    with autograd.context() as ctx:  # another shape: one stage only
+        autograd.backward(ctx, [s1.rpc_sync().forward(x).sum()])
+    assert len(whole_checks) == 2
+    with autograd.context() as ctx:  # the same shape with an unused result: asked, refused
+        used = s1.rpc_sync().forward(x)
+        _unused = s2.rpc_sync().forward(x)
+        with pytest.raises(autograd.AutogradContextError, match=r"would wait forever.*worker2"):
+            autograd.backward(ctx, [used.sum()])
+    assert len(whole_checks) == 3
+    with autograd.context() as ctx:  # a refused shape is asked again, and again refused
+        used = s1.rpc_sync().forward(x)
+        _unused = s2.rpc_sync().forward(x)
+        with pytest.raises(autograd.AutogradContextError, match=r"would wait forever"):
+            autograd.backward(ctx, [used.sum()])
+    assert len(whole_checks) == 4
+    with pytest.raises(ValueError, match="check='sometimes'"), autograd.context() as ctx:
+        autograd.backward(ctx, [s1.rpc_sync().forward(x).sum()], check="sometimes")
+
+
+def test_check_every_pass_sees_a_worker_whose_part_changed_on_its_own(whole_checks):
+    code = notebook_code(STAGE_CELL + SOMETIMES_UNUSED)
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    helper = nbrpc.remote("worker2", code.Stage, args=(2, 3, 3))
+    stage = nbrpc.remote("worker1", code.Sometimes, args=(helper,))
+    for _ in range(2):
+        with autograd.context() as ctx:
+            autograd.backward(ctx, [stage.rpc_sync().forward(x).sum()], check=autograd.EVERY_PASS)
+    assert len(whole_checks) == 2  # asked on every pass
+    stage.rpc_sync().go_astray()  # the kernel's part stays the same shape
+    with autograd.context() as ctx:
+        loss = stage.rpc_sync().forward(x).sum()
+        with pytest.raises(autograd.AutogradContextError, match=r"would wait forever.*worker1"):
+            autograd.backward(ctx, [loss], check="every pass")
+
+
 UNUSED_ON_A_WORKER = """
 import torch.distributed.autograd as dist_autograd
 
