@@ -113,7 +113,7 @@ def fast_path(
     """On the kernel, once the workers ``names`` joined: shared memory for large tensors
     with them (across hosts: host by host, and ``names`` are then every worker, whose
     peers are worked out again); in a local cluster on loopback, lanes for small calls
-    when ``lanes_asked`` (the settings ask for them and for no device maps)."""
+    when ``lanes_asked`` (the settings ask for them)."""
     if remote:
         peers = shm.set_up_by_host(prefix, threshold, kernel_name, names)
         done = FastPath(any(peers.values()), shm_peers=peers)

@@ -48,6 +48,9 @@ def own_rref(x):
 def not_picklable():
     return threading.Lock()
 
+def on_meta(n):
+    return torch.empty(n, device="meta")  # a tensor on a device, as a CUDA one is
+
 @rpc.functions.async_execution
 def later(x):
     fut = torch.futures.Future()
@@ -253,6 +256,40 @@ def test_a_reply_the_lane_cannot_carry_is_fetched_through_tensorpipe(cluster, co
     with pytest.raises(nbrpc.SerializationError, match="cannot send a lock back from worker1"):
         nbrpc.rpc_sync("worker1", code.not_picklable)
     assert nbrpc.rpc_sync("worker1", code.echo, args=(5,)) == 5
+
+
+def test_a_call_answering_with_a_device_tensor_takes_tensorpipe_after_its_first_reply(
+    cluster, code
+):
+    """What a GPU cluster's lanes do with CUDA tensors, on any machine ("meta" is a device
+    too): one among the arguments sends the call through TensorPipe; a reply holding one
+    is fetched through TensorPipe, and the function's later calls to that worker skip the
+    lane. Without a device map TensorPipe refuses both, in torch's words, as it would
+    with no lanes at all."""
+    said = []
+    with nbrpc.record() as rec:
+        for _ in range(2):
+            with pytest.raises(Exception, match="only supports CPU tensors") as caught:
+                nbrpc.rpc_sync("worker1", code.on_meta, args=(2,), timeout=30)
+            said.append((type(caught.value), str(caught.value).splitlines()[0]))
+        with pytest.raises(Exception, match="only supports CPU tensors"):
+            nbrpc.rpc_sync("worker1", code.echo, args=(torch.empty(1, device="meta"),), timeout=30)
+        assert nbrpc.rpc_sync("worker1", code.echo, args=(7,)) == 7  # the lane still serves
+    lanes.pause(True)
+    try:  # without lanes: the same error
+        with pytest.raises(Exception, match="only supports CPU tensors") as caught:
+            nbrpc.rpc_sync("worker1", code.on_meta, args=(2,), timeout=30)
+    finally:
+        lanes.pause(False)
+    assert said[0] == said[1] == (type(caught.value), str(caught.value).splitlines()[0])
+    routes = [(r["function"], r["route"]) for r in rec.calls if r["caller"] != "worker1"]
+    assert [r for r in routes if r[0] == "on_meta"] == [
+        ("on_meta", "lane"),  # the call went by lane; its reply could not
+        ("on_meta", "tensorpipe"),  # remembered: no lane round first
+    ], routes
+    # the call with a device's tensor did not take the lane (TensorPipe refused to send
+    # it, so it left no row); the plain call after it did
+    assert [r for r in routes if r[0] == "echo"] == [("echo", "lane")], routes
 
 
 def test_a_timeout_on_a_lane_is_nbrpcs_and_the_next_call_takes_a_new_lane(cluster, code):

@@ -272,7 +272,7 @@ def rpc_sync(
             value, error = failures.returned(reply.got)
         else:
             call = Sent(dest.name, func, limit, timeout)
-            value, error, resend = _outcome(reply, sent, call)
+            value, error, resend = _outcome(reply, dest, sent, call)
             if resend is not None:
                 value, error = _sync_through_torch(dest, resend, call)
     if error is not None:
@@ -287,14 +287,19 @@ def _sync_through_torch(dest: WorkerInfo, sent: tuple, call: Sent) -> tuple[Any,
     return failures.outcome(raw, call.translate)
 
 
-def _outcome(reply: lanes.Reply | None, sent: tuple, call: Sent) -> tuple[Any, Any, tuple | None]:
+def _outcome(
+    reply: lanes.Reply | None, dest: WorkerInfo, sent: tuple, call: Sent
+) -> tuple[Any, Any, tuple | None]:
     """A lane's reply (None: the call's time ran out) as ``(value, error, None)``, or as
     ``(None, None, the call TensorPipe carries instead)``: the reply the callee kept, or
-    the call again (the callee could not unpickle it)."""
+    the call again (the callee could not unpickle it). A reply kept because it holds a
+    CUDA tensor sends the function's later calls to ``dest`` through TensorPipe."""
     if reply is None:
         return None, call.expired(), None
     if reply.lost is not None:
         return None, call.translate(reply.lost), None
+    if reply.kind == lanes.ON_DEVICE:
+        lanes.answered_on_device(dest, sent[0])
     resend = reply.through_torch(sent)
     if resend is not None:
         return None, None, resend
@@ -379,7 +384,7 @@ def _settle_from_lane(
 ) -> None:
     """Finish ``out`` with a lane's reply (on the lane's reader thread, or the caller's
     when the lane was lost as the call left)."""
-    value, error, resend = _outcome(reply, sent, call)
+    value, error, resend = _outcome(reply, dest, sent, call)
     if resend is None:
         failures.complete(out, value, error)
     else:  # fetched, or sent again, through TensorPipe (no wait on this thread)

@@ -288,7 +288,8 @@ class Joining:
 
     def set_up_fast_path(self, names: list[str]) -> None:
         """The workers ``names``' shared memory and lanes (:func:`nbrpc._setup.fast_path`;
-        not lanes with device maps: CUDA calls need torch's), kept in the boot's record."""
+        with device maps too: a call holding a CUDA tensor takes TensorPipe, the route
+        says), kept in the boot's record."""
         settings, booted = self.settings, self.booted
         done = _setup.fast_path(
             segment_prefix(os.getpid()),
@@ -297,7 +298,7 @@ class Joining:
             names,
             remote=self.engines.source.remote,
             loopback=self.member.spec.loopback_only,
-            lanes_asked=settings.fast_calls and not settings.wants_devices,
+            lanes_asked=settings.fast_calls,
             threads=settings.num_worker_threads,
         )
         booted.fast_path = done.shm

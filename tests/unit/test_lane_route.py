@@ -8,6 +8,7 @@ needs one starts one, ``conftest.ensure_cluster``)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import tempfile
 import threading
 from types import SimpleNamespace
@@ -28,6 +29,10 @@ def add(a, b):
 
 def grad_tensor():
     return torch.ones(2, requires_grad=True)  # a lane does not carry it: kept for take()
+
+
+def on_device():
+    return torch.empty(2, device="meta")  # a tensor on a device, as a CUDA one is
 
 
 @rpc.functions.async_execution
@@ -122,6 +127,9 @@ def test_paused_lanes_and_a_lost_lane(me):
         (add, (torch.ones(1 << 15), 1), lanes.Why.NOT_LANE),  # 128 KB: not a lane's
         (add, (lambda: None, threading.Lock()), lanes.Why.NOT_LANE),  # does not pickle
         (later, (1,), lanes.Why.ASYNC_EXECUTION),
+        # a device's tensor (CUDA's on a GPU cluster; "meta" is one on any machine)
+        (add, (torch.empty(2, device="meta"), 1), lanes.Why.ON_DEVICE),
+        (add, ({"x": [torch.ones(1), torch.empty(1, device="meta")]}, 1), lanes.Why.ON_DEVICE),
     ],
 )
 def test_what_a_call_carries_can_rule_a_lane_out(me, call, args, why):
@@ -134,3 +142,42 @@ def test_a_peer_with_no_listener_has_no_lane(me):
     nobody = SimpleNamespace(id=7, name="nobody")
     assert lanes.route(nobody, add, (1, 2), None, main=True).why is lanes.Why.NO_LANE
     assert lanes.route(nobody, add, (1, 2), None, main=False).why is lanes.Why.NO_LANE
+
+
+def test_a_reply_on_a_device_is_fetched_and_the_function_takes_torch_from_then_on(me):
+    """On a GPU cluster: a call that holds no CUDA tensor takes a lane; a reply that holds
+    one is kept and fetched through TensorPipe (device maps applied there), and the
+    function's later calls to that worker skip the lane round."""
+    route = lanes.route(me, on_device, (), None, main=True)
+    assert route.lane is not None  # its arguments hold no device's tensor
+    reply = route.lane.ask(route.payload, 5.0, wait)
+    assert reply.kind == lanes.ON_DEVICE
+    func, args, _ = reply.through_torch(("sent",))
+    assert func is take
+    kept = take(*args)
+    assert kept.device.type == "meta"
+    lanes.answered_on_device(me, on_device)  # what the facade does with such a reply
+    again = lanes.route(me, on_device, (), None, main=True)
+    assert again.lane is None
+    assert again.why is lanes.Why.ANSWERS_ON_DEVICE
+    assert lanes.route(me, add, (1, 2), None, main=True).lane is not None  # others: lanes
+    elsewhere = SimpleNamespace(id=5, name="elsewhere")  # the same function, another worker
+    assert lanes.route(elsewhere, on_device, (), None, main=True).why is lanes.Why.NO_LANE
+
+
+def test_the_functions_remembered_as_answering_on_a_device_are_bounded(me):
+    from nbrpc._wire.lanes import caller
+
+    made = [lambda i=i: i for i in range(caller.ON_DEVICE_KEPT + 3)]
+    for func in made:
+        lanes.answered_on_device(me, func)
+    assert lanes.route(me, made[0], (), None, main=True).lane is not None  # forgotten first
+    assert lanes.route(me, made[-1], (), None, main=True).why is lanes.Why.ANSWERS_ON_DEVICE
+    lanes.close()
+    lanes_dir = tempfile.mkdtemp(prefix="lanes-", dir="/tmp")
+    assert lanes.open_here(lanes_dir, threads=2)
+    try:  # a closed cluster's memory goes with its lanes
+        assert lanes.route(me, made[-1], (), None, main=True).lane is not None
+    finally:
+        lanes.close()
+        os.rmdir(lanes_dir)

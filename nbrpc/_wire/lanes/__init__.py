@@ -10,7 +10,8 @@ What takes a lane (decided per call by the caller, :func:`~.caller.route`, whose
 when a call takes none; anything else goes through TensorPipe as before, unchanged):
 
 * ``rpc_sync`` / ``rpc_async`` of a Python function or builtin, from a process of a local
-  cluster started with lanes on (``--no-fast-calls`` turns them off);
+  cluster started with lanes on (``--no-fast-calls`` turns them off), with device maps or
+  without;
 * whose arguments pickle with no RRef (torch must fork it), no tensor that is not a plain
   dense CPU tensor without ``requires_grad``, and tensor storages of
   :data:`nbrpc._wire.pickling.LANE_TENSOR_BYTES` together at most (larger ones take the
@@ -25,7 +26,11 @@ The callee runs the call in :func:`nbrpc._wire.callee.run_function`, as TensorPi
 calls are run: the same output forwarding, failures with their traceback, recording,
 stack labels and counts. A reply that cannot take the lane (it holds an RRef, a CUDA or
 large tensor, or does not pickle) is kept by the callee and fetched by the caller through
-TensorPipe (:func:`.callee.take`): torch's own path, with torch's behaviour. A request the callee
+TensorPipe (:func:`.callee.take`): torch's own path, with torch's behaviour. On a GPU
+cluster lanes carry the calls that hold no CUDA tensor; a CUDA tensor among the arguments
+goes through TensorPipe (its device maps place it), and a function whose reply from a
+worker held one is sent there through TensorPipe from then on
+(:func:`.caller.answered_on_device`). A request the callee
 cannot unpickle (a function it cannot import) is sent again through TensorPipe, unrun, so
 its error is the one TensorPipe gives.
 
@@ -54,6 +59,7 @@ from .caller import (
     Reply as Reply,
     Route as Route,
     Why as Why,
+    answered_on_device as answered_on_device,
     in_flight as in_flight,
     route as route,
 )
@@ -64,4 +70,9 @@ from .setup import (
     pause as pause,
     set_up as set_up,
 )
-from .state import VALUE as VALUE, LaneLost as LaneLost, socket_path as socket_path
+from .state import (
+    ON_DEVICE as ON_DEVICE,
+    VALUE as VALUE,
+    LaneLost as LaneLost,
+    socket_path as socket_path,
+)

@@ -14,13 +14,15 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from nbrpc import _torch
 from nbrpc._wire import recording, same_user
 from nbrpc._wire.callee import run_function, serve_lanes_here
 
 from . import messages
 from .frames import FRAME, Frames, Outbox
-from .state import CALLS, FETCH, INLINE, RETRY, VALUE, here, shut
+from .state import CALLS, FETCH, INLINE, ON_DEVICE, RETRY, VALUE, here, shut
 
 
 def accept(listener: socket.socket) -> None:
@@ -87,11 +89,15 @@ def run(answer: Callable[[bytes], Any], call: int, payload: bytes) -> None:
     try:
         reply = messages.lane_dumps(result)
         kind = VALUE
-    except Exception:  # an RRef, a CUDA or large tensor, or no pickle: TensorPipe takes it
+    except Exception as exc:  # an RRef, a CUDA or large tensor, or no pickle: TensorPipe takes it
+        made = None
+        kind = FETCH
+        if isinstance(exc, messages.OnDevice):
+            kind, made = ON_DEVICE, _made_on(exc.device)
         with here.lock:
             key = next(here.held_ids)
-            here.held[key] = result, row
-        reply, kind = key.to_bytes(8, "little"), FETCH
+            here.held[key] = result, row, made
+        reply = key.to_bytes(8, "little")
     del result, udf
     answer(FRAME.pack(call, len(reply), kind) + reply)
 
@@ -100,10 +106,26 @@ def _ignore(exc: Any) -> None:
     """A reply could not be sent: the caller went away, nothing waits for it."""
 
 
+def _made_on(device: Any) -> Any:
+    """Where a reply's CUDA tensor is being made: an event on this thread's stream of its
+    device, recorded now (None for other devices). :func:`take` runs on one of torch's RPC
+    threads, whose streams TensorPipe orders the reply after, not this one's."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return device, event
+
+
 def take(key: int) -> Any:
     """Called through TensorPipe by a caller: a reply kept because it could not take the
-    lane (:func:`run`), sent now with torch's pickling."""
+    lane (:func:`run`), sent now with torch's pickling. A CUDA tensor's stream work on
+    the lane's thread comes first: this thread's stream waits for it, and TensorPipe's
+    CUDA-aware reply waits for this stream, as for a call that ran on its thread."""
     with here.lock:
-        result, row = here.held.pop(key)
+        result, row, made = here.held.pop(key)
+    if made is not None:
+        device, event = made
+        torch.cuda.current_stream(device).wait_event(event)
     recording.reply_here(result, row)  # a recorded call's row counts the reply's bytes
     return result

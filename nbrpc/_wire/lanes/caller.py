@@ -29,6 +29,7 @@ from .frames import FRAME, Frames, Outbox
 from .state import (
     FETCH,
     INLINE,
+    ON_DEVICE,
     POOLED,
     REPLIES,
     RETRY,
@@ -45,7 +46,9 @@ MAIN_SLICE_S = 0.1
 _MAIN_SLICE = struct.pack("ll", 0, int(MAIN_SLICE_S * 1e6))  # a struct timeval
 #: the main thread's wait: ``wait(one_slice, limit)`` is False if ``limit`` passed first
 Waiter = Callable[[Callable[[], bool], float], bool]
-LOST = 6  # a Reply's kind, here only: the lane closed before the reply came
+LOST = 9  # a Reply's kind, here only: the lane closed before the reply came
+#: calls remembered as answering with a tensor on a device (then forgotten, oldest first)
+ON_DEVICE_KEPT = 256
 
 
 class Why(enum.Enum):
@@ -60,6 +63,11 @@ class Why(enum.Enum):
     PROFILER = "torch's profiler records (it records the RPC)"
     AUTOGRAD = "it is made inside a distributed autograd context"
     NOT_LANE = "its arguments hold an RRef or a tensor a lane does not carry, or do not pickle"
+    ON_DEVICE = "its arguments hold a tensor on a device (CUDA): the device maps place it"
+    ANSWERS_ON_DEVICE = (
+        "the function's reply from this worker held a tensor on a device (CUDA) before: "
+        "TensorPipe brings it, device maps applied, with no lane round first"
+    )
     BUSY = "the main thread's lane to the peer waits on another call"
 
 
@@ -77,7 +85,7 @@ class Reply(NamedTuple):
     """A lane's answer to one call: a value (what the callee's ``run_function`` returned,
     a failure it sent back included), a lost lane, or the call TensorPipe must carry."""
 
-    kind: int  # VALUE, FETCH, RETRY, or LOST
+    kind: int  # VALUE, FETCH, ON_DEVICE, RETRY, or LOST
     got: Any  # the value, the key of the reply the callee kept, or the LaneLost
 
     @property
@@ -89,7 +97,7 @@ class Reply(NamedTuple):
         """What TensorPipe sends instead, as ``(func, args, kwargs)``: the reply the callee
         kept (fetched with :func:`.callee.take`), or the call ``sent`` again (the callee
         could not unpickle it); None when the lane answered."""
-        if self.kind == FETCH:
+        if self.kind in (FETCH, ON_DEVICE):
             return take, (self.got,), None
         return sent if self.kind == RETRY else None
 
@@ -110,6 +118,8 @@ def route(dest: Any, func: Any, args: tuple, kwargs: dict | None, main: bool) ->
         func, args, kwargs = call_builtin, (func, args, kwargs), None
     try:
         payload = call_bytes(func, args, kwargs or {}, notebook or is_user_call(func))
+    except messages.OnDevice:
+        return _NONE[Why.ON_DEVICE]
     except Exception:  # NotLane, or what TensorPipe's pickling will report in its words
         return _NONE[Why.NOT_LANE]
     lane = lane_to(dest, main)
@@ -140,7 +150,19 @@ def why_not(dest: Any, func: Any) -> Route | None:
         return _NONE[Why.PROFILER]
     if _torch.in_autograd_context():
         return _NONE[Why.AUTOGRAD]
+    if here.on_device and (dest.id, id(func)) in here.on_device:
+        return _NONE[Why.ANSWERS_ON_DEVICE]
     return None
+
+
+def answered_on_device(dest: Any, func: Any) -> None:
+    """A lane's reply from ``dest`` to a call of ``func`` held a tensor on a device
+    (``ON_DEVICE``): later calls of ``func`` there take TensorPipe from the start, as
+    they would without lanes (a lane round, then TensorPipe's fetch, would cost both)."""
+    with here.lock:
+        here.on_device[dest.id, id(func)] = func  # (kept: its id stays its own)
+        while len(here.on_device) > ON_DEVICE_KEPT:
+            del here.on_device[next(iter(here.on_device))]
 
 
 def call_bytes(func: Any, args: tuple, kwargs: dict, user: bool | None = None) -> bytes:
@@ -316,8 +338,8 @@ class Lane:
 def _reply(kind: int, payload: bytes) -> Reply:
     if kind == VALUE:
         return Reply(VALUE, pickle.loads(payload))
-    if kind == FETCH:
-        return Reply(FETCH, int.from_bytes(payload, "little"))
+    if kind in (FETCH, ON_DEVICE):
+        return Reply(kind, int.from_bytes(payload, "little"))
     return Reply(RETRY, None)
 
 

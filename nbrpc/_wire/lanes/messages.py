@@ -3,7 +3,8 @@
 A call or reply pickles by nbrpc's pickler (:class:`nbrpc._wire.pickling.LanePickler`:
 notebook code by value) with the lanes' reducers: small dense CPU tensors *in* the pickle
 (storage, offset, size, stride), RRefs and torch's special classes refused
-(:class:`NotLane`: TensorPipe carries that call). Where a message holds plain values only
+(:class:`NotLane`: TensorPipe carries that call; :class:`OnDevice` for a tensor on a
+device, whose place the device maps say). Where a message holds plain values only
 (numbers, strings, plain tensors, small containers of them), the standard library's C
 pickler takes it alone: a call's function then travels as a pickle made once
 (:func:`nbrpc._wire.pickling.function_head`), its arguments and header after it.
@@ -33,6 +34,16 @@ class NotLane(Exception):
     """A message that must go through TensorPipe (raised while pickling it for a lane)."""
 
 
+class OnDevice(NotLane):
+    """A message holding a tensor on a device (CUDA's; any but the CPU): TensorPipe
+    carries it, so that the device maps place it and torch's CUDA-aware futures order
+    the streams, as without lanes. ``device``: the first such tensor's."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(str(device))
+        self.device = device
+
+
 #: a dtype by the name it travels under (a string pickles without an import on arrival)
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 for _name in dir(torch):
@@ -60,14 +71,9 @@ def _tensor(dtype: str | torch.dtype, data: bytes, offset: int, size: tuple, str
 def _reduce_tensor(t: torch.Tensor) -> Any:
     """A small dense CPU tensor, in the pickle: its whole storage, offset, size and stride
     (what TensorPipe sends too, so a view arrives as the same view)."""
-    if (
-        not t.is_cpu
-        or t.requires_grad
-        or t.layout != torch.strided
-        or t.is_quantized
-        or t.is_conj()
-        or t.is_neg()
-    ):
+    if not t.is_cpu:
+        raise OnDevice(t.device)
+    if t.requires_grad or t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
         raise NotLane
     storage = t.untyped_storage()
     nbytes, address = storage.nbytes(), storage.data_ptr()

@@ -105,6 +105,7 @@ def close() -> None:
         here.served.clear()
         here.unreachable.clear()
         here.held.clear()
+        here.on_device.clear()
     for lane in lanes:
         lane.close()
     for conn in served:

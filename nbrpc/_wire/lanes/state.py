@@ -19,10 +19,11 @@ from .pool import Pool
 
 #: a frame's kind, on the wire: a call the callee runs on the lane's thread (``INLINE``,
 #: the main thread's lane) or on its pool (``POOLED``); a reply: the value (``VALUE``),
-#: a key for the reply the callee kept (``FETCH``), or "send it again through TensorPipe"
-#: (``RETRY``: the callee could not unpickle the call)
-INLINE, POOLED, VALUE, FETCH, RETRY = 1, 2, 3, 4, 5
-REPLIES = frozenset({VALUE, FETCH, RETRY})
+#: a key for the reply the callee kept (``FETCH``; ``ON_DEVICE``: kept because it holds a
+#: tensor on a device, CUDA's, which TensorPipe's device maps place), or "send it again
+#: through TensorPipe" (``RETRY``: the callee could not unpickle the call)
+INLINE, POOLED, VALUE, FETCH, RETRY, ON_DEVICE = 1, 2, 3, 4, 5, 6
+REPLIES = frozenset({VALUE, FETCH, RETRY, ON_DEVICE})
 CALLS = frozenset({INLINE, POOLED})
 
 
@@ -48,6 +49,9 @@ class Lanes:
     pool: Pool | None = None
     made_directory: bool = False  # the kernel's: it removes it at close
     paused: bool = False  # this process sends its calls through TensorPipe for now
+    #: (peer rank, id(function)) -> the function, for calls whose reply from that peer
+    #: held a tensor on a device: TensorPipe takes them from then on (caller.why_not)
+    on_device: dict[tuple[int, int], Any] = field(default_factory=dict)
 
     def forget(self, lane: Any) -> None:
         """A lane closed: the next call to its peer opens another."""
