@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from ._errors import DeviceMapError
+from ._errors import ConfigError, DeviceMapError
 
 Maps = dict[str, dict[str, dict[str, str]]]
 
@@ -187,3 +187,55 @@ def describe(maps: Maps) -> list[str]:
             replies = ", ".join(f"{k}->{v}" for k, v in back[dest][src].items())
             lines.append(f"{src} -> {dest}: {pairs}   (replies {dest} -> {src}: {replies})")
     return lines
+
+
+def check_fixed(
+    fixed: dict[str, dict[str, str]] | None,
+    kernel: str,
+    gpus: str | None,
+    by_hand: Maps,
+    names: list[str] | None,
+) -> None:
+    """Refuse, before anything starts, a cluster whose device maps the kernel's first
+    join made impossible. ``fixed``: the kernel's maps from that join (None: it has not
+    joined); ``gpus``, ``by_hand`` and the worker ``names`` (None: known only once the
+    engines registered) are what this cluster asks for.
+
+    torch fixes a process's device maps when it joins the group, and the kernel joins
+    once in its life. The late check (``_group.kernel_membership``) compares the maps
+    themselves once the workers' devices are known; this one needs no worker: whether
+    the kernel must move CUDA tensors at all, and to which names."""
+    if fixed is None:
+        return
+    asks = gpus == "auto" or bool(by_hand.get(kernel))
+    restart = "or restart the kernel (Kernel > Restart) to choose again"
+    if not fixed and asks:
+        raise ConfigError(
+            "this kernel joined torch RPC without device maps (its first cluster used CPU "
+            "tensors), and torch fixes a process's device maps when it joins: in this "
+            f"kernel start CPU clusters (leave --gpus and --device-map out), {restart}."
+        )
+    if fixed and not asks:
+        raise ConfigError(
+            f"this kernel's device maps ({_named(fixed)}) were fixed when its first cluster "
+            "joined, and torch keeps a process's maps for its lifetime: start the cluster "
+            f"with the same --gpus / --device-map as the first time, {restart}."
+        )
+    if not fixed:
+        return
+    wanted = set(by_hand.get(kernel, {})) if gpus != "auto" else set(names or ())
+    if gpus == "auto" and names is None:
+        return  # the names come with the engines: the late check compares the maps
+    if wanted != set(fixed):
+        raise ConfigError(
+            f"this kernel's device maps name {_named(fixed)}, fixed when its first "
+            f"cluster joined; this cluster needs maps to {', '.join(sorted(wanted))}. "
+            f"Start the same workers as the first time (--names, -n), {restart}."
+        )
+
+
+def _named(maps: dict[str, dict[str, str]]) -> str:
+    return ", ".join(
+        f"{dest}: {', '.join(f'{k}->{v}' for k, v in mapping.items())}"
+        for dest, mapping in sorted(maps.items())
+    )

@@ -62,6 +62,7 @@ def worker(
     device_maps: dict | None,
     devices: list[str] | None,
     members: list[str] | None,
+    transport_names: list[str] | None = None,
 ) -> None:
     """A worker's steps, in order: before it joins as ``name`` (its output goes to
     ``kernel_name``), the join (rank ``rank`` in the group of store ``spec``), and after
@@ -82,6 +83,7 @@ def worker(
         num_worker_threads=num_worker_threads,
         device_maps=device_maps,
         devices=devices,
+        transport_names=transport_names,
     )
     _fence.admit(members)  # before the first call reaches this worker's listeners
     facade.set_active(True)  # code running here may call nbrpc.rpc_sync & co. too

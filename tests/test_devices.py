@@ -69,3 +69,76 @@ def test_gpus_auto_moves_cuda_tensors_device_to_device(tmp_path):
         timeout=300,
     )
     assert "cuda round trip ok" in out
+
+
+GPU_LANES = """
+import time
+import torch, nbrpc
+
+def plus(x):
+    return x + 1
+
+def make(n):
+    return torch.full((n,), 2.0, device="cuda:0")
+
+cluster = nbrpc.init(n=1, gpus="auto", progress=False)
+assert cluster.booted.lanes, "a GPU cluster opens lanes for the calls without CUDA tensors"
+with nbrpc.record() as rec:
+    assert nbrpc.rpc_sync("worker1", plus, args=(torch.ones(2),)).tolist() == [2.0, 2.0]
+    y = nbrpc.rpc_sync("worker1", plus, args=(torch.ones(2, device="cuda:0"),))
+    assert y.is_cuda and y.tolist() == [2.0, 2.0], y
+    for n in (3, 4):  # the reply is CUDA's: fetched through TensorPipe, then TensorPipe only
+        z = nbrpc.rpc_sync("worker1", make, args=(n,))
+        assert z.is_cuda and z.tolist() == [2.0] * n, z
+    w = nbrpc.rpc_async("worker1", make, args=(5,)).wait()
+    assert w.is_cuda and w.tolist() == [2.0] * 5, w
+routes = [(r["function"], r["route"]) for r in rec.calls if r["caller"] != "worker1"]
+print("routes", routes)
+assert [r for r in routes if r[0] == "plus"] == [("plus", "lane"), ("plus", "tensorpipe")]
+made = [route for name, route in routes if name == "make"]
+assert made == ["lane", "tensorpipe", "tensorpipe"], made
+nbrpc.shutdown()
+for asked in ({"n": 2, "gpus": "auto"}, {"n": 1}):  # other names; a CPU cluster
+    t0 = time.monotonic()
+    try:
+        nbrpc.init(progress=False, **asked)
+    except nbrpc.ConfigError as refused:
+        print("refused in", round(time.monotonic() - t0, 2), "s:", refused)
+    else:
+        raise AssertionError(f"{asked} was not refused")
+nbrpc.init(n=1, gpus="auto", progress=False)  # what the first join fixed still works
+assert nbrpc.rpc_sync("worker1", make, args=(2,)).is_cuda
+nbrpc.shutdown()
+print("gpu lanes ok")
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_a_gpu_cluster_takes_lanes_for_cpu_calls_and_tensorpipe_for_cuda_tensors(tmp_path):
+    out = run_script(tmp_path / "gpu_lanes.py", GPU_LANES, timeout=300)
+    assert "gpu lanes ok" in out
+    refusals = [line for line in out.splitlines() if line.startswith("refused")]
+    assert len(refusals) == 2, out
+    assert "needs maps to worker1, worker2" in refusals[0]
+    assert "same --gpus / --device-map" in refusals[1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_a_kernel_whose_first_cluster_was_cpu_refuses_a_gpu_one_at_once(tmp_path):
+    out = run_script(
+        tmp_path / "cpu_then_gpu.py",
+        "import time, nbrpc\n"
+        "nbrpc.init(n=1, progress=False)\n"
+        "nbrpc.shutdown()\n"
+        "t0 = time.monotonic()\n"
+        "try:\n"
+        "    nbrpc.init(n=1, gpus='auto', progress=False)\n"
+        "except nbrpc.ConfigError as refused:\n"
+        "    print('refused in', round(time.monotonic() - t0, 2), 's:', refused)\n"
+        "nbrpc.init(n=2, progress=False)\n"
+        "print('cpu again', nbrpc.workers()[1:])\n"
+        "nbrpc.shutdown()\n",
+        timeout=300,
+    )
+    assert "without device maps" in out, out
+    assert "cpu again ['worker1', 'worker2']" in out, out

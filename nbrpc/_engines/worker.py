@@ -38,11 +38,13 @@ def join(
     device_maps: dict | None = None,
     devices: list[str] | None = None,
     members: list[str] | None = None,
+    transport_names: list[str] | None = None,
 ) -> dict[str, Any]:
     """Join the notebook's RPC group as ``name``; return this process's description.
 
     ``members``: the cluster's addresses, when it listens beyond loopback: then this
-    process's listening sockets admit those alone (:mod:`nbrpc._fence`)."""
+    process's listening sockets admit those alone (:mod:`nbrpc._fence`).
+    ``transport_names``: TensorPipe's transports, as the kernel chose them for the cluster."""
     from nbrpc import _group, _setup
     from nbrpc._errors import BootError
 
@@ -64,6 +66,7 @@ def join(
         device_maps,
         devices,
         members,
+        transport_names,
     )
     info = describe_process()
     info.update(name=name, rank=rank)

@@ -3,7 +3,8 @@
 The order, and why (the phases shown while it runs, in ``Cluster.boot_seconds``):
 
 1. The kernel describes itself; with device maps asked for, its own side is checked now,
-   before anything starts.
+   before anything starts, and so is what the kernel's first join fixed (its device
+   maps: :func:`nbrpc._devices.check_fixed`).
 2. The engine source starts (:mod:`nbrpc._engines`): a local controller and zygote begin
    at once and import meanwhile. Without device maps the kernel joins the group now,
    while they do ("controller", then "engines" once every engine registered).
@@ -60,6 +61,9 @@ class Booted:
     device_maps: dict = field(default_factory=dict)  # every process's maps
     fast_path: bool = False  # large CPU tensors through shared memory
     lanes: bool = False  # small calls through Unix sockets (nbrpc._wire.lanes)
+    #: TensorPipe's transports the workers join with (empty: the default), chosen at
+    #: the boot (:func:`nbrpc._group.transports_for`); a restart's or a scale's too
+    transports: list[str] = field(default_factory=list)
     #: across hosts: each process's peers that see its /dev/shm (the fast path's reach)
     shm_peers: dict[str, list[str]] = field(default_factory=dict)
     process_group: collective.ProcessGroupInfo | None = None
@@ -82,6 +86,7 @@ class _Boot:
         #: the addresses admitted to the cluster's sockets (None: it listens on loopback
         #: only, where a filter could not tell anyone apart; see nbrpc._fence)
         self.members: set[str] | None = None
+        self.processes_here = 1  # the cluster's on the kernel's host (known with devices)
         if settings.listen and not _group.is_loopback(settings.listen):
             self.members = {settings.listen}
 
@@ -95,6 +100,15 @@ class _Boot:
                 self.kernel["devices"],
                 self.kernel["host"],
             )
+        joined = _group.current_kernel_membership()  # what its first join fixed
+        names = settings.worker_names(settings.n) if settings.n else list(settings.names)
+        _devices.check_fixed(
+            None if joined is None else joined.device_maps,
+            settings.self_name,
+            settings.gpus,
+            settings.device_maps,
+            names or None,
+        )
         member = self.start_engines()
         engine_ids = self.engines.take(settings.n, self.registered)
         phases["engines"] = _since(self.t0)
@@ -109,7 +123,10 @@ class _Boot:
         if settings.wants_devices:
             maps, chosen = self.plan_devices(engine_ids, names)
             me = settings.self_name
-            member = _join_kernel(settings, maps.get(me, {}), chosen.get(me))
+            self.booted.transports = _group.transports_for(bool(maps), self.processes_here)
+            member = _join_kernel(
+                settings, maps.get(me, {}), chosen.get(me), self.booted.transports
+            )
             _fence.admit(self.members)  # the kernel's new listeners too
         assert member is not None
         fenced = sorted(self.members) if self.members is not None else None
@@ -189,6 +206,8 @@ class _Boot:
                 described[name] = ar.get(timeout=JOIN_TIMEOUT_S)
             except Exception as exc:
                 raise BootError(f"{name} could not describe its devices: {exc}") from exc
+        here = self.kernel["host"]
+        self.processes_here = sum(info["host"] == here for info in described.values())
         return _devices.plan(described, self.settings.gpus, self.settings.device_maps)
 
     def join_workers(
@@ -266,6 +285,7 @@ class Joining:
                 maps.get(name),
                 chosen.get(name),
                 self.members,
+                self.booted.transports or None,
             )
             self.booted.engine_of[name] = eid
         return wait_for_joins(pending, self.progress, infos)
@@ -323,7 +343,10 @@ def _since(t0: float) -> float:
 
 
 def _join_kernel(
-    settings: Settings, device_maps: dict, devices: list[str] | None
+    settings: Settings,
+    device_maps: dict,
+    devices: list[str] | None,
+    transport_names: list[str] | None = None,
 ) -> KernelMembership:
     first = _group.current_kernel_membership() is None
     if first:
@@ -338,6 +361,7 @@ def _join_kernel(
         device_maps=device_maps,
         devices=devices,
         files=segment_prefix(os.getpid()),
+        transport_names=transport_names,
     )
     if first and member.spec.kind == "file":
         with contextlib.suppress(OSError):

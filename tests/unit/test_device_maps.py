@@ -4,7 +4,7 @@ against every process's devices, and where replies go (``nbrpc._devices``)."""
 import pytest
 
 from nbrpc import _devices
-from nbrpc._errors import DeviceMapError
+from nbrpc._errors import ConfigError, DeviceMapError
 
 TWO_GPU_HOST = {"worker0": ["cpu", "cuda:0", "cuda:1"], "worker1": ["cpu", "cuda:0", "cuda:1"]}
 HOSTS = {"worker0": "a", "worker1": "a", "worker2": "b"}
@@ -103,3 +103,55 @@ def test_merge_refuses_conflicting_maps():
     }
     with pytest.raises(DeviceMapError, match="mapped to both"):
         _devices.merge("worker0", [("worker1", {0: 1}), ("worker1", {"cuda:0": "cuda:0"})])
+
+
+FIXED = {"worker1": {"cuda:0": "cuda:0"}, "worker2": {"cuda:0": "cuda:0"}}
+
+
+@pytest.mark.parametrize(
+    ("fixed", "gpus", "by_hand", "names", "match"),
+    [
+        # a CPU cluster first: no GPU cluster in this kernel, and the line says what works
+        ({}, "auto", {}, ["worker1"], r"without device maps .* start CPU clusters"),
+        ({}, None, {"worker0": {"worker1": {"cuda:0": "cuda:0"}}}, ["worker1"], "without"),
+        # a GPU cluster first: not a CPU one, not other names
+        (FIXED, None, {}, ["worker1", "worker2"], r"worker1: cuda:0->cuda:0.*same --gpus"),
+        (FIXED, "auto", {}, ["worker1", "worker2", "worker3"], r"maps to worker1, worker2, w"),
+        (FIXED, "auto", {}, ["a", "b"], r"needs maps to a, b"),
+        (FIXED, None, {"worker0": {"worker1": {"cuda:0": "cuda:0"}}}, None, "needs maps to"),
+    ],
+)
+def test_what_the_kernels_first_join_fixed_is_refused_before_anything_starts(
+    fixed, gpus, by_hand, names, match
+):
+    with pytest.raises(ConfigError, match=match):
+        _devices.check_fixed(fixed, "worker0", gpus, by_hand, names)
+
+
+@pytest.mark.parametrize(
+    ("fixed", "gpus", "by_hand", "names"),
+    [
+        (None, "auto", {}, ["worker1"]),  # no join yet: the first one chooses
+        ({}, None, {}, ["worker1", "worker2", "worker3"]),  # CPU after CPU, any size
+        (FIXED, "auto", {}, ["worker2", "worker1"]),  # GPU after GPU, the same names
+        (FIXED, "auto", {}, None),  # names known later: the maps are compared then
+        (FIXED, None, {"worker0": FIXED}, None),  # the same maps by hand
+    ],
+)
+def test_what_the_kernels_first_join_allows_goes_on(fixed, gpus, by_hand, names):
+    _devices.check_fixed(fixed, "worker0", gpus, by_hand, names)
+
+
+def test_a_cuda_cluster_with_cores_to_spare_takes_torchs_transports(monkeypatch):
+    from nbrpc import _group
+
+    monkeypatch.delenv("NBRPC_TENSORPIPE_TRANSPORTS", raising=False)
+    # 16 cores, a kernel and one worker: "shm" (its reactor polls a core per process)
+    assert _group.transports_for(True, 2, cores=16) == ["shm", "uv"]
+    assert _group.transports_for(True, 8, cores=16) == ["shm", "uv"]
+    assert _group.transports_for(True, 9, cores=16) == ["uv"]  # not 2 cores each
+    assert _group.transports_for(True, 3, cores=2) == ["uv"]  # this machine's kind
+    assert _group.transports_for(False, 1, cores=64) == ["uv"]  # CPU tensors: "uv"
+    monkeypatch.setenv("NBRPC_TENSORPIPE_TRANSPORTS", "uv,shm")
+    assert _group.transports_for(True, 2, cores=16) == ["uv", "shm"]  # the user's word wins
+    assert _group.transports_for(False, 2, cores=2) == ["uv", "shm"]
