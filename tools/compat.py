@@ -75,6 +75,17 @@ CLASS_ORDER = [
     "ThreeWorkersRemoteModuleTest",
     "DdpUnderDistAutogradTest",
 ]
+#: torch's CUDA classes, built as torch's ``test/distributed/rpc/cuda/test_tensorpipe_agent.py``
+#: builds them (``GENERIC_CUDA_TESTS + TENSORPIPE_CUDA_TESTS``): in the default selection
+#: where CUDA is, by name anywhere (each test then says how many GPUs it needs)
+CUDA_CLASS_ORDER = [
+    "CudaRpcTest",
+    "CudaDistAutogradTest",
+    "CudaRemoteModuleTest",
+    "CudaDdpComparisonTest",
+    "TensorPipeAgentCudaRpcTest",
+    "TensorPipeCudaDistAutogradTest",
+]
 
 #: Per-test limit (seconds) once every rank is ready; torch's own default is 300 s per
 #: test, but its RPC timeouts are 60 s, so a test alive at 180 s is stuck.
@@ -147,11 +158,27 @@ def test_classes() -> dict[str, type]:
     generated = rpc_utils.generate_tests(
         "TensorPipe",
         TensorPipeRpcAgentTestFixture,
-        rpc_utils.GENERIC_TESTS + rpc_utils.TENSORPIPE_TESTS,
+        rpc_utils.GENERIC_TESTS
+        + rpc_utils.TENSORPIPE_TESTS
+        + rpc_utils.GENERIC_CUDA_TESTS
+        + rpc_utils.TENSORPIPE_CUDA_TESTS,
         MODULE_NAME,
     )
     by_name = {name.removeprefix("TensorPipe"): cls for name, cls in generated.items()}
-    return {name: by_name[name] for name in CLASS_ORDER}
+    return {name: by_name[name] for name in CLASS_ORDER + CUDA_CLASS_ORDER}
+
+
+def default_classes() -> list[str]:
+    """The classes a run takes when none are named: the CUDA ones too where CUDA is."""
+    import torch
+
+    return CLASS_ORDER + (CUDA_CLASS_ORDER if torch.cuda.is_available() else [])
+
+
+def gpus_here() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def test_names(cls: type) -> list[str]:
@@ -205,7 +232,12 @@ def not_applicable(cls: type, name: str) -> str | None:
         return f"torch skips it here: {getattr(func, '__unittest_skip_why__', '')}"
     test = _source(func)
     head = test.split("def ", 1)[0]  # the decorators
-    if re.search(r"skip_if_lt_x_gpu|requires_nccl|skip_if_no_gpu", head):
+    needs = re.search(r"skip_if_lt_x_gpu\((\d+)\)", head)
+    have = gpus_here()
+    if needs and int(needs.group(1)) > have:
+        count, plural = int(needs.group(1)), "s" if int(needs.group(1)) > 1 else ""
+        return f"needs {count} CUDA GPU{plural} (this machine has {have or 'none'})"
+    if not have and re.search(r"requires_nccl|skip_if_no_gpu", head):
         return "needs CUDA GPUs (this machine has none)"
     if name in SPECIAL_REASONS:
         return SPECIAL_REASONS[name]
@@ -722,17 +754,18 @@ def select(
     """The tier's tests by class: ``classes`` (default all), names matching ``pattern``
     (a regex), or exactly ``tests`` (``Class.test_name``)."""
     available = test_classes()
-    wanted = list(classes or CLASS_ORDER)
+    wanted = list(classes or default_classes())
     exact: dict[str, set[str]] | None = None
     if tests:
         exact = {}
         for item in tests:
             cls_name, _, name = item.partition(".")
             exact.setdefault(cls_name, set()).add(name)
-        wanted = [c for c in CLASS_ORDER if c in exact]
+        wanted = [c for c in CLASS_ORDER + CUDA_CLASS_ORDER if c in exact]
     for name in wanted:
         if name not in available:
-            raise SystemExit(f"unknown class {name!r}; known: {', '.join(CLASS_ORDER)}")
+            known = ", ".join(CLASS_ORDER + CUDA_CLASS_ORDER)
+            raise SystemExit(f"unknown class {name!r}; known: {known}")
     chosen = []
     for cls_name in wanted:
         cls = available[cls_name]
