@@ -14,7 +14,10 @@ Figures, each a median over repeats after a warm-up:
 - the tutorial's 10 forward/backward passes through two ``Linear(1000, 1000)`` shards, the
   output staged through CPU memory ("cpu") and sent device to device ("cuda");
 - a 64 MB CUDA tensor sent to the other process and back (device map both ways); its
-  floor is one device-to-device copy of 64 MB in one process (``clone``).
+  floor is one device-to-device copy of 64 MB in one process (``clone``);
+- small calls, each the median of 400 ``rpc_sync`` calls after 50 warm-up calls: the
+  builtin ``torch.add(t, 1)`` with ``t`` a 1-element CPU tensor, the same with a CUDA
+  tensor (the reply comes back on the caller's device), and a small Python function.
 
 Prints a table and writes ``benchmarks/results/cuda.json``; without CUDA it says so and
 exits 0.
@@ -35,11 +38,12 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.peers import SeedShard, echo  # noqa: E402
+from benchmarks.peers import SeedShard, add_one, echo  # noqa: E402
 from benchmarks.stats import stats, timed  # noqa: E402
 
 ECHO_MB = 64
 ROWS = ("torch script", "nbrpc", "nbrpc, check=False")
+SMALL_CALLS, SMALL_WARMUP = 400, 50
 
 
 def devices() -> tuple[str, str]:
@@ -47,9 +51,31 @@ def devices() -> tuple[str, str]:
     return "cuda:0", "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
 
 
-def measure(remote, rpc_sync, backward, local: str, callee: str, repeats: int) -> dict:
-    """The tutorial's measure() for both modes, and the echo; ``remote``/``rpc_sync``/
-    ``backward`` are torch's or nbrpc's (``backward(context_id, roots)``)."""
+def small_calls(rpc_sync, local: str) -> dict:
+    """Each small call's seconds (median of :data:`SMALL_CALLS`), through ``rpc_sync``
+    (torch's or nbrpc's) to worker1; ``local``: the caller's device for the CUDA row."""
+    t = torch.ones(1)
+    calls = {
+        "small call, builtin, CPU tensor": (torch.add, (t, 1)),
+        "small call, builtin, CUDA tensor": (torch.add, (t.to(local), 1)),
+        "small call, Python function": (add_one, (t,)),
+    }
+    out = {}
+    for label, (func, args) in calls.items():
+
+        def call(func=func, args=args) -> None:
+            rpc_sync("worker1", func, args=args)
+
+        out[label] = stats(timed(call, SMALL_CALLS, SMALL_WARMUP))
+    return out
+
+
+def measure(
+    remote, rpc_sync, backward, local: str, callee: str, repeats: int, small: bool = True
+) -> dict:
+    """The tutorial's measure() for both modes, the echo and (``small``) the small calls;
+    ``remote``/``rpc_sync``/``backward`` are torch's or nbrpc's (``backward(context_id,
+    roots)``)."""
     import torch.distributed.autograd as dist_autograd  # nbrpc.autograd.context is this
 
     out = {}
@@ -75,6 +101,8 @@ def measure(remote, rpc_sync, backward, local: str, callee: str, repeats: int) -
         torch.cuda.synchronize(local)
 
     out[f"{ECHO_MB}MB round trip"] = stats(timed(round_trip, 4 * repeats))
+    if small:
+        out.update(small_calls(rpc_sync, local))
     return out
 
 
@@ -127,7 +155,7 @@ def run_nbrpc(repeats: int) -> dict:
                 nbrpc.remote, nbrpc.rpc_sync, autograd.backward, local, callee, repeats
             ),
             "nbrpc, check=False": measure(
-                nbrpc.remote, nbrpc.rpc_sync, unchecked, local, callee, repeats
+                nbrpc.remote, nbrpc.rpc_sync, unchecked, local, callee, repeats, small=False
             ),
         }
     finally:
@@ -152,8 +180,12 @@ def report(results: dict) -> None:
     )
     for figure in raw:
         unit, scale = ("s", 1) if figure.startswith("10") else ("ms", 1e3)
+        if figure.startswith("small"):
+            unit, scale = ("µs", 1e6)
         print(f"{figure}:")
         for name in ROWS:
+            if figure not in results[name]:
+                continue
             value = results[name][figure]["median"]
             ratio = value / raw[figure]["median"]
             print(f"  {name:<22}{value * scale:>9.3f} {unit:<3}{ratio:>6.2f}x")

@@ -8,6 +8,11 @@ def echo(x):
     return x
 
 
+def add_one(x):
+    """A small Python function (the small-call row of cuda_rpc.py)."""
+    return x + 1
+
+
 class Shard(torch.nn.Module):
     """04_model_parallel's shard."""
 
