@@ -101,7 +101,7 @@ class _Boot:
                 self.kernel["host"],
             )
         joined = _group.current_kernel_membership()  # what its first join fixed
-        names = settings.worker_names(settings.n) if settings.n else list(settings.names)
+        names = settings.worker_names(settings.n) if settings.n else list(settings.names or ())
         _devices.check_fixed(
             None if joined is None else joined.device_maps,
             settings.self_name,
