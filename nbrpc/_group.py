@@ -49,6 +49,7 @@ class _Membership:
     calls, and the store handed to torch's next rendezvous."""
 
     joined: str | None = None
+    cuda: tuple[str, ...] = ()  # the CUDA devices it joined with (local_cuda_devices)
     kernel: KernelMembership | None = None
     active: bool = False
     handed: list[dist.Store] = field(default_factory=list)
@@ -306,6 +307,19 @@ def loopback_ifname() -> str:
     return "lo"
 
 
+def local_cuda_devices(device_maps: dict | None, devices: list | None) -> tuple[str, ...]:
+    """This process's CUDA devices in its RPC options: those it names, and the sources of
+    its maps (where its CUDA tensors leave from and replies land)."""
+    named = {f"cuda:{d}" if isinstance(d, int) else str(d) for d in devices or ()}
+    named.update(src for mapping in (device_maps or {}).values() for src in mapping)
+    return tuple(sorted(d for d in named if d.startswith("cuda")))
+
+
+def cuda_devices() -> tuple[str, ...]:
+    """The CUDA devices this process joined the group with (none: CPU tensors only)."""
+    return _membership.cuda
+
+
 def uses_cuda(device_maps: dict | None, devices: list | None) -> bool:
     """Whether this process's RPC options move CUDA tensors (maps, or a CUDA device)."""
     mapped = any(device_maps.values()) if device_maps else False
@@ -358,6 +372,7 @@ def join(
         with _tensorpipe_interface(spec.interface()):
             rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=options)
     _membership.joined = name
+    _membership.cuda = local_cuda_devices(device_maps, devices)
 
 
 def release_user_rrefs(timeout_s: float) -> None:

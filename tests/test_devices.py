@@ -40,6 +40,19 @@ def test_cuda_is_brought_up_before_joining_only_when_maps_or_devices_need_it():
     assert _group.uses_cuda(None, [0])
 
 
+def test_the_cuda_devices_a_process_joins_with_are_what_its_async_replies_wait_for():
+    """An rpc_async's future is nbrpc's (not CUDA-aware): its callback waits for the
+    streams of these devices before the value is handed over."""
+    assert _group.local_cuda_devices(None, None) == ()
+    assert _group.local_cuda_devices({"worker1": {}}, ["cpu"]) == ()
+    assert _group.local_cuda_devices({"w1": {"cuda:1": "cuda:0"}}, ["cuda:0"]) == (
+        "cuda:0",
+        "cuda:1",
+    )
+    assert _group.local_cuda_devices(None, [0, "cuda:0"]) == ("cuda:0",)
+    assert _group.cuda_devices() == ()  # this suite's kernel joined with CPU tensors only
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_gpus_auto_moves_cuda_tensors_device_to_device(tmp_path):
     """In fresh processes: the first CUDA tensor a process receives (the kernel's comes

@@ -394,7 +394,17 @@ def _settle_from_lane(
 def _settle_through_torch(dest: WorkerInfo, sent: tuple, call: Sent, out: Future) -> None:
     """Send ``sent`` with torch; its answer finishes ``out`` (nbrpc's errors)."""
     raw = _send_to(dest, *sent)
-    raw.add_done_callback(lambda done: failures.settle(done, out, call.translate))
+    raw.add_done_callback(lambda done: _settle(done, out, call))
+
+
+def _settle(raw: torch.futures.Future, out: Future, call: Sent) -> None:
+    """Finish ``out`` from torch's finished future ``raw``. With CUDA devices, ``raw`` is
+    CUDA-aware: this callback runs on streams that wait for the reply's copies, and
+    ``out`` (nbrpc's, not CUDA-aware) is waited on from other streams; those copies
+    finish first, so a CUDA tensor in ``out``'s value is ready on any stream."""
+    for device in _group.cuda_devices():
+        torch.cuda.current_stream(device).synchronize()
+    failures.settle(raw, out, call.translate)
 
 
 def translate(exc: BaseException, what: str, dest: str, timeout: float | None) -> Any:
