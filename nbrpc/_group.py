@@ -342,7 +342,7 @@ def join(
 
     ``store``: one already opened (the kernel opens a TCP store first to learn its port).
     ``transport_names``: TensorPipe's transports (:func:`transports_for`; None:
-    :func:`transports`).
+    :func:`transports`); this process's own ``NBRPC_TENSORPIPE_TRANSPORTS`` wins.
     """
     if _membership.joined is not None:
         raise BootError(
@@ -356,8 +356,10 @@ def join(
         # CUDA yet aborts it in C++ (measured on an H100 with torch 2.11: "Allocator not
         # initialized for device", the worker gone, no Python error). Bring it up first.
         torch.cuda.init()
+    if _listed("NBRPC_TENSORPIPE_TRANSPORTS") or not transport_names:
+        transport_names = transports()
     options = _torch.tensorpipe_options(
-        transport_names or transports(),
+        transport_names,
         channels(uses_cuda(device_maps, devices), not spec.loopback_only),
         init_method=f"{SCHEME}://group",
         rpc_timeout=rpc_timeout,
@@ -414,7 +416,6 @@ class KernelMembership:
         self.name = name
         self.spec = spec
         self.device_maps = device_maps or {}  # fixed with the kernel's agent
-        self.transports: list[str] = []  # TensorPipe's, fixed with it too
         self._owned_dir = owned_dir
         self._next_rank = 1
         self._lock = threading.Lock()
@@ -518,7 +519,6 @@ def kernel_membership(
         transport_names=transport_names,
     )
     member = KernelMembership(name, spec, owned_dir, device_maps)
-    member.transports = transport_names or transports()
     _membership.kernel = member
     return member
 

@@ -402,8 +402,12 @@ def _settle(raw: torch.futures.Future, out: Future, call: Sent) -> None:
     CUDA-aware: this callback runs on streams that wait for the reply's copies, and
     ``out`` (nbrpc's, not CUDA-aware) is waited on from other streams; those copies
     finish first, so a CUDA tensor in ``out``'s value is ready on any stream."""
-    for device in _group.cuda_devices():
-        torch.cuda.current_stream(device).synchronize()
+    try:
+        for device in _group.cuda_devices():
+            torch.cuda.current_stream(device).synchronize()
+    except Exception as exc:  # CUDA failing: the call's error, not a future left waiting
+        failures.complete(out, error=exc)
+        return
     failures.settle(raw, out, call.translate)
 
 

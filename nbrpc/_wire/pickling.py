@@ -192,6 +192,23 @@ class _Arriving:
         return namespace.arrive, (self.values,)
 
 
+class NotLane(Exception):
+    """A message that must go through TensorPipe (raised while pickling it for a lane,
+    :mod:`nbrpc._wire.lanes`): a refusal, not a failure to pickle, so
+    :meth:`RpcPickler.dump` passes it on as it is, where any other error becomes a
+    :class:`SerializationError`."""
+
+
+class OnDevice(NotLane):
+    """A message holding a tensor on a device (CUDA's; any but the CPU): TensorPipe
+    carries it, so that the device maps place it and torch's CUDA-aware futures order
+    the streams, as without lanes. ``device``: the first such tensor's."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(str(device))
+        self.device = device
+
+
 class RpcPickler(cloudpickle.Pickler):
     """cloudpickle's Pickler, made to respect a ``dispatch_table`` assigned after creation.
 
@@ -252,7 +269,7 @@ class RpcPickler(cloudpickle.Pickler):
         try:
             with shm.pickling(obj):
                 super().dump(sent)
-        except SerializationError:
+        except (SerializationError, NotLane):
             raise
         except Exception as exc:
             raise SerializationError(_cannot_send(obj, exc)) from exc
@@ -279,6 +296,11 @@ class RpcPickler(cloudpickle.Pickler):
         _C_DISPATCH_TABLE.__set__(self, _DispatchTable(merged))
 
 
+#: tensor types whose reduction reaches the lanes' tensor reducer (a Parameter's by its
+#: ``.data``, a plain tensor): what a lane may carry
+_REDUCED_BY_DATA = (torch.Tensor, torch.nn.Parameter)
+
+
 class LanePickler(RpcPickler):
     """:class:`RpcPickler` with the reducers it is given, over cloudpickle's and nbrpc's
     base (:func:`over_base_table`), nothing merged in per message: the lanes' pickler
@@ -294,6 +316,10 @@ class LanePickler(RpcPickler):
         _C_DISPATCH_TABLE.__set__(self, table)
 
     def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and type(obj) not in _REDUCED_BY_DATA:
+            # a subclass's own reduction would copy its storage, a CUDA one to the same
+            # device index there (no device map): TensorPipe's pickling sends those
+            raise OnDevice(obj.device) if not obj.is_cpu else NotLane
         if type(obj) is FunctionType and self.keep_functions and obj.__module__ == "__main__":
             kept = sent_functions.reduce(
                 obj, _by_reference, self._alone, _pickling.by_value_seen
@@ -349,6 +375,17 @@ class TensorFinder(_torch.TENSOR_EXTRACTOR):
         if isinstance(obj, _NAMED_ONLY):
             return ""
         return super().persistent_id(obj)
+
+
+def devices_of(obj: Any) -> set[torch.device]:
+    """The devices of the tensors ``obj`` holds, found as torch finds a CUDA-aware
+    reply's tensors (:class:`TensorFinder`); empty if it cannot be walked."""
+    tensors: list[torch.Tensor] = []
+    try:
+        TensorFinder(io.BytesIO(), protocol=pickle.HIGHEST_PROTOCOL, tensors=tensors).dump(obj)
+    except Exception:
+        return set()
+    return {t.device for t in tensors}
 
 
 def install() -> None:

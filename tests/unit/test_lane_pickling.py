@@ -90,3 +90,29 @@ def test_an_rref_is_refused_before_torch_forks_it():
 
 def test_a_small_message_is_small():
     assert len(messages.lane_dumps({"x": torch.ones(1), "n": 3})) < 400
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+def test_a_device_tensor_is_refused_as_such_wherever_it_sits_in_a_reply():
+    """What a GPU cluster's callee keeps for TensorPipe with its stream recorded ("meta"
+    stands in for CUDA): inside containers nbrpc's pickler walks, not only plain ones."""
+    import collections
+
+    meta = torch.empty(1, device="meta")
+    pair = collections.namedtuple("pair", "a b")
+    for reply in (meta, (meta,), pair(meta, 1), [meta] * 40, torch.nn.Parameter(meta)):
+        with pytest.raises(messages.OnDevice) as refused:
+            messages.lane_dumps(reply)
+        assert refused.value.device.type == "meta"
+
+
+def test_a_tensor_subclass_goes_through_torchs_pickling():
+    """Its own reduction would copy its storage into the lane (a CUDA one to the same
+    device index, past the device maps)."""
+    with pytest.raises(messages.NotLane):
+        messages.lane_dumps((torch.ones(2).as_subclass(_Subclass),))
+    with pytest.raises(messages.OnDevice):
+        messages.lane_dumps((torch.empty(2, device="meta").as_subclass(_Subclass),))

@@ -9,6 +9,7 @@ TensorPipe (:func:`take`); a call that does not unpickle here is sent back as ``
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 
 from nbrpc import _torch
-from nbrpc._wire import recording, same_user
+from nbrpc._wire import pickling, recording, same_user
 from nbrpc._wire.callee import run_function, serve_lanes_here
 
 from . import messages
@@ -93,7 +94,9 @@ def run(answer: Callable[[bytes], Any], call: int, payload: bytes) -> None:
         made = None
         kind = FETCH
         if isinstance(exc, messages.OnDevice):
-            kind, made = ON_DEVICE, _made_on(exc.device)
+            kind = ON_DEVICE
+            with contextlib.suppress(Exception):  # CUDA failing: TensorPipe's send says so
+                made = _made_on(result, exc.device)
         with here.lock:
             key = next(here.held_ids)
             here.held[key] = result, row, made
@@ -106,15 +109,18 @@ def _ignore(exc: Any) -> None:
     """A reply could not be sent: the caller went away, nothing waits for it."""
 
 
-def _made_on(device: Any) -> Any:
-    """Where a reply's CUDA tensor is being made: an event on this thread's stream of its
-    device, recorded now (None for other devices). :func:`take` runs on one of torch's RPC
-    threads, whose streams TensorPipe orders the reply after, not this one's."""
-    if device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    return device, event
+def _made_on(result: Any, first: Any) -> list[tuple[Any, Any]]:
+    """Where a reply's CUDA tensors are being made: an event on this thread's stream of
+    each of their devices (``first``: the one pickling met first), recorded now.
+    :func:`take` runs on one of torch's RPC threads, whose streams TensorPipe orders the
+    reply after, not this one's."""
+    devices = {first, *pickling.devices_of(result)} if first.type == "cuda" else set()
+    made = []
+    for device in sorted((d for d in devices if d.type == "cuda"), key=str):
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        made.append((device, event))
+    return made
 
 
 def take(key: int) -> Any:
@@ -124,8 +130,7 @@ def take(key: int) -> Any:
     CUDA-aware reply waits for this stream, as for a call that ran on its thread."""
     with here.lock:
         result, row, made = here.held.pop(key)
-    if made is not None:
-        device, event = made
+    for device, event in made or ():
         torch.cuda.current_stream(device).wait_event(event)
     recording.reply_here(result, row)  # a recorded call's row counts the reply's bytes
     return result

@@ -30,18 +30,7 @@ from nbrpc._wire.callee import call_builtin
 LANE_TENSOR_BYTES = 1 << 16
 
 
-class NotLane(Exception):
-    """A message that must go through TensorPipe (raised while pickling it for a lane)."""
-
-
-class OnDevice(NotLane):
-    """A message holding a tensor on a device (CUDA's; any but the CPU): TensorPipe
-    carries it, so that the device maps place it and torch's CUDA-aware futures order
-    the streams, as without lanes. ``device``: the first such tensor's."""
-
-    def __init__(self, device: torch.device) -> None:
-        super().__init__(str(device))
-        self.device = device
+NotLane, OnDevice = pickling.NotLane, pickling.OnDevice  # (raised while pickling)
 
 
 #: a dtype by the name it travels under (a string pickles without an import on arrival)
