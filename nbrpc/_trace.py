@@ -33,6 +33,7 @@ import time
 from collections import deque
 from typing import Any
 
+import torch
 import torch.distributed.rpc as rpc
 
 from . import _torch
@@ -45,6 +46,9 @@ _ACCUMULATE = "torch::autograd::AccumulateGrad"
 _lock = threading.Lock()
 _roots: dict[int, list] = {}  # context id -> grad_fns of the roots given to backward here
 _timings: dict[int, dict[int, list[float]]] = {}  # context id -> id(node) -> [start, end]
+#: context id -> what this process sent by RPC inside it (:func:`note_call`)
+_sent: dict[int, list[tuple]] = {}
+_SCALARS = (type(None), bool, int, float, str)
 _KEEP_CONTEXTS = 64
 
 
@@ -63,6 +67,52 @@ def remember_roots(context_id: int, roots: list) -> None:
     fns = [r.grad_fn for r in roots if getattr(r, "grad_fn", None) is not None]
     with _lock:
         _bounded(_roots, context_id, fns)
+
+
+def note_call(dest: int, func: Any, args: tuple, kwargs: dict | None) -> None:
+    """A call to worker ``dest`` leaves this process inside a distributed autograd context
+    (the facade tells): what it was, for :func:`local_shape`. The function is kept by
+    identity (a notebook cell run again makes another), RRefs too, numbers and strings
+    by value; tensors by their place only (their graph is the shape's)."""
+    context_id = _torch.current_autograd_context_id()
+    call = (dest, _Same(func), _fingerprint(args, 0), _fingerprint(kwargs or {}, 0))
+    with _lock:
+        sent = _sent.get(context_id)
+        if sent is None:
+            _bounded(_sent, context_id, [call])
+        else:
+            sent.append(call)
+
+
+def _fingerprint(value: Any, depth: int) -> Any:
+    kind = type(value)
+    if kind in _SCALARS:
+        return value
+    if isinstance(value, torch.Tensor):
+        return "tensor"
+    if kind in (tuple, list) and depth < 2 and len(value) <= 16:
+        return tuple(_fingerprint(v, depth + 1) for v in value)
+    if kind is dict and depth < 2 and len(value) <= 16:
+        return tuple((k, _fingerprint(v, depth + 1)) for k, v in value.items())
+    if isinstance(value, rpc.RRef):
+        return _Same(value)
+    return kind.__qualname__
+
+
+class _Same:
+    """An object in a shape, equal to the same object only; kept alive with the shape,
+    so that its id is not another's (a cell run again frees the old function)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
 
 
 def _walk(context_id: int) -> tuple[list, dict[int, int], list[tuple[int, int]], dict]:
@@ -151,15 +201,18 @@ def local_graph(context_id: int) -> dict[str, Any]:
 def local_shape(context_id: int) -> tuple:
     """This process's part of the backward graph as a hashable shape, found without any
     RPC: each node's function, kind and (for a message) the worker that sent it, the
-    edges, the workers the context reached. Two passes of one training loop have the same
-    shape; message ids and tensors do not enter it."""
+    edges, the workers the context reached, and the calls it sent (:func:`note_call`:
+    to whom, which function, its arguments but tensors). Two passes of one training loop
+    have the same shape; message ids and tensor values do not enter it."""
     nodes, _index, edges, kinds = _walk(context_id)
     described = []
     for fn in nodes:
         kind, mid = kinds[id(fn)]
         described.append((fn.name(), kind, None if mid is None else mid >> 48))
     known = tuple(sorted(_torch.autograd_known_workers(context_id)))
-    return tuple(described), tuple(edges), known
+    with _lock:
+        sent = tuple(_sent.get(context_id, ()))
+    return tuple(described), tuple(edges), known, sent
 
 
 def instrument(context_id: int) -> list[int]:

@@ -76,12 +76,14 @@ def backward(
     never finish: one where a tensor sent by RPC inside the context (an argument or a
     result) does not lead to the loss. It looks at the graph on every worker taking part
     (one RPC round per hop distance) the first time a graph of its shape comes; a later
-    pass whose part in this process has the same shape (the same functions, edges,
-    messages from the same workers, the same workers reached) is let through without
-    that round. What that assumes: a worker's part of the graph follows from what this
-    process sent it, as in a training loop; a worker whose part changes from pass to
-    pass on its own (a branch on its own state that leaves a result unused) is checked
-    on every pass with ``check="every pass"``. ``check=False`` checks nothing.
+    pass whose part in this process has the same shape (the same autograd functions and
+    edges, messages from the same workers, the same calls sent: the same functions to
+    the same workers with the same numbers, strings and RRefs among their arguments) is
+    let through without that round. What that assumes: a worker's part of the graph
+    follows from what this process sent it, as in a training loop; a worker whose part
+    changes from pass to pass on its own (a branch on its own state that leaves a
+    result unused) is checked on every pass with ``check="every pass"``. ``check=False``
+    checks nothing.
     """
     if roots is None:
         roots, context_id = context_id, current_context_id()  # type: ignore[assignment]

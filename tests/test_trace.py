@@ -286,6 +286,39 @@ def test_the_check_asks_the_workers_once_per_shape_of_graph(cell, whole_checks):
         autograd.backward(ctx, [s1.rpc_sync().forward(x).sum()], check="sometimes")
 
 
+FLAGGED = """
+import torch
+
+def combine(x, flag):
+    # flag False: x reaches no output, a fresh leaf does (x's send then gets no gradient)
+    return x * 2 if flag else torch.ones(3, dtype=torch.float64, requires_grad=True) * 2
+"""
+EDITED = """
+import torch
+
+def combine(x, flag):  # the cell edited and run again: x is left unused
+    return torch.ones(3, dtype=torch.float64, requires_grad=True) * 3
+"""
+
+
+def test_a_call_sent_with_other_arguments_or_another_function_is_checked_again(whole_checks):
+    """The calling process's graph has one shape for all four passes; what it sent
+    differs (a flag, then a function a cell made again), and only the whole check can see
+    that the worker's part left x without a gradient."""
+    first, edited = notebook_code(FLAGGED), notebook_code(EDITED)
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    for _ in range(2):
+        with autograd.context() as ctx:
+            autograd.backward(ctx, [nbrpc.rpc_sync("worker1", first.combine, (x, True)).sum()])
+    assert len(whole_checks) == 1
+    for combine, flag in ((first.combine, False), (edited.combine, True)):
+        with autograd.context() as ctx:
+            loss = nbrpc.rpc_sync("worker1", combine, (x, flag)).sum()
+            with pytest.raises(autograd.AutogradContextError, match="would wait forever"):
+                autograd.backward(ctx, [loss])
+    assert len(whole_checks) == 3
+
+
 def test_check_every_pass_sees_a_worker_whose_part_changed_on_its_own(whole_checks):
     code = notebook_code(STAGE_CELL + SOMETIMES_UNUSED)
     x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
