@@ -10,14 +10,18 @@ Two processes share this host's GPUs the way ``gpus="auto"`` places them: one GP
   imports no nbrpc: the baseline a user would otherwise write;
 - nbrpc: ``nbrpc.init(n=1, gpus="auto")``, the kernel process and one worker.
 
-Figures, each a median over repeats after a warm-up:
+Figures, each a median over repeats after a warm-up, in issue 47's order (items 1, 3, 4,
+5, 2):
 - the tutorial's 10 forward/backward passes through two ``Linear(1000, 1000)`` shards, the
   output staged through CPU memory ("cpu") and sent device to device ("cuda");
 - a 64 MB CUDA tensor sent to the other process and back (device map both ways); its
   floor is one device-to-device copy of 64 MB in one process (``clone``);
 - small calls, each the median of 400 ``rpc_sync`` calls after 50 warm-up calls: the
-  builtin ``torch.add(t, 1)`` with ``t`` a 1-element CPU tensor, the same with a CUDA
-  tensor (the reply comes back on the caller's device), and a small Python function.
+  builtin ``torch.add(t, 1)`` with ``t`` a 1-element CPU tensor, a small Python function
+  (first), and the builtin with a CUDA tensor (last: the reply comes back on the
+  caller's device);
+- one kernel (a fresh process): a CPU cluster on this host, its small calls, whether the
+  kernel started CUDA, a GPU cluster asked for after it (refused at once), a CPU one again.
 
 Prints a table and writes ``benchmarks/results/cuda.json``; without CUDA it says so and
 exits 0.
@@ -51,15 +55,17 @@ def devices() -> tuple[str, str]:
     return "cuda:0", "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
 
 
-def small_calls(rpc_sync, local: str) -> dict:
+def small_calls(rpc_sync, local: str | None) -> dict:
     """Each small call's seconds (median of :data:`SMALL_CALLS`), through ``rpc_sync``
-    (torch's or nbrpc's) to worker1; ``local``: the caller's device for the CUDA row."""
+    (torch's or nbrpc's) to worker1; ``local``: the caller's device for the CUDA row
+    (None: only the CPU ones, issue 47's item 1; the CUDA one is its item 2)."""
     t = torch.ones(1)
     calls = {
         "small call, builtin, CPU tensor": (torch.add, (t, 1)),
-        "small call, builtin, CUDA tensor": (torch.add, (t.to(local), 1)),
         "small call, Python function": (add_one, (t,)),
     }
+    if local is not None:
+        calls = {"small call, builtin, CUDA tensor": (torch.add, (t.to(local), 1))}
     out = {}
     for label, (func, args) in calls.items():
 
@@ -71,14 +77,21 @@ def small_calls(rpc_sync, local: str) -> dict:
 
 
 def measure(
-    remote, rpc_sync, backward, local: str, callee: str, repeats: int, small: bool = True
+    remote,
+    rpc_sync,
+    backward,
+    local: str,
+    callee: str,
+    repeats: int,
+    small: bool = True,
+    cuda_small: bool = True,
 ) -> dict:
-    """The tutorial's measure() for both modes, the echo and (``small``) the small calls;
-    ``remote``/``rpc_sync``/``backward`` are torch's or nbrpc's (``backward(context_id,
-    roots)``)."""
+    """In issue 47's order: (``small``) the CPU small calls, the tutorial's measure() for
+    both modes, the echo, (``cuda_small``) the CUDA small call; ``remote``/``rpc_sync``/
+    ``backward`` are torch's or nbrpc's (``backward(context_id, roots)``)."""
     import torch.distributed.autograd as dist_autograd  # nbrpc.autograd.context is this
 
-    out = {}
+    out = small_calls(rpc_sync, None) if small else {}
     for mode in ("cpu", "cuda"):
         lm = SeedShard(local, mode, 0)
         rm = remote("worker1", SeedShard, args=(callee, mode, 1))
@@ -101,7 +114,7 @@ def measure(
         torch.cuda.synchronize(local)
 
     out[f"{ECHO_MB}MB round trip"] = stats(timed(round_trip, 4 * repeats))
-    if small:
+    if cuda_small:
         out.update(small_calls(rpc_sync, local))
     return out
 
@@ -150,16 +163,69 @@ def run_nbrpc(repeats: int) -> dict:
         local = "cuda:0"
         callee = cluster.device_maps["worker0"]["worker1"][local]
         unchecked = functools.partial(autograd.backward, check=False)
+        nb = nbrpc.remote, nbrpc.rpc_sync
         return {
-            "nbrpc": measure(
-                nbrpc.remote, nbrpc.rpc_sync, autograd.backward, local, callee, repeats
-            ),
+            "nbrpc": measure(*nb, autograd.backward, local, callee, repeats, cuda_small=False),
             "nbrpc, check=False": measure(
-                nbrpc.remote, nbrpc.rpc_sync, unchecked, local, callee, repeats, small=False
+                *nb, unchecked, local, callee, repeats, small=False, cuda_small=False
             ),
         }
     finally:
         nbrpc.shutdown()
+
+
+def run_nbrpc_cuda_small() -> dict:
+    """Issue 47's item 2, last: the small call with a CUDA tensor, on a cluster like the
+    first (this process's kernel joined with its maps)."""
+    import nbrpc
+
+    nbrpc.init(n=1, gpus="auto", progress=False)
+    try:
+        return small_calls(nbrpc.rpc_sync, "cuda:0")
+    finally:
+        nbrpc.shutdown()
+
+
+def one_kernel() -> dict:
+    """Issue 47's item 5, in a kernel of its own (what its first join fixes is the point):
+    a CPU cluster on this host and its small calls, whether the kernel started CUDA, a
+    GPU cluster asked for after it (refused: how fast, in which words), a CPU one again."""
+    import time
+
+    import nbrpc
+
+    out: dict = {}
+    nbrpc.init(n=1, progress=False)
+    out.update({f"{k}, CPU cluster": v for k, v in small_calls(nbrpc.rpc_sync, None).items()})
+    out["CUDA started in the kernel"] = torch.cuda.is_initialized()
+    nbrpc.shutdown()
+    t0 = time.monotonic()
+    try:
+        nbrpc.init(n=1, gpus="auto", progress=False)
+    except Exception as exc:
+        out["a GPU cluster after it"] = f"{type(exc).__name__}: {exc}"
+    else:
+        out["a GPU cluster after it"] = "started"
+        nbrpc.shutdown()
+    out["answered in s"] = time.monotonic() - t0
+    nbrpc.init(n=2, progress=False)
+    out["a CPU cluster again"] = nbrpc.workers()[1:]
+    nbrpc.shutdown()
+    return out
+
+
+def run_one_kernel() -> dict:
+    """:func:`one_kernel` in a process of its own."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "one_kernel.json")
+        code = (
+            "import json, sys\n"
+            f"sys.path.insert(0, {str(ROOT)!r})\n"
+            "from benchmarks.cuda_rpc import one_kernel\n"
+            f"open({result!r}, 'w').write(json.dumps(one_kernel()))\n"
+        )
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+        return json.loads(Path(result).read_text())
 
 
 def floor(repeats: int) -> dict:
@@ -195,6 +261,15 @@ def report(results: dict) -> None:
         print(f"device map against CPU staging, {name}: {speedup:.1f}x faster")
     copy = results["floor"]["median"] * 1e3
     print(f"floor: a {ECHO_MB} MB device-to-device copy in one process, {copy:.3f} ms")
+    one = results["one kernel"]
+    print("one kernel, a CPU cluster first (a fresh process):")
+    for key, value in one.items():
+        if isinstance(value, dict):  # a small call on the CPU cluster, against the script
+            script = raw[key.removesuffix(", CPU cluster")]["median"]
+            ratio = value["median"] / script
+            print(f"  {key:<45}{value['median'] * 1e6:>9.1f} µs {ratio:>6.2f}x")
+        else:
+            print(f"  {key}: {value}")
 
 
 def main() -> int:
@@ -210,9 +285,11 @@ def main() -> int:
         "torch": torch.__version__,
         "devices": devices(),
         "torch script": run_raw(repeats),
-        **run_nbrpc(repeats),
+        **run_nbrpc(repeats),  # issue 47's items 1, 3, 4
+        "one kernel": run_one_kernel(),  # 5
         "floor": floor(repeats),
     }
+    results["nbrpc"].update(run_nbrpc_cuda_small())  # 2
     report(results)
     out = ROOT / "benchmarks" / "results"
     out.mkdir(exist_ok=True)
