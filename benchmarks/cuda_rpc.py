@@ -134,20 +134,26 @@ def _raw_process(rank: int, url: str, repeats: int, result: str) -> None:
     rpc.shutdown()
 
 
+def _in_own_process(lines: str, timeout: float) -> dict:
+    """Run ``lines`` (Python, with this repo importable; ``RESULT`` names the JSON file it
+    writes, ``TMP`` a folder of its own) in a process of its own: what it wrote."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "result.json")
+        head = f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nRESULT, TMP = {result!r}, {tmp!r}\n"
+        subprocess.run([sys.executable, "-c", head + lines], check=True, timeout=timeout)
+        return json.loads(Path(result).read_text())
+
+
 def run_raw(repeats: int) -> dict:
     """The torch script, in processes of its own (nbrpc's hooks are process-wide)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        result = os.path.join(tmp, "raw.json")
-        code = (
-            "import sys, torch.multiprocessing as mp\n"
-            f"sys.path.insert(0, {str(ROOT)!r})\n"
-            "from benchmarks.cuda_rpc import _raw_process\n"
-            "if __name__ == '__main__':\n"
-            f"    mp.spawn(_raw_process, args=({'file://' + tmp + '/store'!r}, {repeats}, "
-            f"{result!r}), nprocs=2)\n"
-        )
-        subprocess.run([sys.executable, "-c", code], check=True, timeout=900)
-        return json.loads(Path(result).read_text())
+    return _in_own_process(
+        "import torch.multiprocessing as mp\n"
+        "from benchmarks.cuda_rpc import _raw_process\n"
+        "if __name__ == '__main__':\n"
+        f"    mp.spawn(_raw_process, args=('file://' + TMP + '/store', {repeats}, RESULT), "
+        "nprocs=2)\n",
+        timeout=900,
+    )
 
 
 def run_nbrpc(repeats: int) -> dict:
@@ -216,16 +222,11 @@ def one_kernel() -> dict:
 
 def run_one_kernel() -> dict:
     """:func:`one_kernel` in a process of its own."""
-    with tempfile.TemporaryDirectory() as tmp:
-        result = os.path.join(tmp, "one_kernel.json")
-        code = (
-            "import json, sys\n"
-            f"sys.path.insert(0, {str(ROOT)!r})\n"
-            "from benchmarks.cuda_rpc import one_kernel\n"
-            f"open({result!r}, 'w').write(json.dumps(one_kernel()))\n"
-        )
-        subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
-        return json.loads(Path(result).read_text())
+    return _in_own_process(
+        "import json\nfrom benchmarks.cuda_rpc import one_kernel\n"
+        "open(RESULT, 'w').write(json.dumps(one_kernel()))\n",
+        timeout=300,
+    )
 
 
 def floor(repeats: int) -> dict:
