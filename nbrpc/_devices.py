@@ -221,11 +221,9 @@ def check_fixed(
             "joined, and torch keeps a process's maps for its lifetime: start the cluster "
             f"with the same --gpus / --device-map as the first time, {restart}."
         )
-    if not fixed:
-        return
-    wanted = set(by_hand.get(kernel, {})) if gpus != "auto" else set(names or ())
-    if gpus == "auto" and names is None:
-        return  # the names come with the engines: the late check compares the maps
+    if not fixed or (gpus == "auto" and names is None):
+        return  # (names that come with the engines: the late check compares the maps)
+    wanted = set(names or ()) if gpus == "auto" else set(by_hand.get(kernel, {}))
     if wanted != set(fixed):
         raise ConfigError(
             f"this kernel's device maps name {_named(fixed)}, fixed when its first "

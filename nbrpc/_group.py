@@ -311,7 +311,7 @@ def local_cuda_devices(device_maps: dict | None, devices: list | None) -> tuple[
     """This process's CUDA devices in its RPC options: those it names, and the sources of
     its maps (where its CUDA tensors leave from and replies land)."""
     named = {f"cuda:{d}" if isinstance(d, int) else str(d) for d in devices or ()}
-    named.update(src for mapping in (device_maps or {}).values() for src in mapping)
+    named.update(str(src) for mapping in (device_maps or {}).values() for src in mapping)
     return tuple(sorted(d for d in named if d.startswith("cuda")))
 
 
@@ -322,8 +322,7 @@ def cuda_devices() -> tuple[str, ...]:
 
 def uses_cuda(device_maps: dict | None, devices: list | None) -> bool:
     """Whether this process's RPC options move CUDA tensors (maps, or a CUDA device)."""
-    mapped = any(device_maps.values()) if device_maps else False
-    return mapped or any(isinstance(d, int) or str(d).startswith("cuda") for d in devices or ())
+    return bool(local_cuda_devices(device_maps, devices))
 
 
 def join(

@@ -70,10 +70,12 @@ def remember_roots(context_id: int, roots: list) -> None:
 
 
 def note_call(dest: int, func: Any, args: tuple, kwargs: dict | None) -> None:
-    """A call to worker ``dest`` leaves this process inside a distributed autograd context
-    (the facade tells): what it was, for :func:`local_shape`. The function is kept by
-    identity (a notebook cell run again makes another), RRefs too, numbers and strings
-    by value; tensors by their place only (their graph is the shape's)."""
+    """A call to worker ``dest`` leaves this process (the facade tells): inside a
+    distributed autograd context, what it was, for :func:`local_shape`. The function is
+    kept by identity (a notebook cell run again makes another), RRefs too, numbers and
+    strings by value; tensors by their place only (their graph is the shape's)."""
+    if not _torch.in_autograd_context():
+        return
     context_id = _torch.current_autograd_context_id()
     call = (dest, _Same(func), _fingerprint(args, 0), _fingerprint(kwargs or {}, 0))
     with _lock:

@@ -352,8 +352,7 @@ def _addressed(what: str, to: Any, func: Any, timeout: float | None) -> tuple[Wo
 
 def _send_to(dest: WorkerInfo, func: Any, args: tuple, kwargs: dict | None) -> torch.futures.Future:
     """Start the call with torch: its raw future (torch's errors)."""
-    if _torch.in_autograd_context():  # what the hang check's shape remembers
-        _trace.note_call(dest.id, func, args, kwargs)
+    _trace.note_call(dest.id, func, args, kwargs)  # what the hang check's shape remembers
     sent, args, kwargs = _as_python_call(func, tuple(args), kwargs)
     scripts.ensure_on(dest.name, func)  # a notebook's TorchScript function: compiled there
     with shm.sending_to(dest.name):  # torch's timeout: none; nbrpc's clock keeps it
@@ -502,8 +501,7 @@ def remote(
     a debugger is open); with one, torch enforces it on the creation.
     """
     dest = _destination(to, "remote")
-    if _torch.in_autograd_context():
-        _trace.note_call(dest.id, func, tuple(args), kwargs)
+    _trace.note_call(dest.id, func, tuple(args), kwargs)
     sent, args, kwargs = _as_python_call(func, tuple(args), kwargs)
     scripts.ensure_on(dest.name, func)
     limit = 0 if timeout is None else limit_of(timeout)

@@ -86,7 +86,6 @@ class _Boot:
         #: the addresses admitted to the cluster's sockets (None: it listens on loopback
         #: only, where a filter could not tell anyone apart; see nbrpc._fence)
         self.members: set[str] | None = None
-        self.processes_here = 1  # the cluster's on the kernel's host (known with devices)
         if settings.listen and not _group.is_loopback(settings.listen):
             self.members = {settings.listen}
 
@@ -123,7 +122,6 @@ class _Boot:
         if settings.wants_devices:
             maps, chosen = self.plan_devices(engine_ids, names)
             me = settings.self_name
-            self.booted.transports = _group.transports_for(bool(maps), self.processes_here)
             member = _join_kernel(
                 settings, maps.get(me, {}), chosen.get(me), self.booted.transports
             )
@@ -198,7 +196,9 @@ class _Boot:
         self.engines.fence_controller()
 
     def plan_devices(self, engine_ids: list[int], names: list[str]) -> tuple[dict, dict]:
-        """Ask each engine for its devices, then plan and check every map before any join."""
+        """Ask each engine for its devices, then plan and check every map before any join,
+        and choose the transports the processes join with (on the kernel's host, how many
+        there are)."""
         asked = [self.engines.apply(eid, worker.describe_process) for eid in engine_ids]
         described = {self.settings.self_name: self.kernel}
         for name, ar in zip(names, asked, strict=True):
@@ -206,9 +206,10 @@ class _Boot:
                 described[name] = ar.get(timeout=JOIN_TIMEOUT_S)
             except Exception as exc:
                 raise BootError(f"{name} could not describe its devices: {exc}") from exc
-        here = self.kernel["host"]
-        self.processes_here = sum(info["host"] == here for info in described.values())
-        return _devices.plan(described, self.settings.gpus, self.settings.device_maps)
+        maps, chosen = _devices.plan(described, self.settings.gpus, self.settings.device_maps)
+        here = sum(info["host"] == self.kernel["host"] for info in described.values())
+        self.booted.transports = _group.transports_for(bool(maps), here)
+        return maps, chosen
 
     def join_workers(
         self, joining: Joining, places: dict[str, tuple[int, int]], maps: dict, chosen: dict
@@ -285,7 +286,7 @@ class Joining:
                 maps.get(name),
                 chosen.get(name),
                 self.members,
-                self.booted.transports or None,
+                self.booted.transports,
             )
             self.booted.engine_of[name] = eid
         return wait_for_joins(pending, self.progress, infos)

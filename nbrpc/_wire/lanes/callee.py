@@ -114,9 +114,9 @@ def _made_on(result: Any, first: Any) -> list[tuple[Any, Any]]:
     each of their devices (``first``: the one pickling met first), recorded now.
     :func:`take` runs on one of torch's RPC threads, whose streams TensorPipe orders the
     reply after, not this one's."""
-    devices = {first, *pickling.devices_of(result)} if first.type == "cuda" else set()
+    devices = {d for d in (first, *pickling.devices_of(result)) if d.type == "cuda"}
     made = []
-    for device in sorted((d for d in devices if d.type == "cuda"), key=str):
+    for device in sorted(devices, key=str):
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
         made.append((device, event))
