@@ -66,11 +66,16 @@ def grads_of(module_rref, context_id):
 
 
 def ensure_cluster() -> nbrpc.Cluster:
-    """The running cluster, started (2 workers) when none is."""
+    """The running cluster, started (2 workers) when none is, or made again when one of
+    its workers is not ready: a test that lost a worker does not take the next with it."""
     try:
-        return nbrpc.current()
+        cluster = nbrpc.current()
     except nbrpc.NotInitializedError:
         return nbrpc.init(n=2, progress=False)
+    if all(r.state == "ready" for r in cluster.records[1:]):
+        return cluster
+    nbrpc.shutdown(graceful=False)
+    return nbrpc.init(n=2, progress=False)
 
 
 def signature_strays(base: type, made: type, names) -> list[str]:
