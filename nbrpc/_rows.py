@@ -136,7 +136,7 @@ class StackRow(TypedDict):
     name: str
     pid: int
     host: str
-    how: str  # "signal" (read without the GIL) or "rpc"
+    how: str  # "thread" (its stack thread), "signal" (faulthandler), "rpc", "this process"
     threads: list[ThreadStack]
     error: str | None  # why no stacks came (then ``threads`` is empty)
 

@@ -322,7 +322,7 @@ def test_a_recording_and_the_stacks_reach_workers_on_other_hosts(hosts, kernel):
     took = time.monotonic() - t0
     print(f"stacks of a busy worker on another host: {took:.2f} s")
     ((name, host, how, error, serving),) = stacks
-    assert [name, host, how, error] == ["worker3", "fakeh2", "signal", None]
+    assert [name, host, how, error] == ["worker3", "fakeh2", "thread", None]
     assert [[label.split(" (")[0], where] for label, where in serving] == [
         ["spin from worker0", "spin"]
     ]

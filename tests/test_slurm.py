@@ -185,7 +185,7 @@ def test_workers_from_a_slurm_job(slurm, kernel):
         "[(r['how'], r['error'], [t['frames'][-1]['function'] for t in r['threads'] "
         "if t['serving']]) for r in nbrpc.stacks('worker2')]"
     )
-    assert stacks == [["signal", None, ["spin"]]]
+    assert stacks == [["thread", None, ["spin"]]]
     assert kernel.value("busy.wait()") == 6.0
 
 

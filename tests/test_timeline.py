@@ -236,7 +236,7 @@ def test_rpc_timeline_records_its_cell_and_rpc_stacks_prints_the_threads(tmp_pat
         k.run("fut = nbrpc.rpc_async('worker1', spin, (3.0,)); time.sleep(0.5)")
         out = k.run("%rpc_stacks worker1  # the busy one")
         assert "== worker1" in out
-        assert "read by signal" in out
+        assert "read by its stack thread" in out
         assert "serving spin from" in out, out
         assert "in spin" in out, out
         assert k.value("fut.wait()") == 3.0

@@ -1,7 +1,8 @@
 """``nbrpc.stacks()`` / ``%rpc_stacks``: what every thread of the cluster is doing now.
 
 A worker's stacks are read on its host without its GIL and without its RPC threads
-(:mod:`nbrpc._wire.stacks`: a signal, faulthandler, a file), by the engine source that
+(:mod:`nbrpc._wire.stacks`: a thread of its own asked through a pipe, or a signal and
+faulthandler where a thread holds the GIL in C), by the engine source that
 started it (this host: a signal from here; ``--hosts``: one ssh per host over the
 cluster's open connection), all workers at once; so a worker whose every RPC thread is
 busy, or whose thread holds the GIL in a long C++ call, answers like an idle one. The
@@ -13,10 +14,7 @@ began. Workers of an attached cluster (hosts nbrpc has no way into) are asked by
 from __future__ import annotations
 
 import os
-import sys
-import threading
 import time
-import traceback
 from typing import Any
 
 from nbrpc._calls import facade as calls
@@ -61,7 +59,7 @@ def of_processes(
             left = max(0.2, timeout - (time.monotonic() - started))
             rows.append(_by_rpc(r.name, r.pid, r.host, left))
             continue
-        rows.append(_row(r.name, r.pid, r.host, "signal", part))
+        rows.append(_row(r.name, r.pid, r.host, part.get("how", "signal"), part))
     return rows
 
 
@@ -91,16 +89,7 @@ def _kernel_row(name: str, host: str) -> StackRow:
 
 def here() -> dict[str, Any]:
     """This process's threads, as :func:`nbrpc._wire.stacks.collect` reports one."""
-    names = {t.ident: t.name for t in threading.enumerate()}
-    lines = []
-    for ident, frame in sys._current_frames().items():
-        name = names.get(ident)
-        label = f" [{name}]" if name else ""
-        lines.append(f"Thread {ident:#018x}{label} (most recent call first):")
-        for fs in reversed(traceback.extract_stack(frame)):
-            lines.append(f'  File "{fs.filename}", line {fs.lineno} in {fs.name}')
-        lines.append("")
-    return {"dump": "\n".join(lines), "labels": _dumps.own_labels()}
+    return {"dump": _dumps.format_threads(), "labels": _dumps.own_labels()}
 
 
 def _by_rpc(name: str, pid: int, host: str, timeout: float) -> StackRow:

@@ -6,13 +6,22 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+#: how a process's stacks were read (``StackRow.how``), as the view says it
+_READ_BY = {
+    "thread": "its stack thread",
+    "signal": "a signal (a thread holds the GIL)",
+    "rpc": "RPC",
+    "this process": "this process",
+}
+
 
 def stacks_text(rows: Sequence[Mapping[str, Any]], frames: int = 12) -> str:
     """Every process's threads, those serving a call first; each thread's innermost
     ``frames`` frames, innermost last (as a traceback prints)."""
     lines: list[str] = []
     for r in rows:
-        lines.append(f"== {r['name']} (pid {r['pid']} on {r['host']}, read by {r['how']})")
+        how = _READ_BY.get(r["how"], r["how"])
+        lines.append(f"== {r['name']} (pid {r['pid']} on {r['host']}, read by {how})")
         if r["error"]:
             lines.append(f"   {r['error']}")
         for t in sorted(r["threads"], key=lambda t: t["serving"] is None):

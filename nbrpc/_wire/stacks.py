@@ -1,24 +1,36 @@
-"""Every thread's Python stack, read from outside the process, without its GIL.
+"""Every thread's Python stack, read from outside the process's RPC threads.
 
 A worker whose RPC threads are all busy cannot answer a call, and one whose thread holds
 the GIL inside a long C++ operation cannot run any Python at all: asking it by RPC for
 ``sys._current_frames()`` waits as long as the work does. So each process of a cluster,
-when it joins, registers the standard library's ``faulthandler`` for a signal
-(:data:`SIGNAL`): its handler is C, runs without the GIL and writes every thread's Python
-stack to a file of the process's own. It interrupts nothing: the signal is taken with
-``SA_RESTART`` (system calls resume), no Python handler runs, the program goes on.
+when it joins, gets two ways to be asked that need none of its RPC threads:
+
+- a thread of its own (``nbrpc-stacks``) waits on a named pipe (``.ask``). A reader
+  writes a token there; the thread takes the GIL, formats ``sys._current_frames()`` and
+  writes the answer to a file named by the token. This is the usual way: while the
+  program runs Python, the GIL changes hands every few milliseconds.
+- a signal (:data:`SIGNAL`) for which the standard library's ``faulthandler`` is
+  registered: its handler is C, runs without the GIL and writes every thread's stack to
+  a file (``.stacks``). It interrupts nothing (``SA_RESTART``: system calls resume, no
+  Python handler runs). It is used only when the thread did not answer within
+  :data:`ASK_WAIT_S`, that is when a thread holds the GIL in C. Only then, because
+  faulthandler walks the thread list without any lock: while other threads run Python
+  and threads come and go (C++ threads, as torch's, may make and drop a Python thread
+  state for each callback), it reads freed memory. Measured: a process whose 16 threads call
+  functions and start short threads died of SIGSEGV within 200 such dumps in 5 of 5
+  runs; with the GIL held in C nothing runs Python and no thread state is freed.
 
 What each thread serves is written by the callee (:mod:`nbrpc._wire.callee`), as the call
-starts and ends, into a second file mapped in memory (:data:`SLOT_BYTES` per thread, one
+starts and ends, into a third file mapped in memory (:data:`SLOT_BYTES` per thread, one
 text line: thread id, call id, caller, function), readable at any moment.
 
-Both files live in a directory private to the user (``$TMPDIR/nbrpc-<uid>/stacks``),
+The files live in a directory private to the user (``$TMPDIR/nbrpc-<uid>/stacks``),
 named by host, pid and the process's start time (so a reused pid never finds a stale
 file, and hosts that share the directory's filesystem keep apart); a
 process that has not registered yet has no file and is never signalled (the signal's
 default action would end it).
 
-:func:`collect` signals pids of this host and reads the files back; run as a script
+:func:`collect` asks pids of this host and reads the files back; run as a script
 (``python stacks.py PID...``, the ssh source does that on a worker's host) it prints the
 same as JSON. This file imports only the standard library at the top, for that reason.
 """
@@ -44,6 +56,9 @@ SIGNAL = signal.SIGRTMIN + 7 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
 SLOT_BYTES = 256
 SLOTS = 128  # threads of one process with a label (torch's RPC threads: 16 by default)
 DUMP_WAIT_S = 1.5  # how long collect waits for a dump to complete
+ASK_WAIT_S = 0.5  # how long the process's own thread gets before the signal is sent
+MAX_FRAMES = 100  # per thread, as faulthandler writes
+_TOKEN = re.compile(rb"[0-9a-f]{16}")
 
 
 def directory() -> str:
@@ -83,6 +98,7 @@ class _Labels:
 
 _labels = _Labels()
 _dump: Any = None  # the file faulthandler writes to (kept open: it holds the descriptor)
+_asked: list[int] = []  # this process's .ask pipe's descriptor (a forked child's: its parent's)
 _installed: list[str] = []  # the files' base path, once installed in this process
 
 
@@ -104,6 +120,7 @@ def install() -> None:
         os.close(fd)
     _labels.map[:] = (b" " * (SLOT_BYTES - 1) + b"\n") * SLOTS
     _labels.slots = {}
+    _listen(base)
     dump = open(base + ".part", "w")  # noqa: SIM115 (faulthandler keeps writing to it)
     faulthandler.register(SIGNAL, file=dump, all_threads=True, chain=False)
     os.rename(base + ".part", base + ".stacks")  # signalled only once this name exists
@@ -111,6 +128,72 @@ def install() -> None:
         _dump.close()
     _dump = dump
     _installed[:] = [base]
+
+
+def _listen(base: str) -> None:
+    """Make the ``.ask`` pipe and start the thread that answers it."""
+    for fd in _asked:  # a forked child's copy of its parent's pipe: not its to read
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _asked.clear()
+    path = base + ".ask"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    os.mkfifo(path, 0o600)
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)  # read and write: no EOF while it lives
+    _asked.append(fd)
+    threading.Thread(target=_answer, args=(fd, base), name="nbrpc-stacks", daemon=True).start()
+
+
+def _answer(fd: int, base: str) -> None:
+    """The ``nbrpc-stacks`` thread: each token read from the pipe gets the stacks of
+    every other thread in ``BASE.TOKEN.dump`` (written whole, then renamed)."""
+    pending = b""
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:
+            return  # closed (a forked child closed its parent's copy)
+        pending = (pending + chunk)[-4096:]
+        *lines, pending = pending.split(b"\n")
+        tokens = [t for t in lines if _TOKEN.fullmatch(t)]  # other bytes: ignored
+        if not tokens:
+            continue
+        text = format_threads()
+        for token in tokens:
+            path = f"{base}.{token.decode()}.dump"
+            with contextlib.suppress(OSError):
+                with open(path + ".part", "w") as f:
+                    f.write(text)
+                os.rename(path + ".part", path)
+
+
+def format_threads() -> str:
+    """This process's threads (but the ``nbrpc-stacks`` thread: nbrpc's, not the
+    program's), in faulthandler's format (:func:`parse` reads both), each with its name
+    where :mod:`threading` knows it."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    frames = sys._current_frames()
+    frames[threading.get_ident()] = sys._getframe(1)  # this thread: from its caller on
+    lines = []
+    for ident, frame in frames.items():
+        if names.get(ident) == "nbrpc-stacks":
+            continue
+        name = names.get(ident)
+        named = f" [{name}]" if name else ""
+        lines.append(f"Thread {ident:#018x}{named} (most recent call first):")
+        depth = 0
+        f: Any = frame
+        while f is not None:
+            if depth == MAX_FRAMES:
+                lines.append("  ...")
+                break
+            line = f.f_lineno if f.f_lineno is not None else "???"
+            lines.append(f'  File "{f.f_code.co_filename}", line {line} in {f.f_code.co_name}')
+            f = f.f_back
+            depth += 1
+        lines.append("")
+    return "\n".join(lines)
 
 
 def _sweep() -> None:
@@ -160,27 +243,39 @@ _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 
 
 def collect(pids: list[int], timeout: float = DUMP_WAIT_S) -> dict[int, dict[str, Any]]:
-    """Signal each pid of this host and read its dump and labels back: by pid,
-    ``{"dump": text, "labels": {thread id: label}}``, or ``{"error": why}``."""
+    """Ask each pid of this host for its stacks and read them back: by pid,
+    ``{"dump": text, "labels": {thread id: label}, "how": "thread" | "signal"}``, or
+    ``{"error": why}``. Its own thread answers first; a process whose thread has not
+    answered within :data:`ASK_WAIT_S` (a thread holds the GIL in C) is signalled."""
     found: dict[int, dict[str, Any]] = {}
-    waiting: dict[int, tuple[str, int]] = {}
+    asked: dict[int, tuple[str, str]] = {}  # pid -> (base, the answer's path)
+    signalled: dict[int, tuple[str, int]] = {}  # pid -> (base, the dump's size before)
     for pid in pids:
         base = _base(pid)
         if base is None:
             found[pid] = {"error": "no such process"}
-            continue
-        path = base + ".stacks"
-        try:
-            size = os.path.getsize(path)
-            os.kill(pid, SIGNAL)
-        except OSError:
+        elif not os.path.exists(base + ".stacks"):
             found[pid] = {"error": "it has not set up stack dumps (not an nbrpc process?)"}
-            continue
-        waiting[pid] = (base, size)
-    deadline = time.monotonic() + timeout
+        else:
+            answer = _ask(base)
+            if answer is not None:
+                asked[pid] = (base, answer)
+            elif not _signal(pid, base, signalled):
+                found[pid] = {"error": "it has not set up stack dumps (not an nbrpc process?)"}
+    started = time.monotonic()
+    deadline = started + timeout
     last: dict[int, tuple[int, float]] = {}
-    while waiting and time.monotonic() < deadline:
-        for pid, (base, size) in list(waiting.items()):
+    while (asked or signalled) and time.monotonic() < deadline:
+        for pid, (base, answer) in list(asked.items()):
+            text = _take(answer)
+            if text is not None:
+                found[pid] = _found(text, base, "thread")
+                del asked[pid]
+            elif time.monotonic() - started > min(ASK_WAIT_S, timeout / 3):
+                del asked[pid]  # its thread waits for the GIL: faulthandler needs none
+                if not _signal(pid, base, signalled):
+                    found[pid] = {"error": "it ended while asked"}
+        for pid, (base, size) in list(signalled.items()):
             now = os.path.getsize(base + ".stacks")
             seen = last.get(pid)
             settled = seen is not None and seen[0] == now and time.monotonic() - seen[1] > 0.05
@@ -188,14 +283,62 @@ def collect(pids: list[int], timeout: float = DUMP_WAIT_S) -> dict[int, dict[str
                 with open(base + ".stacks", "rb") as f:
                     f.seek(size)
                     dump = f.read().decode(errors="replace")
-                found[pid] = {"dump": dump, "labels": _read_labels(base + ".calls")}
-                del waiting[pid]
+                found[pid] = _found(dump, base, "signal")
+                del signalled[pid]
             elif seen is None or seen[0] != now:
                 last[pid] = (now, time.monotonic())
-        time.sleep(0.01)
-    for pid in waiting:
+        time.sleep(0.005)
+    for pid in [*asked, *signalled]:
         found[pid] = {"error": f"no dump within {timeout:g} s"}
     return found
+
+
+def _found(dump: str, base: str, how: str) -> dict[str, Any]:
+    return {"dump": dump, "labels": _read_labels(base + ".calls"), "how": how}
+
+
+def _ask(base: str) -> str | None:
+    """Write a fresh token to the process's ``.ask`` pipe; the path its answer will have
+    (None: no pipe, or no thread reads it)."""
+    for stale in Path(base).parent.glob(Path(base).name + ".*.dump"):
+        with contextlib.suppress(OSError):  # answers that came after their reader left
+            if time.time() - stale.stat().st_mtime > 10:
+                stale.unlink()
+    try:
+        fd = os.open(base + ".ask", os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:  # ENOENT: an older process; ENXIO: nothing reads it
+        return None
+    token = os.urandom(8).hex()
+    try:
+        os.write(fd, token.encode() + b"\n")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return f"{base}.{token}.dump"
+
+
+def _take(path: str) -> str | None:
+    """An answer's text, once it is there (the file is removed)."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read().decode(errors="replace")
+    except FileNotFoundError:
+        return None
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    return text
+
+
+def _signal(pid: int, base: str, signalled: dict[int, tuple[str, int]]) -> bool:
+    """Send :data:`SIGNAL` (faulthandler writes to ``.stacks``); False: it is gone."""
+    try:
+        size = os.path.getsize(base + ".stacks")
+        os.kill(pid, SIGNAL)
+    except OSError:
+        return False
+    signalled[pid] = (base, size)
+    return True
 
 
 def gather(
@@ -243,7 +386,8 @@ def _labels_of(text: str) -> dict[int, str]:
 
 
 def parse(dump: str) -> list[dict[str, Any]]:
-    """faulthandler's text as threads (frames innermost last, as a traceback prints)."""
+    """A dump (faulthandler's text, or :func:`format_threads`') as threads, frames
+    innermost last, as a traceback prints."""
     threads: list[dict[str, Any]] = []
     for line in dump.splitlines():
         head = _THREAD.match(line)
