@@ -177,6 +177,27 @@ def inverse(maps: Maps) -> Maps:
     return out
 
 
+def joining_devices(name: str, maps: Maps, chosen: dict[str, list[str]]) -> list[str] | None:
+    """The CUDA devices process ``name`` joins with: its ``--gpus auto`` GPU, else every
+    device a map of another process sends to it (None: none).
+
+    A ``--device-map`` given by hand names the kernel's maps only, and a worker that joins
+    with no maps and no devices starts neither CUDA nor TensorPipe's CUDA channels: the
+    first CUDA tensor sent to it would find no allocator (torch aborts the process) and
+    no channel. torch's own static groups derive the same list from every peer's maps."""
+    if chosen.get(name):
+        return chosen[name]
+    received = {
+        dev
+        for by_dest in maps.values()
+        for dest, m in by_dest.items()
+        if dest == name
+        for dev in m.values()
+        if dev.startswith("cuda")
+    }
+    return sorted(received, key=lambda d: (len(d), d)) or None
+
+
 def describe(maps: Maps) -> list[str]:
     """One line per map and its inverse, for ``%rpc_status``."""
     lines = []

@@ -376,6 +376,14 @@ def join(
     _membership.cuda = local_cuda_devices(device_maps, devices)
 
 
+def hold_devices(replies: dict[str, dict[str, str]]) -> None:
+    """This process's CUDA devices (those it joined with) and reply maps, back in its agent
+    where torch's dynamic group dropped them (:func:`nbrpc._torch.hold_devices`); run in
+    each process by :func:`nbrpc._setup.device_replies`."""
+    if _membership.cuda or replies:
+        _torch.hold_devices(list(_membership.cuda), replies)
+
+
 def release_user_rrefs(timeout_s: float) -> None:
     """Delete this process's user RRefs (telling their owners) before peers leave, then
     wait up to ``timeout_s`` for the forks of the RRefs it owns to be deleted.

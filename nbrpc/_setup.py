@@ -9,7 +9,9 @@ place:
   turns on once joined; run by ``_engines.worker.join``;
 * :func:`fast_path` -- run by the kernel once workers joined (a boot's, or a restart's):
   shared memory for large tensors and, in a local cluster, lanes for small calls, set up
-  on those workers over RPC (:mod:`nbrpc._wire.shm`, :mod:`nbrpc._wire.lanes`).
+  on those workers over RPC (:mod:`nbrpc._wire.shm`, :mod:`nbrpc._wire.lanes`);
+* :func:`device_replies` -- run by the kernel whenever a cluster with device maps changed
+  (its boot, a restart, a shrink): what torch's dynamic group lost, back in every process.
 
 The steps before a join finish before the process's ``init_rpc``: torch's C++ looks up
 the Python hooks that :func:`nbrpc._wire.pickling.install` sets when its first agent
@@ -22,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import _fence, _group, _process, _torch, autograd
+from . import _devices, _fence, _group, _process, _torch, autograd
 from ._calls import cancel, facade, rrefs, spelling
 from ._debugger import remote_pdb
 from ._wire import bars, cancelling, lanes, namespace, native_output, output, pickling, shm, stacks
@@ -124,3 +126,16 @@ def fast_path(
     if lanes_asked and not remote and loopback:
         done.lanes = lanes.set_up(prefix, names, threads)
     return done
+
+
+def device_replies(maps: dict[str, dict[str, dict[str, str]]], workers: list[str]) -> None:
+    """On the kernel, once the group changed (``maps``: every process's device maps, as
+    the boot planned them; ``workers``: the live ones): each process of the cluster gets
+    back its CUDA devices and the maps its replies go by (:func:`nbrpc._torch.hold_devices`
+    says what torch's dynamic group loses). Nothing without maps."""
+    if not maps:
+        return
+    replies = _devices.inverse(maps)
+    for name in workers:
+        _torch.rpc_sync(name, _group.hold_devices, args=(replies.get(name, {}),), timeout=30)
+    _group.hold_devices(replies.get(_group.joined_name() or "", {}))

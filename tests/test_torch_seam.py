@@ -18,7 +18,7 @@ import torch.distributed.rpc.api as rpc_api
 import torch.distributed.rpc.internal as rpc_internal
 
 import nbrpc
-from nbrpc import _torch
+from nbrpc import _group, _torch
 from nbrpc._wire import pickling
 
 SEAM = "nbrpc/_torch/"
@@ -155,6 +155,23 @@ def test_live_group_internals(cluster):
     _pin(not created.done(), "creation finished before the call did", "rref_creation_future")
     created.wait()
     _pin(slow.to_here(timeout=0.1) is None, "the value was not there at creation", "same")
+
+
+def test_a_member_gets_back_its_devices_and_reply_maps_through_a_joins_update(cluster):
+    """``_torch.hold_devices`` is the update torch's join runs, with the process's own
+    name: accepted in the kernel and in a worker (by ``nbrpc._setup.device_replies``'s
+    way), the group unchanged after it. (With CUDA devices: tests/test_devices.py.)"""
+    before = sorted((w.name, w.id) for w in _torch.agent().get_worker_infos())
+    nobody = {"nbrpc-seam-check": {"cpu": "cpu"}}  # a peer that never joins: no reply uses it
+    _torch.hold_devices([], nobody)
+    _torch.rpc_sync("worker1", _group.hold_devices, args=(nobody,), timeout=10)
+    after = sorted((w.name, w.id) for w in _torch.agent().get_worker_infos())
+    _pin(after == before, "the update changed the members", "hold_devices")
+    _pin(
+        nbrpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), 1)).item() == 2.0,
+        "a call",
+        "same",
+    )
 
 
 def test_autograd_internals_exist(cluster):

@@ -130,6 +130,7 @@ class _Boot:
         fenced = sorted(self.members) if self.members is not None else None
         joining = Joining(settings, self.engines, self.booted, member, fenced, self.progress)
         infos = self.join_workers(joining, joining.places(names, engine_ids), maps, chosen)
+        _setup.device_replies(maps, names)  # what torch's dynamic group left out
         timeline.measure_clocks(names)  # each worker's clock offset, for recordings
         joining.set_up_fast_path(names)
         if settings.process_group:
@@ -284,7 +285,7 @@ class Joining:
                 self.settings.rpc_timeout,
                 self.settings.num_worker_threads,
                 maps.get(name),
-                chosen.get(name),
+                _devices.joining_devices(name, maps, chosen),
                 self.members,
                 self.booted.transports,
             )

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from nbrpc import _departures, _fence, _group, _process, _states
+from nbrpc import _departures, _fence, _group, _process, _setup, _states
 from nbrpc._engines import JOIN_TIMEOUT_S, Engines
 from nbrpc._errors import BootError, ConfigError
 from nbrpc._options import Settings
@@ -138,6 +138,8 @@ def _run(cluster: Cluster, names: list[str]) -> Restarted:
         _departures.forget_names(names)  # half joined: neither its name nor torch's token stay
         raise
     _states.rejoined([joining.record(name, infos[name]) for name in names])
+    live = [r.name for r in cluster.records[1:] if r.state is WorkerState.READY]
+    _setup.device_replies(booted.device_maps, live)  # what the leave and join lost
     if booted.fast_path or booted.lanes:  # across hosts: every worker's peers, again
         remote = engines.source.remote
         joining.set_up_fast_path([r.name for r in cluster.records[1:]] if remote else names)

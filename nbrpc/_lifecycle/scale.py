@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypedDict
 
-from nbrpc import _departures, _fence, _group, _states, _torch
+from nbrpc import _departures, _fence, _group, _setup, _states, _torch
 from nbrpc._engines import JOIN_TIMEOUT_S, Engines, worker
 from nbrpc._errors import ConfigError
 from nbrpc._gather import timeline
@@ -233,6 +233,8 @@ def _shrink(cluster: Cluster, leavers: list[WorkerRecord], force: bool, result: 
         )
         raise
     _leave(cluster, leavers, stayers, live, result)
+    ready = [r.name for r in cluster.records[1:] if r.state is WorkerState.READY]
+    _setup.device_replies(booted.device_maps, ready)  # torch's leave dropped them
     if pg:
         _rebuild_process_group(cluster, pg, result)
     _tell_ranks(cluster)

@@ -19,7 +19,7 @@ What is here, by module:
   a torch outside them gets at import;
 * :mod:`.group`: the current agent and its store (``agent``, ``set_rpc_timeout``), the
   dynamic group's membership (``GROUP_TOKEN_KEY``, ``MEMBER_LIST_KEY``,
-  ``update_group_membership``, ``forget_locally``), torch's gathers
+  ``update_group_membership``, ``forget_locally``, ``hold_devices``), torch's gathers
   (``route_all_gather``) and TensorPipe options that are not public
   (``tensorpipe_options``, ``TP_SOCKET_IFNAME``);
 * :mod:`.rrefs`: RRef internals (``PyRRef``, ``rref_fork``, ``rref_from_fork``,
@@ -95,6 +95,7 @@ from .group import (
     agent_is_set as agent_is_set,
     forget_locally as forget_locally,
     guard_ddp as guard_ddp,
+    hold_devices as hold_devices,
     leave_group as leave_group,
     reset_all_gather as reset_all_gather,
     route_all_gather as route_all_gather,

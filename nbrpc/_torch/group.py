@@ -52,6 +52,31 @@ def forget_locally(info: Any) -> None:
     agent()._update_group_membership(info, [], {}, False)
 
 
+def hold_devices(devices: list[str], replies: dict[str, dict[str, str]]) -> None:
+    """Give this process's agent back its CUDA devices and the maps its replies go by
+    (``replies``: peer -> {this process's device: the peer's}), where missing.
+
+    torch's dynamic group loses both. A leave tells every member to drop every device and
+    every reply map (``updateGroupMembership(..., isJoin=false)`` keeps only those it is
+    handed, and it is handed none). A join hands each member the *joiner's* reply maps
+    (keyed by the other members), so no member learns how to reply to the joiner, and a
+    reply holding a CUDA tensor to it failed with "Response device mapping is not
+    available". A join's update adds only what is missing, and adding this process's own
+    name again changes nothing else, so this is that same update, with what was lost."""
+    import torch
+
+    me = agent()
+    me._update_group_membership(
+        me.get_worker_info(),
+        [torch.device(d) for d in devices],
+        {
+            peer: {torch.device(k): torch.device(v) for k, v in mapping.items()}
+            for peer, mapping in replies.items()
+        },
+        True,
+    )
+
+
 #: torch's ``_all_gather`` (the collective its RPC layer builds barriers with), as it was
 _torch_all_gather = rpc_api._all_gather
 

@@ -155,3 +155,22 @@ def test_a_cuda_cluster_with_cores_to_spare_takes_torchs_transports(monkeypatch)
     monkeypatch.setenv("NBRPC_TENSORPIPE_TRANSPORTS", "uv,shm")
     assert _group.transports_for(True, 2, cores=16) == ["uv", "shm"]  # the user's word wins
     assert _group.transports_for(False, 2, cores=2) == ["uv", "shm"]
+
+
+def test_a_worker_joins_with_the_devices_maps_send_to_it():
+    # by hand: the kernel's maps only; each worker must still join with the device the
+    # kernel sends to (else it starts neither CUDA nor TensorPipe's CUDA channels)
+    by_hand = {"worker0": {"worker1": {"cuda:0": "cuda:1"}, "worker2": {"cuda:1": "cuda:0"}}}
+    assert _devices.joining_devices("worker1", by_hand, {}) == ["cuda:1"]
+    assert _devices.joining_devices("worker2", by_hand, {}) == ["cuda:0"]
+    assert _devices.joining_devices("worker3", by_hand, {}) is None  # nothing sent to it
+    two = {"a": {"w": {"cuda:0": "cuda:10", "cuda:1": "cuda:2"}}, "b": {"w": {"cuda:0": "cuda:2"}}}
+    assert _devices.joining_devices("w", two, {}) == ["cuda:2", "cuda:10"]
+    # --gpus auto chose one GPU per process: that one
+    chosen, maps = _devices.plan_gpus(
+        {"worker0": ["cpu", "cuda:0", "cuda:1"], "worker1": ["cpu", "cuda:0", "cuda:1"]},
+        {"worker0": "h", "worker1": "h"},
+    )
+    assert _devices.joining_devices("worker1", maps, chosen) == ["cuda:1"] == chosen["worker1"]
+    assert _devices.joining_devices("worker1", maps, {}) == ["cuda:1"]  # a restart's: the same
+    assert _devices.joining_devices("worker1", {}, {}) is None  # a CPU cluster
