@@ -11,6 +11,10 @@ import nbrpc
 from nbrpc import _group
 from nbrpc._errors import DeviceMapError
 
+#: a GPU script's limit: under pytest's own (300 s, its thread method ends the whole run),
+#: so a hang fails one test, with the script's stderr, and the others still run
+SCRIPT_S = 240
+
 
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason="this machine has CUDA: the refusal is for CPU-only ones"
@@ -79,7 +83,7 @@ def test_gpus_auto_moves_cuda_tensors_device_to_device(tmp_path):
         "assert z.is_cuda and z.tolist() == [3.0] * 4, z\n"
         "print('cuda round trip ok', y.device, z.device)\n"
         "nbrpc.shutdown()\n",
-        timeout=300,
+        timeout=SCRIPT_S,
     )
     assert "cuda round trip ok" in out
 
@@ -128,7 +132,7 @@ print("gpu lanes ok")
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_a_gpu_cluster_takes_lanes_for_cpu_calls_and_tensorpipe_for_cuda_tensors(tmp_path):
-    out = run_script(tmp_path / "gpu_lanes.py", GPU_LANES, timeout=300)
+    out = run_script(tmp_path / "gpu_lanes.py", GPU_LANES, timeout=SCRIPT_S)
     assert "gpu lanes ok" in out
     refusals = [line for line in out.splitlines() if line.startswith("refused")]
     assert len(refusals) == 2, out
@@ -151,7 +155,65 @@ def test_a_kernel_whose_first_cluster_was_cpu_refuses_a_gpu_one_at_once(tmp_path
         "nbrpc.init(n=2, progress=False)\n"
         "print('cpu again', nbrpc.workers()[1:])\n"
         "nbrpc.shutdown()\n",
-        timeout=300,
+        timeout=SCRIPT_S,
     )
     assert "without device maps" in out, out
     assert "cpu again ['worker1', 'worker2']" in out, out
+
+
+GPU_REPLIES = """
+import torch, nbrpc
+
+def make(n):
+    return torch.full((n,), 2.0, device="cuda:0")
+
+def ask(dest, n):  # on a worker: another process replies with a CUDA tensor
+    t = nbrpc.rpc_sync(dest, make, args=(n,))
+    return t.is_cuda and t.tolist() == [2.0] * n
+
+def every_way(when):
+    names = nbrpc.workers()
+    for a in names[1:]:
+        for b in names:
+            if a != b:
+                assert nbrpc.rpc_sync(a, ask, args=(b, 3)), f"{when}: {a} asked {b}"
+    print(when, "ok", names, flush=True)
+
+nbrpc.init(n=2, gpus="auto", progress=False)
+every_way("boot")
+nbrpc.restart("worker1")
+every_way("restart")
+nbrpc.scale(1)
+every_way("shrink")
+nbrpc.shutdown()
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_every_process_replies_with_cuda_tensors_to_every_other_after_a_restart_and_a_shrink(
+    tmp_path,
+):
+    """torch's dynamic group never tells a member how to reply to a later joiner, and a
+    leave drops every member's devices and reply maps: nbrpc gives them back
+    (``_setup.device_replies``). Each worker asks each other process for a CUDA tensor."""
+    out = run_script(tmp_path / "gpu_replies.py", GPU_REPLIES, timeout=SCRIPT_S)
+    for when in ("boot", "restart", "shrink"):
+        assert f"{when} ok" in out, out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_a_device_map_by_hand_alone_lets_the_worker_receive_cuda_tensors(tmp_path):
+    """--device-map names the kernel's maps only: the worker still joins with the device
+    the kernel sends to (``_devices.joining_devices``), so CUDA is up there and
+    TensorPipe has its CUDA channels."""
+    out = run_script(
+        tmp_path / "by_hand.py",
+        "import torch, nbrpc\n"
+        "nbrpc.init(n=1, device_maps={'worker1': {'cuda:0': 'cuda:0'}}, progress=False)\n"
+        "x = torch.ones(3, device='cuda:0')\n"
+        "y = nbrpc.rpc_sync('worker1', torch.add, args=(x, 1))\n"
+        "print('by hand', y.device, y.tolist())\n"
+        "nbrpc.shutdown()\n",
+        timeout=SCRIPT_S,
+    )
+    assert "by hand cuda:0 [2.0, 2.0, 2.0]" in out, out
