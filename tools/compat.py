@@ -220,6 +220,19 @@ _OWN_INIT = re.compile(r"\b(init_rpc|_init_rpc_backend|_set_and_start_rpc_agent)
 _OWN_SHUTDOWN = re.compile(r"\brpc\.shutdown\(")
 
 
+def _gpus_needed(func: Any, head: str) -> int | None:
+    """How many GPUs ``skip_if_lt_x_gpu(N)`` asks for; N a number or a name of the test's
+    module (``skip_if_lt_x_gpu(NUM_TRAINERS)``: 4, in the DDP comparison test)."""
+    needs = re.search(r"skip_if_lt_x_gpu\((\w+)\)", head)
+    if needs is None:
+        return None
+    word = needs.group(1)
+    if word.isdigit():
+        return int(word)
+    value = getattr(inspect.getmodule(inspect.unwrap(func)), word, None)
+    return value if isinstance(value, int) else None
+
+
 def not_applicable(cls: type, name: str) -> str | None:
     """Why test ``name`` of ``cls`` cannot run on an nbrpc cluster (None: it can).
 
@@ -232,10 +245,10 @@ def not_applicable(cls: type, name: str) -> str | None:
         return f"torch skips it here: {getattr(func, '__unittest_skip_why__', '')}"
     test = _source(func)
     head = test.split("def ", 1)[0]  # the decorators
-    needs = re.search(r"skip_if_lt_x_gpu\((\d+)\)", head)
+    count = _gpus_needed(func, head)
     have = gpus_here()
-    if needs and int(needs.group(1)) > have:
-        count, plural = int(needs.group(1)), "s" if int(needs.group(1)) > 1 else ""
+    if count and count > have:
+        plural = "s" if count > 1 else ""
         return f"needs {count} CUDA GPU{plural} (this machine has {have or 'none'})"
     if not have and re.search(r"requires_nccl|skip_if_no_gpu", head):
         return "needs CUDA GPUs (this machine has none)"
