@@ -1,0 +1,34 @@
+"""tools/gpu_check.py: the GPU checks in one command, each step under its own limit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import load_tool
+
+
+def test_each_step_ends_by_itself_or_at_its_limit_and_says_which(tmp_path):
+    gpu_check = load_tool("gpu_check")
+    done = gpu_check.run_step("ok", ["-c", "print('one'); print('last line')"], 30, tmp_path)
+    assert done.startswith("ok: passed in "), done
+    assert done.endswith("; last line"), done
+    failed = gpu_check.run_step("bad", ["-c", "raise SystemExit(3)"], 30, tmp_path)
+    assert failed.startswith("bad: failed (exit 3)"), failed
+    slow = gpu_check.run_step("slow", ["-c", "import time; time.sleep(30)"], 1, tmp_path)
+    assert slow.startswith("slow: ended at its limit (1 s) in 1 s"), slow
+    assert (tmp_path / "ok.log").read_text() == "one\nlast line\n"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the checks run")
+def test_without_cuda_it_says_so_and_succeeds(capsys):
+    assert load_tool("gpu_check").main([]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
+
+
+def test_the_steps_run_in_the_issues_order_and_name_files_that_exist():
+    gpu_check = load_tool("gpu_check")
+    assert [name for name, _, _ in gpu_check.STEPS] == ["tests", "benchmark", "notebook"]
+    for _, argv, _ in [*gpu_check.STEPS, gpu_check.COMPAT]:
+        for part in argv:
+            if part.endswith((".py", ".ipynb")):
+                assert (gpu_check.ROOT / part).exists(), part

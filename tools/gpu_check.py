@@ -1,0 +1,116 @@
+"""The checks that need a GPU, in one command, each under a time limit of its own.
+
+    python tools/gpu_check.py [--out DIR] [--compat] [--quick]
+
+Runs, with this interpreter and its torch (a CUDA build), from the repository's root, in
+issue 47's order:
+
+1. ``tests/test_devices.py`` and ``tests/test_torch_seam.py``: the CUDA paths (lanes on a
+   GPU cluster, replies from every process to every other, maps by hand, refusals);
+2. ``benchmarks/cuda_rpc.py``: its figures against the plain torch script, measured in
+   the same run (``--quick``: fewer repeats);
+3. the CUDA-RPC notebook (``notebooks/07_cuda_rpc_benchmark.ipynb``) under nbval;
+4. with ``--compat``: torch's CUDA test classes that apply on this machine's GPUs
+   (docs/compatibility.md).
+
+Each step's output goes to ``DIR/<step>.log`` (default: a new temporary directory); a
+summary (one line per step: how it ended, its seconds, its last result line) is printed
+and written to ``DIR/summary.txt``. A step that runs past its limit is ended, and the next
+one runs. Without CUDA it says so and exits 0, as the benchmark does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: (name, argv after the interpreter, seconds), in the order they run
+STEPS: list[tuple[str, list[str], int]] = [
+    (
+        "tests",
+        ["-m", "pytest", "tests/test_devices.py", "tests/test_torch_seam.py", "-q", "-rs", "-x"],
+        420,
+    ),
+    ("benchmark", ["benchmarks/cuda_rpc.py"], 360),
+    (
+        "notebook",
+        ["-m", "pytest", "--nbval-lax", "notebooks/07_cuda_rpc_benchmark.ipynb", "-q"],
+        240,
+    ),
+]
+COMPAT = (
+    "compat",
+    [
+        "tools/compat.py",
+        "--classes",
+        "CudaDistAutogradTest,CudaRemoteModuleTest,CudaDdpComparisonTest,"
+        "TensorPipeAgentCudaRpcTest",
+    ],
+    540,
+)
+
+
+def run_step(name: str, argv: list[str], limit: int, out: Path) -> str:
+    """One step, its output in ``out/NAME.log``; its summary line."""
+    log = out / f"{name}.log"
+    t0 = time.monotonic()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, *argv],
+            cwd=ROOT,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,  # its workers too, when it runs past its limit
+        )
+        try:
+            code = proc.wait(timeout=limit)
+            how = "passed" if code == 0 else f"failed (exit {code})"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            how = f"ended at its limit ({limit} s)"
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines()]
+    last = next((line for line in reversed(lines) if line), "")
+    return f"{name}: {how} in {time.monotonic() - t0:.0f} s; {last[:160]}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="where the logs go (default: a new temporary folder)")
+    parser.add_argument("--compat", action="store_true", help="torch's CUDA test classes too")
+    parser.add_argument("--quick", action="store_true", help="the benchmark's fewer repeats")
+    args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"no CUDA device (torch {torch.__version__}): nothing to check here")
+        return 0
+    out = Path(args.out or tempfile.mkdtemp(prefix="nbrpc-gpu-"))
+    out.mkdir(parents=True, exist_ok=True)
+    head = (
+        f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, torch "
+        f"{torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} cores"
+    )
+    print(head, flush=True)
+    steps = [*STEPS, COMPAT] if args.compat else list(STEPS)
+    summary = [head]
+    for name, step_argv, limit in steps:
+        if name == "benchmark" and args.quick:
+            step_argv = [*step_argv, "--quick"]
+        summary.append(run_step(name, step_argv, limit, out))
+        print(summary[-1], flush=True)
+    (out / "summary.txt").write_text("\n".join(summary) + "\n")
+    print(f"logs in {out}")
+    return 0 if all(": passed" in line for line in summary[1:]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
