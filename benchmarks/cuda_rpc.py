@@ -19,7 +19,7 @@ Figures, each a median over repeats after a warm-up, in issue 47's order (items 
 - small calls, each the median of 400 ``rpc_sync`` calls after 50 warm-up calls: the
   builtin ``torch.add(t, 1)`` with ``t`` a 1-element CPU tensor, a small Python function
   (first), and the builtin with a CUDA tensor (last: the reply comes back on the
-  caller's device);
+  caller's device), staged on a lane and, lanes paused, through TensorPipe's CUDA channel;
 - one kernel (a fresh process): a CPU cluster on this host, its small calls, whether the
   kernel started CUDA, a GPU cluster asked for after it (refused at once), a CPU one again.
 
@@ -180,14 +180,27 @@ def run_nbrpc(repeats: int) -> dict:
         nbrpc.shutdown()
 
 
+#: issue 47's item 2 measures both ways a small CUDA tensor can travel
+TENSORPIPE_CUDA = "small call, builtin, CUDA tensor, lanes paused (TensorPipe's CUDA channel)"
+
+
 def run_nbrpc_cuda_small() -> dict:
     """Issue 47's item 2, last: the small call with a CUDA tensor, on a cluster like the
-    first (this process's kernel joined with its maps)."""
+    first (this process's kernel joined with its maps): staged on a lane (the default),
+    then with lanes paused, through TensorPipe's CUDA channel, in the same processes."""
     import nbrpc
+    from nbrpc._wire import lanes
 
     nbrpc.init(n=1, gpus="auto", progress=False)
     try:
-        return small_calls(nbrpc.rpc_sync, "cuda:0")
+        out = small_calls(nbrpc.rpc_sync, "cuda:0")
+        lanes.pause(True)
+        try:
+            (tensorpipe,) = small_calls(nbrpc.rpc_sync, "cuda:0").values()
+        finally:
+            lanes.pause(False)
+        out[TENSORPIPE_CUDA] = tensorpipe
+        return out
     finally:
         nbrpc.shutdown()
 
@@ -256,6 +269,10 @@ def report(results: dict) -> None:
             value = results[name][figure]["median"]
             ratio = value / raw[figure]["median"]
             print(f"  {name:<22}{value * scale:>9.3f} {unit:<3}{ratio:>6.2f}x")
+    if TENSORPIPE_CUDA in results["nbrpc"]:
+        value = results["nbrpc"][TENSORPIPE_CUDA]["median"]
+        script = raw["small call, builtin, CUDA tensor"]["median"]
+        print(f"{TENSORPIPE_CUDA}:\n  {'nbrpc':<22}{value * 1e6:>9.3f} µs {value / script:>6.2f}x")
     for name in ROWS:
         row = results[name]
         speedup = row["10 passes, cpu"]["median"] / row["10 passes, cuda"]["median"]

@@ -92,7 +92,7 @@ def _us(stmt: Any, number: int) -> float:
 def callee_steps(payload: bytes, number: int) -> dict[str, float]:
     """On the callee (sent there through torch): µs of each of its steps of one call
     whose lane ``payload`` the caller made, as :func:`nbrpc._wire.lanes.callee.run` does them."""
-    func, args, kwargs, header = messages.lane_call_of(payload)
+    func, args, kwargs, header, _ = messages.lane_call_of(payload)
 
     def run() -> Any:
         udf = _torch.PythonUDF(func, args, kwargs)

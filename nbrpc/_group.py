@@ -38,6 +38,7 @@ import torch.distributed.rpc as rpc
 
 from . import _fence, _torch
 from ._errors import BootError, ConfigError, NotInitializedError
+from ._wire import lanes
 
 SCHEME = "nbrpc"
 
@@ -374,6 +375,7 @@ def join(
             rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=options)
     _membership.joined = name
     _membership.cuda = local_cuda_devices(device_maps, devices)
+    lanes.place_by(device_maps)  # small CUDA tensors to these peers: staged on lanes
 
 
 def hold_devices(replies: dict[str, dict[str, str]]) -> None:

@@ -98,22 +98,33 @@ def plus(x):
 def make(n):
     return torch.full((n,), 2.0, device="cuda:0")
 
+BIG = 1 << 15  # 128 KB of float32: over a lane's 64 KB, TensorPipe's CUDA channel
+
 cluster = nbrpc.init(n=1, gpus="auto", progress=False)
-assert cluster.booted.lanes, "a GPU cluster opens lanes for the calls without CUDA tensors"
+assert cluster.booted.lanes, "a GPU cluster opens lanes"
 with nbrpc.record() as rec:
     assert nbrpc.rpc_sync("worker1", plus, args=(torch.ones(2),)).tolist() == [2.0, 2.0]
     y = nbrpc.rpc_sync("worker1", plus, args=(torch.ones(2, device="cuda:0"),))
-    assert y.is_cuda and y.tolist() == [2.0, 2.0], y
-    for n in (3, 4):  # the reply is CUDA's: fetched through TensorPipe, then TensorPipe only
-        z = nbrpc.rpc_sync("worker1", make, args=(n,))
-        assert z.is_cuda and z.tolist() == [2.0] * n, z
+    assert y.is_cuda and y.tolist() == [2.0, 2.0], y  # staged there and back
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):  # made on a side stream: the staging copy waits for it
+        x = torch.ones(4, device="cuda:0") * 5
+        y = nbrpc.rpc_sync("worker1", plus, args=(x,))
+    assert y.tolist() == [6.0] * 4, y
+    z = nbrpc.rpc_sync("worker1", make, args=(3,))
+    assert z.is_cuda and z.tolist() == [2.0] * 3, z
     w = nbrpc.rpc_async("worker1", make, args=(5,)).wait()
     assert w.is_cuda and w.tolist() == [2.0] * 5, w
+    big = nbrpc.rpc_sync("worker1", plus, args=(torch.ones(BIG, device="cuda:0"),))
+    assert big.is_cuda and big.sum().item() == 2.0 * BIG
+    for _ in range(2):  # a large CUDA reply: kept, fetched through TensorPipe, then TensorPipe
+        b = nbrpc.rpc_sync("worker1", make, args=(BIG,))
+        assert b.is_cuda and b.sum().item() == 2.0 * BIG
 routes = [(r["function"], r["route"]) for r in rec.calls if r["caller"] != "worker1"]
 print("routes", routes)
-assert [r for r in routes if r[0] == "plus"] == [("plus", "lane"), ("plus", "tensorpipe")]
+assert [r for name, r in routes if name == "plus"] == ["lane", "lane", "lane", "tensorpipe"]
 made = [route for name, route in routes if name == "make"]
-assert made == ["lane", "tensorpipe", "tensorpipe"], made
+assert made == ["lane", "lane", "lane", "tensorpipe"], made
 nbrpc.shutdown()
 for asked in ({"n": 2, "gpus": "auto"}, {"n": 1}):  # other names; a CPU cluster
     t0 = time.monotonic()
@@ -131,7 +142,9 @@ print("gpu lanes ok")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_a_gpu_cluster_takes_lanes_for_cpu_calls_and_tensorpipe_for_cuda_tensors(tmp_path):
+def test_a_gpu_cluster_stages_small_cuda_tensors_on_lanes_and_large_ones_take_tensorpipe(
+    tmp_path,
+):
     out = run_script(tmp_path / "gpu_lanes.py", GPU_LANES, timeout=SCRIPT_S)
     assert "gpu lanes ok" in out
     refusals = [line for line in out.splitlines() if line.startswith("refused")]

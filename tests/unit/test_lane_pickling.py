@@ -116,3 +116,63 @@ def test_a_tensor_subclass_goes_through_torchs_pickling():
         messages.lane_dumps((torch.ones(2).as_subclass(_Subclass),))
     with pytest.raises(messages.OnDevice):
         messages.lane_dumps((torch.empty(2, device="meta").as_subclass(_Subclass),))
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.ones(1),
+        torch.arange(12.0).reshape(3, 4).T,  # a transposed view: its elements, in order
+        torch.arange(12.0)[3:7],  # an offset into its storage: the elements alone
+        torch.ones(3, dtype=torch.bfloat16),
+        torch.tensor(7),
+        torch.zeros(2, 0, 3),
+    ],
+)
+def test_a_staged_tensor_arrives_equal_on_the_device_its_map_names(tensor):
+    """The staging codec of small CUDA tensors (``stage`` / ``staged``), run here on CPU
+    tensors: on a GPU the same code copies to host memory and on to the mapped device."""
+    reduced, args = messages.stage(tensor, "cpu")
+    got = reduced(*args)
+    assert got.device.type == "cpu"
+    assert got.dtype == tensor.dtype
+    assert got.shape == tensor.shape
+    assert torch.equal(got, tensor)
+    assert got.is_contiguous()
+
+
+def test_staging_refuses_what_torchs_pickling_must_carry():
+    """requires_grad, sparse, a storage already in the message, or over the lane's bytes:
+    TensorPipe carries the message (OnDevice), its device maps and futures as torch's."""
+    messages.lane_message({"cpu": "cpu"})  # a new message
+    with pytest.raises(messages.OnDevice):
+        messages.stage(torch.ones(2, requires_grad=True), "cpu")
+    with pytest.raises(messages.OnDevice):
+        messages.stage(torch.ones(2).to_sparse(), "cpu")
+    base = torch.arange(8.0)
+    messages.stage(base[:4], "cpu")
+    with pytest.raises(messages.OnDevice):  # the same storage twice: it stays shared there
+        messages.stage(base[4:], "cpu")
+    messages.lane_message({"cpu": "cpu"})
+    with pytest.raises(messages.OnDevice):
+        messages.stage(torch.ones(messages.LANE_TENSOR_BYTES // 4 + 1), "cpu")
+
+
+def test_a_call_carries_the_map_back_for_its_reply_only_to_a_peer_it_maps():
+    """``place_by`` (set at the join) decides: to a mapped peer, the call's last element is
+    the map back (where the reply's CUDA tensors go); to another, None. A device tensor
+    no map places is refused as before ("meta" stands in for CUDA)."""
+    try:
+        messages.place_by({"worker1": {"cuda:0": "cuda:1"}, "worker2": {0: 0}})
+        assert messages.places_to("worker1") == ({"cuda:0": "cuda:1"}, {"cuda:1": "cuda:0"})
+        assert messages.places_to("worker2") == ({"cuda:0": "cuda:0"}, {"cuda:0": "cuda:0"})
+        assert messages.places_to("worker3") == (None, None)
+        for peer, back in (("worker1", {"cuda:1": "cuda:0"}), ("worker3", None)):
+            payload = messages.lane_call(torch.add, (torch.ones(1), 1), {}, None, peer)
+            *_, got = messages.lane_call_of(payload)
+            assert got == back
+        with pytest.raises(messages.OnDevice):  # no map names "meta"
+            messages.lane_call(torch.add, (torch.empty(1, device="meta"), 1), {}, None, "worker1")
+    finally:
+        messages.place_by(None)
+    assert messages.places_to("worker1") == (None, None)

@@ -27,7 +27,9 @@ calls are run: the same output forwarding, failures with their traceback, record
 stack labels and counts. A reply that cannot take the lane (it holds an RRef, a CUDA or
 large tensor, or does not pickle) is kept by the callee and fetched by the caller through
 TensorPipe (:func:`.callee.take`): torch's own path, with torch's behaviour. On a GPU
-cluster lanes carry the calls that hold no CUDA tensor; a CUDA tensor among the arguments
+cluster a small CUDA tensor that the caller's device map places on the peer travels
+*staged* (:mod:`.messages`: copied to host memory as it is pickled, to the mapped device
+as it is unpickled; a reply's by the map back); any other CUDA tensor among the arguments
 goes through TensorPipe (its device maps place it), and a function whose reply from a
 worker held one is sent there through TensorPipe from then on
 (:func:`.caller.answered_on_device`). A request the callee
@@ -63,6 +65,7 @@ from .caller import (
     in_flight as in_flight,
     route as route,
 )
+from .messages import place_by as place_by
 from .setup import (
     close as close,
     directory as directory,

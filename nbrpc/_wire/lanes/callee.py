@@ -76,8 +76,9 @@ def _serve(conn: socket.socket) -> None:
 def run(answer: Callable[[bytes], Any], call: int, payload: bytes) -> None:
     """Run one call and ``answer`` it (a frame sent, or put in the connection's outbox)."""
     try:
-        func, args, kwargs, header = messages.lane_call_of(payload)
-    except Exception:  # e.g. a function this process cannot import: TensorPipe says it
+        func, args, kwargs, header, back = messages.lane_call_of(payload)
+    except Exception:  # e.g. a function this process cannot import, or a staged CUDA
+        # tensor that could not be placed: TensorPipe sends it again and says it
         answer(FRAME.pack(call, 0, RETRY))
         return
     if header is not None:  # a user's call: its header, and the row says it came this way
@@ -88,7 +89,7 @@ def run(answer: Callable[[bytes], Any], call: int, payload: bytes) -> None:
     result = run_function(udf)
     row = recording.reply_row(result)
     try:
-        reply = messages.lane_dumps(result)
+        reply = messages.lane_dumps(result, back)  # small CUDA tensors: staged back
         kind = VALUE
     except Exception as exc:  # an RRef, a CUDA or large tensor, or no pickle: TensorPipe takes it
         made = None

@@ -63,10 +63,14 @@ class Why(enum.Enum):
     PROFILER = "torch's profiler records (it records the RPC)"
     AUTOGRAD = "it is made inside a distributed autograd context"
     NOT_LANE = "its arguments hold an RRef or a tensor a lane does not carry, or do not pickle"
-    ON_DEVICE = "its arguments hold a tensor on a device (CUDA): the device maps place it"
+    ON_DEVICE = (
+        "its arguments hold a tensor on a device (CUDA) that no device map to the peer "
+        "places, or over a lane's size: TensorPipe's device maps place it"
+    )
     ANSWERS_ON_DEVICE = (
-        "the function's reply from this worker held a tensor on a device (CUDA) before: "
-        "TensorPipe brings it, device maps applied, with no lane round first"
+        "the function's reply from this worker held a tensor on a device (CUDA) that a "
+        "lane did not carry before: TensorPipe brings it, device maps applied, with no "
+        "lane round first"
     )
     BUSY = "the main thread's lane to the peer waits on another call"
 
@@ -117,7 +121,7 @@ def route(dest: Any, func: Any, args: tuple, kwargs: dict | None, main: bool) ->
     if not notebook and _torch.is_builtin(func):  # (a notebook's function never is one)
         func, args, kwargs = call_builtin, (func, args, kwargs), None
     try:
-        payload = call_bytes(func, args, kwargs or {}, notebook or is_user_call(func))
+        payload = call_bytes(func, args, kwargs or {}, notebook or is_user_call(func), dest.name)
     except messages.OnDevice:
         return _NONE[Why.ON_DEVICE]
     except Exception:  # NotLane, or what TensorPipe's pickling will report in its words
@@ -165,14 +169,17 @@ def answered_on_device(dest: Any, func: Any) -> None:
             del here.on_device[next(iter(here.on_device))]
 
 
-def call_bytes(func: Any, args: tuple, kwargs: dict, user: bool | None = None) -> bytes:
-    """A call pickled for a lane: ``(func, args, kwargs, header)``, the header
+def call_bytes(
+    func: Any, args: tuple, kwargs: dict, user: bool | None = None, peer: str = ""
+) -> bytes:
+    """A call pickled for a lane: ``(func, args, kwargs, header, back)``, the header
     (:mod:`nbrpc._wire.recording`) beside the call, not wrapped around torch's call record
-    (``user``: whether it is a user's call, :func:`is_user_call` if not said)."""
+    (``user``: whether it is a user's call, :func:`is_user_call` if not said); ``peer``:
+    the callee, whose device map stages small CUDA tensors (:mod:`.messages`)."""
     if user is None:
         user = is_user_call(func)
     header, message = recording.header_for(_process.name(), False, True) if user else (None, None)
-    payload = messages.lane_call(func, args, kwargs, header)
+    payload = messages.lane_call(func, args, kwargs, header, peer)
     if message is not None:
         recording.pickled(message, len(payload))
     return payload

@@ -3,8 +3,13 @@
 A call or reply pickles by nbrpc's pickler (:class:`nbrpc._wire.pickling.LanePickler`:
 notebook code by value) with the lanes' reducers: small dense CPU tensors *in* the pickle
 (storage, offset, size, stride), RRefs and torch's special classes refused
-(:class:`NotLane`: TensorPipe carries that call; :class:`OnDevice` for a tensor on a
-device, whose place the device maps say). Where a message holds plain values only
+(:class:`NotLane`: TensorPipe carries that call). A small tensor on a CUDA device
+that this process maps to the peer (:func:`place_by`) is *staged*: copied to this host's
+memory as it is pickled (which waits for the work on this thread's stream that makes it)
+and copied to the mapped device as it is unpickled there, on the thread that then runs the
+call; a reply's, by the map back, which the call carries. Any other tensor on a device
+(no map for it, or too large) raises :class:`OnDevice`: TensorPipe carries that message,
+its device maps and CUDA-aware futures as without lanes. Where a message holds plain values only
 (numbers, strings, plain tensors, small containers of them), the standard library's C
 pickler takes it alone: a call's function then travels as a pickle made once
 (:func:`nbrpc._wire.pickling.function_head`), its arguments and header after it.
@@ -23,6 +28,7 @@ from typing import Any
 import torch
 
 from nbrpc import _torch
+from nbrpc._devices import canonical
 from nbrpc._wire import pickling, recording, sent_functions
 from nbrpc._wire.callee import call_builtin
 
@@ -31,6 +37,26 @@ LANE_TENSOR_BYTES = 1 << 16
 
 
 NotLane, OnDevice = pickling.NotLane, pickling.OnDevice  # (raised while pickling)
+
+#: this process's device maps, fixed at its join: peer name -> {its device: the peer's}
+_device_maps: dict[str, dict[str, str]] = {}
+
+
+def place_by(device_maps: dict | None) -> None:
+    """This process joined with ``device_maps`` (peer -> {device: device}): small CUDA
+    tensors to those peers are staged through lanes by them (the module's docstring)."""
+    _device_maps.clear()
+    for peer, mapping in (device_maps or {}).items():
+        _device_maps[peer] = {canonical(k): canonical(v) for k, v in mapping.items()}
+
+
+def places_to(peer: str) -> tuple[dict[str, str] | None, dict[str, str] | None]:
+    """Where this process's CUDA tensors go on ``peer`` (its map to it), and where the
+    peer's go here (the map back, for the reply); ``(None, None)`` with no map."""
+    there = _device_maps.get(peer)
+    if not there:
+        return None, None
+    return there, {v: k for k, v in there.items()}
 
 
 #: a dtype by the name it travels under (a string pickles without an import on arrival)
@@ -57,11 +83,42 @@ def _tensor(dtype: str | torch.dtype, data: bytes, offset: int, size: tuple, str
     return flat.as_strided(size, stride, offset)
 
 
+def staged(dtype: str | torch.dtype, data: bytes, size: tuple, stride: tuple, device: str) -> Any:
+    """Unpickling side of :func:`stage`: the tensor, on ``device`` (the mapped one),
+    copied there on this thread's current stream (the call then runs on it)."""
+    return _tensor(dtype, data, 0, size, stride).to(device)
+
+
+def stage(t: torch.Tensor, device: str) -> Any:
+    """A small CUDA tensor in the pickle, for ``device`` on the other side: its elements
+    copied to this host's memory now (the copy waits for the work queued on this thread's
+    stream, as TensorPipe's send waits on that stream's event), contiguous."""
+    if t.requires_grad or t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
+        raise OnDevice(t.device)
+    nbytes = t.numel() * t.element_size()
+    address = t.untyped_storage().data_ptr()
+    counted = _lane_counted.bytes + nbytes
+    if counted > LANE_TENSOR_BYTES or (nbytes and address in _lane_counted.storages):
+        raise OnDevice(t.device)  # large, or sharing a storage: TensorPipe's CUDA channel
+    _lane_counted.bytes = counted
+    if nbytes:
+        _lane_counted.storages.add(address)
+    host = t.detach().to("cpu").contiguous()
+    data = ctypes.string_at(host.data_ptr(), nbytes) if nbytes else b""
+    dtype = _DTYPE_NAMES.get(t.dtype, t.dtype)
+    return staged, (dtype, data, tuple(host.shape), host.stride(), device)
+
+
 def _reduce_tensor(t: torch.Tensor) -> Any:
     """A small dense CPU tensor, in the pickle: its whole storage, offset, size and stride
-    (what TensorPipe sends too, so a view arrives as the same view)."""
+    (what TensorPipe sends too, so a view arrives as the same view). A CUDA tensor this
+    message maps: staged (:func:`stage`)."""
     if not t.is_cpu:
-        raise OnDevice(t.device)
+        places = _lane_counted.places
+        device = places.get(str(t.device)) if places is not None else None
+        if device is None:
+            raise OnDevice(t.device)
+        return stage(t, device)
     if t.requires_grad or t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
         raise NotLane
     storage = t.untyped_storage()
@@ -82,8 +139,12 @@ def _refuse(obj: Any) -> Any:
 
 
 class _LaneCounted(threading.local):
+    """This thread's message being pickled: its tensor bytes and storages so far, and
+    where its CUDA tensors go (None: no map to the peer, none is staged)."""
+
     bytes = 0
     storages: set[int]
+    places: dict[str, str] | None = None
 
     def __init__(self) -> None:
         self.storages = set()
@@ -153,49 +214,56 @@ def _plain_call(func: Any, args: tuple, kwargs: dict) -> bool:
 _HEAD = struct.Struct("<I")
 
 
-def lane_call(func: Any, args: tuple, kwargs: dict, header: Any) -> bytes:
+def lane_call(func: Any, args: tuple, kwargs: dict, header: Any, peer: str = "") -> bytes:
     """A call pickled for a lane. Where its arguments are plain values and its function
     has a pickle made once (:func:`nbrpc._wire.pickling.function_head`), that pickle,
     then ``(args, kwargs, header)`` by the standard library's C pickler alone (a notebook
     function's call of a 1-element tensor: 11 -> 3 µs, measured): nbrpc's pickler, a
     cloudpickle Pickler, runs Python code for every tuple, dict and tensor in a call;
     recorded, its tensors' bytes are counted as they are pickled. Else ``(func, args,
-    kwargs, header)`` in one pickle by :class:`LanePickler`.
+    kwargs, header)`` in one pickle by :class:`LanePickler`. ``peer``: the callee's name;
+    where this process maps devices to it, small CUDA tensors are staged, and the call
+    carries the map back for its reply (last in the tuple; None without one).
     Raises where the call cannot take a lane (:class:`NotLane`, or a pickling error)."""
     recording_on = recording.active() is not None
+    places, back = places_to(peer) if _device_maps else (None, None)
     head = pickling.function_head(func) if _plain_call(func, args, kwargs) else None
     if head is not None:
-        return _plain_pickle((args, kwargs, header), head, _PLAIN_TABLES[recording_on])
-    out = lane_message()
+        return _plain_pickle(
+            (args, kwargs, header, back), head, _PLAIN_TABLES[recording_on], places
+        )
+    out = lane_message(places)
     out.write(_HEAD.pack(0))
     pickler = pickling.LanePickler(out, lane_reducers(recording_on))
-    pickler.dump_as_is((func, args, kwargs, header))
+    pickler.dump_as_is((func, args, kwargs, header, back))
     return out.getvalue()
 
 
-def lane_call_of(payload: Any) -> tuple[Any, tuple, dict, Any]:
-    """The callee's side of :func:`lane_call`: ``(func, args, kwargs, header)``."""
+def lane_call_of(payload: Any) -> tuple[Any, tuple, dict, Any, dict[str, str] | None]:
+    """The callee's side of :func:`lane_call`: ``(func, args, kwargs, header, back)``,
+    staged CUDA tensors on their mapped devices already."""
     (size,) = _HEAD.unpack_from(payload)
     if not size:
         return pickle.loads(payload[_HEAD.size :])
     func = sent_functions.from_head(payload[_HEAD.size : _HEAD.size + size])
-    args, kwargs, header = pickle.loads(payload[_HEAD.size + size :])
-    return func, args, kwargs, header
+    args, kwargs, header, back = pickle.loads(payload[_HEAD.size + size :])
+    return func, args, kwargs, header, back
 
 
-def lane_dumps(obj: Any) -> bytes:
+def lane_dumps(obj: Any, places: dict[str, str] | None = None) -> bytes:
     """``obj`` (a reply) pickled for a lane (nbrpc's pickler: notebook code by value);
     raises when it cannot take one (:class:`NotLane`, or any pickling error). A plain
-    value takes the C pickler alone (12 -> 3 µs for a small tensor)."""
+    value takes the C pickler alone (12 -> 3 µs for a small tensor). ``places``: the
+    call's map back (its small CUDA tensors are staged by it)."""
     recording_on = recording.active() is not None
     if _plain(obj):
         # recorded: the row's, where its tensors and bytes are counted
         message = recording.message_for(obj) if recording_on else None
-        data = _plain_pickle(obj, b"", _PLAIN_TABLES[recording_on])
+        data = _plain_pickle(obj, b"", _PLAIN_TABLES[recording_on], places)
         if message is not None:
             recording.pickled(message, len(data))
         return data
-    out = lane_message()
+    out = lane_message(places)
     pickling.LanePickler(out, lane_reducers(recording_on)).dump(obj)
     return out.getvalue()
 
@@ -212,10 +280,13 @@ class _PlainPickler(threading.local):
 _plain_pickler = _PlainPickler()
 
 
-def _plain_pickle(obj: Any, head: bytes, table: dict) -> bytes:
+def _plain_pickle(
+    obj: Any, head: bytes, table: dict, places: dict[str, str] | None = None
+) -> bytes:
     """``obj`` by the C pickler (plain values: :func:`_plain`) after ``head`` (a call's:
-    its length and its function's pickle; a reply: none), its tensors by ``table``."""
-    _forget_counted()
+    its length and its function's pickle; a reply: none), its tensors by ``table``
+    (CUDA ones staged by ``places``)."""
+    _forget_counted(places)
     kept = _plain_pickler
     out, pickler = kept.out, kept.pickler
     out.seek(0)
@@ -231,13 +302,16 @@ def _plain_pickle(obj: Any, head: bytes, table: dict) -> bytes:
     return out.getvalue()
 
 
-def lane_message() -> io.BytesIO:
-    """A new message's buffer; the tensors :func:`_reduce_tensor` counted are forgotten."""
-    _forget_counted()
+def lane_message(places: dict[str, str] | None = None) -> io.BytesIO:
+    """A new message's buffer; the tensors :func:`_reduce_tensor` counted are forgotten
+    (``places``: where its CUDA tensors go, :func:`stage`)."""
+    _forget_counted(places)
     return io.BytesIO()
 
 
-def _forget_counted() -> None:
-    """A new message: no tensor of it counted yet (:func:`_reduce_tensor`)."""
+def _forget_counted(places: dict[str, str] | None = None) -> None:
+    """A new message: no tensor of it counted yet (:func:`_reduce_tensor`), its CUDA
+    tensors staged by ``places`` (None: none is)."""
     _lane_counted.bytes = 0
     _lane_counted.storages.clear()
+    _lane_counted.places = places
