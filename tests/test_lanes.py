@@ -51,6 +51,13 @@ def not_picklable():
 def on_meta(n):
     return torch.empty(n, device="meta")  # a tensor on a device, as a CUDA one is
 
+def foreign():  # an object of a module only this worker has: its reply cannot unpickle
+    import sys, types
+    mod = types.ModuleType("nbrpc_worker_only")
+    exec("class Thing:\\n    pass\\n", mod.__dict__)
+    sys.modules["nbrpc_worker_only"] = mod
+    return mod.Thing()
+
 @rpc.functions.async_execution
 def later(x):
     fut = torch.futures.Future()
@@ -290,6 +297,31 @@ def test_a_call_answering_with_a_device_tensor_takes_tensorpipe_after_its_first_
     # the call with a device's tensor did not take the lane (TensorPipe refused to send
     # it, so it left no row); the plain call after it did
     assert [r for r in routes if r[0] == "echo"] == [("echo", "lane")], routes
+
+
+def test_a_reply_that_does_not_unpickle_here_fails_its_call_alone_as_through_tensorpipe(
+    cluster, code
+):
+    """A lane's reply that cannot be unpickled in the caller (here: a module only the
+    worker has; on a GPU, a staged CUDA tensor with no room on its device) fails that call
+    with its error, as TensorPipe's does, and the error says which side lacks the module;
+    the lane and the worker go on (the lane took it for a dead worker before)."""
+    said = {}
+    for route in ("lane", "tensorpipe"):
+        lanes.pause(route == "tensorpipe")
+        try:
+            here = "this process cannot import module 'nbrpc_worker_only'"  # not worker1
+            with pytest.raises(nbrpc.SerializationError, match=here) as sync:
+                nbrpc.rpc_sync("worker1", code.foreign, timeout=30)
+            with pytest.raises(nbrpc.SerializationError, match=here) as later:
+                nbrpc.rpc_async("worker1", code.foreign, timeout=30).wait()
+        finally:
+            lanes.pause(False)
+        said[route] = (type(sync.value), type(later.value))
+        assert nbrpc.rpc_sync("worker1", code.echo, args=(3,)) == 3
+        assert nbrpc.rpc_async("worker1", code.echo, args=(4,)).wait() == 4
+    assert said["lane"] == said["tensorpipe"], said
+    assert nbrpc.current().status()[1]["state"] == "ready"
 
 
 def test_a_timeout_on_a_lane_is_nbrpcs_and_the_next_call_takes_a_new_lane(cluster, code):

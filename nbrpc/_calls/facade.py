@@ -298,6 +298,8 @@ def _outcome(
         return None, call.expired(), None
     if reply.lost is not None:
         return None, call.translate(reply.lost), None
+    if reply.unreadable is not None:  # as TensorPipe's reply that does not unpickle here
+        return None, call.translate(reply.unreadable), None
     if reply.kind == lanes.ON_DEVICE:
         lanes.answered_on_device(dest, sent[0])
     resend = reply.through_torch(sent)
@@ -417,6 +419,14 @@ def translate(exc: BaseException, what: str, dest: str, timeout: float | None) -
     that names the problem and the fix; other errors are returned as they are."""
     if _torch.is_timeout(exc):
         return timeout_error(exc, what, dest, timeout)
+    here = _torch.missing_module_here(exc)
+    if here:
+        return SerializationError(
+            f"this process cannot import module {here!r}, which the reply to the {what} "
+            f"on {dest} needs: {dest} returned an object of a class from that module, and a "
+            f"class from an importable module travels by reference. Install {here} here "
+            "too, or return plain values (numbers, lists, dicts, tensors) from the function."
+        )
     missing = _torch.missing_module(exc)
     if missing:
         return SerializationError(

@@ -36,6 +36,7 @@ What is here, by module:
 * :mod:`.script`: a notebook's TorchScript function compiled on a worker under the
   kernel's name (``script_source``, ``compile_script_as``);
 * :mod:`.wording`: torch's error wording (``is_timeout``, ``missing_module``,
+  ``missing_module_here``,
   ``is_connection_loss``).
 """
 
@@ -146,6 +147,7 @@ from .wording import (
     is_connection_loss as is_connection_loss,
     is_timeout as is_timeout,
     missing_module as missing_module,
+    missing_module_here as missing_module_here,
     serialization_failure as serialization_failure,
     undefined_script_function as undefined_script_function,
 )

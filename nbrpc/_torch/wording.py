@@ -27,6 +27,21 @@ def missing_module(exc: BaseException) -> str | None:
     return match.group(1) if match else None
 
 
+#: how torch begins the text of an error the callee sent back
+ON_NODE = "Error on Node "
+
+
+def missing_module_here(exc: BaseException) -> str | None:
+    """The module this process failed to import while unpickling a reply, else ``None``:
+    torch's text of a deserialization with no node named (a callee's error begins with
+    :data:`ON_NODE`), or the error itself (a lane's reply is unpickled by nbrpc)."""
+    if isinstance(exc, ModuleNotFoundError):
+        return exc.name
+    if ON_NODE in str(exc):
+        return None
+    return missing_module(exc)
+
+
 _SERIALIZATION = re.compile(r"SerializationError: (.*?)(?:\n\nAt:|\nException raised from|$)", re.S)
 
 

@@ -47,6 +47,7 @@ _MAIN_SLICE = struct.pack("ll", 0, int(MAIN_SLICE_S * 1e6))  # a struct timeval
 #: the main thread's wait: ``wait(one_slice, limit)`` is False if ``limit`` passed first
 Waiter = Callable[[Callable[[], bool], float], bool]
 LOST = 9  # a Reply's kind, here only: the lane closed before the reply came
+UNREADABLE = 10  # a Reply's kind, here only: its value did not unpickle in this process
 #: calls remembered as answering with a tensor on a device (then forgotten, oldest first)
 ON_DEVICE_KEPT = 256
 
@@ -89,13 +90,18 @@ class Reply(NamedTuple):
     """A lane's answer to one call: a value (what the callee's ``run_function`` returned,
     a failure it sent back included), a lost lane, or the call TensorPipe must carry."""
 
-    kind: int  # VALUE, FETCH, ON_DEVICE, RETRY, or LOST
-    got: Any  # the value, the key of the reply the callee kept, or the LaneLost
+    kind: int  # VALUE, FETCH, ON_DEVICE, RETRY, LOST or UNREADABLE
+    got: Any  # the value, the key of the reply the callee kept, the LaneLost, the error
 
     @property
     def lost(self) -> LaneLost | None:
         """Why the lane closed before the reply came, if it did."""
         return self.got if self.kind == LOST else None
+
+    @property
+    def unreadable(self) -> BaseException | None:
+        """Why the reply's value did not unpickle here, if it did not."""
+        return self.got if self.kind == UNREADABLE else None
 
     def through_torch(self, sent: tuple) -> tuple | None:
         """What TensorPipe sends instead, as ``(func, args, kwargs)``: the reply the callee
@@ -121,7 +127,8 @@ def route(dest: Any, func: Any, args: tuple, kwargs: dict | None, main: bool) ->
     if not notebook and _torch.is_builtin(func):  # (a notebook's function never is one)
         func, args, kwargs = call_builtin, (func, args, kwargs), None
     try:
-        payload = call_bytes(func, args, kwargs or {}, notebook or is_user_call(func), dest.name)
+        user = notebook or is_user_call(func)
+        payload = call_bytes(func, args, kwargs or {}, user, dest.name, stage=main)
     except messages.OnDevice:
         return _NONE[Why.ON_DEVICE]
     except Exception:  # NotLane, or what TensorPipe's pickling will report in its words
@@ -170,16 +177,22 @@ def answered_on_device(dest: Any, func: Any) -> None:
 
 
 def call_bytes(
-    func: Any, args: tuple, kwargs: dict, user: bool | None = None, peer: str = ""
+    func: Any,
+    args: tuple,
+    kwargs: dict,
+    user: bool | None = None,
+    peer: str = "",
+    stage: bool = True,
 ) -> bytes:
     """A call pickled for a lane: ``(func, args, kwargs, header, back)``, the header
     (:mod:`nbrpc._wire.recording`) beside the call, not wrapped around torch's call record
     (``user``: whether it is a user's call, :func:`is_user_call` if not said); ``peer``:
-    the callee, whose device map stages small CUDA tensors (:mod:`.messages`)."""
+    the callee, whose device map places small CUDA tensors, staged where ``stage`` (the
+    main thread's ``rpc_sync``: :func:`.messages.lane_call`)."""
     if user is None:
         user = is_user_call(func)
     header, message = recording.header_for(_process.name(), False, True) if user else (None, None)
-    payload = messages.lane_call(func, args, kwargs, header, peer)
+    payload = messages.lane_call(func, args, kwargs, header, peer, stage)
     if message is not None:
         recording.pickled(message, len(payload))
     return payload
@@ -289,7 +302,7 @@ class Lane:
         except OSError as exc:
             raise self._closed_by_peer(f"({exc})") from None
         if frame is not None and frame[1] == VALUE:  # (receive(), without its frames)
-            return Reply(VALUE, pickle.loads(frame[2]))
+            return _reply(VALUE, frame[2])
         return self._reply_of(frame)[1]
 
     def receive(self) -> tuple[int, Reply]:
@@ -344,7 +357,12 @@ class Lane:
 
 def _reply(kind: int, payload: bytes) -> Reply:
     if kind == VALUE:
-        return Reply(VALUE, pickle.loads(payload))
+        try:
+            return Reply(VALUE, pickle.loads(payload))
+        except Exception as exc:  # a class this process lacks, a staged CUDA tensor with no
+            # room on its device: that call's error, as TensorPipe's future gives it (the
+            # facade translates it the same way); the frames are whole, the lane goes on
+            return Reply(UNREADABLE, exc)
     if kind in (FETCH, ON_DEVICE):
         return Reply(kind, int.from_bytes(payload, "little"))
     return Reply(RETRY, None)

@@ -214,7 +214,9 @@ def _plain_call(func: Any, args: tuple, kwargs: dict) -> bool:
 _HEAD = struct.Struct("<I")
 
 
-def lane_call(func: Any, args: tuple, kwargs: dict, header: Any, peer: str = "") -> bytes:
+def lane_call(
+    func: Any, args: tuple, kwargs: dict, header: Any, peer: str = "", stage: bool = True
+) -> bytes:
     """A call pickled for a lane. Where its arguments are plain values and its function
     has a pickle made once (:func:`nbrpc._wire.pickling.function_head`), that pickle,
     then ``(args, kwargs, header)`` by the standard library's C pickler alone (a notebook
@@ -222,11 +224,15 @@ def lane_call(func: Any, args: tuple, kwargs: dict, header: Any, peer: str = "")
     cloudpickle Pickler, runs Python code for every tuple, dict and tensor in a call;
     recorded, its tensors' bytes are counted as they are pickled. Else ``(func, args,
     kwargs, header)`` in one pickle by :class:`LanePickler`. ``peer``: the callee's name;
-    where this process maps devices to it, small CUDA tensors are staged, and the call
-    carries the map back for its reply (last in the tuple; None without one).
+    where this process maps devices to it, the call carries the map back for its reply
+    (last in the tuple; None without one), and with ``stage`` its own small CUDA tensors
+    are staged (a synchronous call: the copy to host memory waits for the tensor's stream,
+    which an ``rpc_async`` must not; without, they refuse the lane, :class:`OnDevice`).
     Raises where the call cannot take a lane (:class:`NotLane`, or a pickling error)."""
     recording_on = recording.active() is not None
     places, back = places_to(peer) if _device_maps else (None, None)
+    if not stage:
+        places = None
     head = pickling.function_head(func) if _plain_call(func, args, kwargs) else None
     if head is not None:
         return _plain_pickle(
