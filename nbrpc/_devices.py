@@ -178,24 +178,23 @@ def inverse(maps: Maps) -> Maps:
 
 
 def joining_devices(name: str, maps: Maps, chosen: dict[str, list[str]]) -> list[str] | None:
-    """The CUDA devices process ``name`` joins with: its ``--gpus auto`` GPU, else every
+    """The CUDA devices process ``name`` joins with: its ``--gpus auto`` GPU and every
     device a map of another process sends to it (None: none).
 
     A ``--device-map`` given by hand names the kernel's maps only, and a worker that joins
     with no maps and no devices starts neither CUDA nor TensorPipe's CUDA channels: the
     first CUDA tensor sent to it would find no allocator (torch aborts the process) and
-    no channel. torch's own static groups derive the same list from every peer's maps."""
-    if chosen.get(name):
-        return chosen[name]
+    no channel. torch's own static groups derive the same list from every peer's maps; a
+    restart (no ``chosen``) gets the same list as the boot."""
     received = {
         dev
         for by_dest in maps.values()
-        for dest, m in by_dest.items()
+        for dest, mapping in by_dest.items()
         if dest == name
-        for dev in m.values()
-        if dev.startswith("cuda")
+        for dev in mapping.values()
     }
-    return sorted(received, key=lambda d: (len(d), d)) or None
+    devices = received | set(chosen.get(name, ()))
+    return sorted(devices, key=lambda d: (len(d), d)) or None
 
 
 def describe(maps: Maps) -> list[str]:

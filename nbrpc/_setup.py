@@ -20,6 +20,7 @@ starts.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -136,6 +137,7 @@ def device_replies(maps: dict[str, dict[str, dict[str, str]]], workers: list[str
     if not maps:
         return
     replies = _devices.inverse(maps)
-    for name in workers:
-        _torch.rpc_sync(name, _group.hold_devices, args=(replies.get(name, {}),), timeout=30)
     _group.hold_devices(replies.get(_group.joined_name() or "", {}))
+    for name in workers:
+        with contextlib.suppress(Exception):  # one that died meanwhile: nothing to give back
+            _torch.rpc_sync(name, _group.hold_devices, args=(replies.get(name, {}),), timeout=30)

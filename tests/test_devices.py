@@ -73,6 +73,8 @@ def test_gpus_auto_moves_cuda_tensors_device_to_device(tmp_path):
         "        return x * self.w\n"
         "c = nbrpc.init(n=1, gpus='auto', progress=False)\n"
         "print(c.summary())\n"
+        "from nbrpc._wire import lanes\n"
+        "lanes.pause(True)  # TensorPipe brings the first CUDA tensors, as without lanes\n"
         "y = nbrpc.rpc_sync('worker1', torch.ones, args=(4,), kwargs={'device': 'cuda:0'})\n"
         "assert y.is_cuda and y.tolist() == [1.0] * 4, y\n"
         "x = torch.ones(4, device='cuda:0')\n"
@@ -111,6 +113,10 @@ with nbrpc.record() as rec:
         x = torch.ones(4, device="cuda:0") * 5
         y = nbrpc.rpc_sync("worker1", plus, args=(x,))
     assert y.tolist() == [6.0] * 4, y
+    # an rpc_async's CUDA argument: TensorPipe (staging would hold this thread until the
+    # stream drains); its reply, a CUDA tensor too, comes back through TensorPipe as well
+    a = nbrpc.rpc_async("worker1", plus, args=(torch.ones(2, device="cuda:0"),)).wait()
+    assert a.is_cuda and a.tolist() == [2.0, 2.0], a
     z = nbrpc.rpc_sync("worker1", make, args=(3,))
     assert z.is_cuda and z.tolist() == [2.0] * 3, z
     w = nbrpc.rpc_async("worker1", make, args=(5,)).wait()
@@ -122,7 +128,8 @@ with nbrpc.record() as rec:
         assert b.is_cuda and b.sum().item() == 2.0 * BIG
 routes = [(r["function"], r["route"]) for r in rec.calls if r["caller"] != "worker1"]
 print("routes", routes)
-assert [r for name, r in routes if name == "plus"] == ["lane", "lane", "lane", "tensorpipe"]
+plused = [r for name, r in routes if name == "plus"]
+assert plused == ["lane", "lane", "lane", "tensorpipe", "tensorpipe"], plused
 made = [route for name, route in routes if name == "make"]
 assert made == ["lane", "lane", "lane", "tensorpipe"], made
 nbrpc.shutdown()
@@ -218,15 +225,19 @@ def test_every_process_replies_with_cuda_tensors_to_every_other_after_a_restart_
 def test_a_device_map_by_hand_alone_lets_the_worker_receive_cuda_tensors(tmp_path):
     """--device-map names the kernel's maps only: the worker still joins with the device
     the kernel sends to (``_devices.joining_devices``), so CUDA is up there and
-    TensorPipe has its CUDA channels."""
+    TensorPipe has its CUDA channels (a large tensor takes them; a small one is staged)."""
     out = run_script(
         tmp_path / "by_hand.py",
         "import torch, nbrpc\n"
         "nbrpc.init(n=1, device_maps={'worker1': {'cuda:0': 'cuda:0'}}, progress=False)\n"
         "x = torch.ones(3, device='cuda:0')\n"
-        "y = nbrpc.rpc_sync('worker1', torch.add, args=(x, 1))\n"
+        "y = nbrpc.rpc_sync('worker1', torch.add, args=(x, 1))\n"  # staged on a lane
         "print('by hand', y.device, y.tolist())\n"
+        "big = torch.ones(1 << 15, device='cuda:0')\n"  # TensorPipe's CUDA channel
+        "z = nbrpc.rpc_sync('worker1', torch.add, args=(big, 1))\n"
+        "print('by hand, large', z.device, z.sum().item())\n"
         "nbrpc.shutdown()\n",
         timeout=SCRIPT_S,
     )
     assert "by hand cuda:0 [2.0, 2.0, 2.0]" in out, out
+    assert f"by hand, large cuda:0 {2.0 * (1 << 15)}" in out, out

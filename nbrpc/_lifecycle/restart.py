@@ -136,10 +136,10 @@ def _run(cluster: Cluster, names: list[str]) -> Restarted:
         infos = joining.join(joining.places(names, new_ids), booted.device_maps, {})
     except BootError:
         _departures.forget_names(names)  # half joined: neither its name nor torch's token stay
+        _give_devices_back(cluster)  # to the workers that stay
         raise
     _states.rejoined([joining.record(name, infos[name]) for name in names])
-    live = [r.name for r in cluster.records[1:] if r.state is WorkerState.READY]
-    _setup.device_replies(booted.device_maps, live)  # what the leave and join lost
+    _give_devices_back(cluster)
     if booted.fast_path or booted.lanes:  # across hosts: every worker's peers, again
         remote = engines.source.remote
         joining.set_up_fast_path([r.name for r in cluster.records[1:]] if remote else names)
@@ -150,6 +150,13 @@ def _run(cluster: Cluster, names: list[str]) -> Restarted:
         result.process_group = True
     result.seconds = time.monotonic() - t0
     return result
+
+
+def _give_devices_back(cluster: Cluster) -> None:
+    """What the leave (and the join) took from the ready processes' agents: their CUDA
+    devices and reply maps (:func:`nbrpc._setup.device_replies`)."""
+    live = [r.name for r in cluster.records[1:] if r.state is WorkerState.READY]
+    _setup.device_replies(cluster.booted.device_maps, live)
 
 
 def _check(cluster: Cluster, names: list[str], records: dict[str, WorkerRecord]) -> None:

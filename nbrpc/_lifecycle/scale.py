@@ -233,8 +233,6 @@ def _shrink(cluster: Cluster, leavers: list[WorkerRecord], force: bool, result: 
         )
         raise
     _leave(cluster, leavers, stayers, live, result)
-    ready = [r.name for r in cluster.records[1:] if r.state is WorkerState.READY]
-    _setup.device_replies(booted.device_maps, ready)  # torch's leave dropped them
     if pg:
         _rebuild_process_group(cluster, pg, result)
     _tell_ranks(cluster)
@@ -286,7 +284,23 @@ def _leave(
     result: Scaled,
 ) -> None:
     """The leavers let go of their RRefs and leave by torch's leave; one that cannot is
-    dropped on its behalf. Then their engines stop and the records say they left."""
+    dropped on its behalf. Then their engines stop and the records say they left. torch's
+    leave drops every member's CUDA devices and reply maps: they are given back, also
+    when a leave failed half way (:func:`nbrpc._setup.device_replies`)."""
+    try:
+        _leave_group(cluster, leavers, stayers, live, result)
+    finally:
+        ready = [n for n in stayers if _states.state_of(n) is WorkerState.READY]
+        _setup.device_replies(cluster.booted.device_maps, ready)
+
+
+def _leave_group(
+    cluster: Cluster,
+    leavers: list[WorkerRecord],
+    stayers: list[str],
+    live: list[str],
+    result: Scaled,
+) -> None:
     booted, engines = cluster.booted, cluster.engines
     names = [r.name for r in leavers]
     ids = {r.name: r.engine_id for r in leavers if r.engine_id is not None}

@@ -61,20 +61,28 @@ def hold_devices(devices: list[str], replies: dict[str, dict[str, str]]) -> None
     handed, and it is handed none). A join hands each member the *joiner's* reply maps
     (keyed by the other members), so no member learns how to reply to the joiner, and a
     reply holding a CUDA tensor to it failed with "Response device mapping is not
-    available". A join's update adds only what is missing, and adding this process's own
-    name again changes nothing else, so this is that same update, with what was lost."""
+    available". Worse, a key it had may hold another pair's map (with several GPUs, a
+    wrong one). So first a leave's update of a worker that never was (a name and id no
+    member has: only the maps go, ``devices`` stay), then a join's update with this
+    process's own name, which adds what it is handed and changes nothing else."""
     import torch
 
     me = agent()
+    mine = [torch.device(d) for d in devices]
+    me._update_group_membership(rpc.WorkerInfo(_NOBODY, -1), mine, {}, False)
     me._update_group_membership(
         me.get_worker_info(),
-        [torch.device(d) for d in devices],
+        mine,
         {
             peer: {torch.device(k): torch.device(v) for k, v in mapping.items()}
             for peer, mapping in replies.items()
         },
         True,
     )
+
+
+#: the name of the worker that never was (:func:`hold_devices`): no process takes it
+_NOBODY = "nbrpc-no-such-worker"
 
 
 #: torch's ``_all_gather`` (the collective its RPC layer builds barriers with), as it was
