@@ -97,7 +97,7 @@ def test_the_cluster_panel_draws_the_cluster_and_runs_the_magics_actions(capsys)
         said = panel.act("stacks", "worker1")
         assert "worker1" in said
         assert "worker1" in panel.output
-        assert "-- thread " in panel.output  # a thread's stack, as %rpc_stacks prints it
+        assert "-- MainThread\n" in panel.output  # a thread's stack, as %rpc_stacks prints it
         assert panel.status.startswith(said)
         said = panel.act("restart", "worker9")
         assert "ConfigError: cannot restart worker9" in said, said
