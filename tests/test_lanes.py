@@ -51,6 +51,14 @@ def not_picklable():
 def on_meta(n):
     return torch.empty(n, device="meta")  # a tensor on a device, as a CUDA one is
 
+def nap_then_big(seconds, n):  # a reply a lane cannot carry: kept for TensorPipe's take
+    time.sleep(seconds)
+    return torch.arange(n, dtype=torch.float32)
+
+def kept_replies():
+    from nbrpc._wire.lanes.state import here
+    return len(here.held)
+
 def foreign():  # an object of a module only this worker has: its reply cannot unpickle
     import sys, types
     mod = types.ModuleType("nbrpc_worker_only")
@@ -342,6 +350,20 @@ def test_a_timeout_on_a_lane_is_nbrpcs_and_the_next_call_takes_a_new_lane(cluste
         assert nbrpc.rpc_sync("worker2", code.echo, args=(3,)) == 3
     time.sleep(4.0)  # the naps end there
     assert nbrpc.rpc_sync("worker2", code.nap, args=(4 * lanes.MAIN_SLICE_S,)) == 0.4
+
+
+def test_a_reply_kept_for_a_call_whose_caller_stopped_waiting_is_let_go(cluster, code):
+    """The caller's timeout (or the stop button) closes the main thread's lane; the large
+    reply the callee then kept for TensorPipe's take is not taken, and is dropped when
+    the lane closes (it stayed until the cluster closed: a large or a CUDA tensor)."""
+    assert nbrpc.rpc_sync("worker2", code.kept_replies) == 0
+    with pytest.raises(nbrpc.RpcTimeoutError):
+        nbrpc.rpc_sync("worker2", code.nap_then_big, args=(1.0, 1 << 16), timeout=0.3)
+    time.sleep(1.5)  # the call ends there, and its reply is kept, then dropped
+    assert nbrpc.rpc_sync("worker2", code.kept_replies) == 0
+    big = nbrpc.rpc_sync("worker2", code.nap_then_big, args=(0.0, 1 << 16))  # taken
+    assert torch.equal(big, torch.arange(1 << 16, dtype=torch.float32))
+    assert nbrpc.rpc_sync("worker2", code.kept_replies) == 0
 
 
 def test_concurrent_calls_on_one_lane_run_at_once_as_on_torchs_thread_pool(cluster, code):

@@ -58,7 +58,7 @@ def _serve(conn: socket.socket) -> None:
                 return  # closed, or not a peer speaking this protocol: drop it
             call, kind, payload = frame
             if kind == INLINE:
-                run(answer, call, payload)
+                run(answer, call, payload, id(conn))
             elif here.pool is not None:
                 if outbox is None:  # pooled calls' replies leave through an outbox
                     outbox = Outbox(conn, "nbrpc-lane-replies", write_lock, _ignore)
@@ -70,11 +70,14 @@ def _serve(conn: socket.socket) -> None:
             outbox.close()
         with here.lock:
             here.served.discard(conn)
+            _drop_kept(id(conn))
         shut(conn)
 
 
-def run(answer: Callable[[bytes], Any], call: int, payload: bytes) -> None:
-    """Run one call and ``answer`` it (a frame sent, or put in the connection's outbox)."""
+def run(answer: Callable[[bytes], Any], call: int, payload: bytes, lane: int = 0) -> None:
+    """Run one call and ``answer`` it (a frame sent, or put in the connection's outbox).
+    ``lane``: the main thread's lane it came by (its connection's id), whose replies kept
+    for :func:`take` go when it closes; 0: a shared lane's, whose caller always takes."""
     try:
         func, args, kwargs, header, back = messages.lane_call_of(payload)
     except Exception:  # e.g. a function this process cannot import, or a staged CUDA
@@ -100,10 +103,18 @@ def run(answer: Callable[[bytes], Any], call: int, payload: bytes) -> None:
                 made = _made_on(result, exc.device)
         with here.lock:
             key = next(here.held_ids)
-            here.held[key] = result, row, made
+            here.held[key] = result, row, made, lane
         reply = key.to_bytes(8, "little")
     del result, udf
     answer(FRAME.pack(call, len(reply), kind) + reply)
+
+
+def _drop_kept(lane: int) -> None:
+    """The main thread's lane ``lane`` closed: the replies kept for its calls are not
+    taken (its caller closes it when it stops waiting: a timeout, the stop button), and
+    would hold their objects, a large or a CUDA tensor, until the cluster closes."""
+    for key in [k for k, kept in here.held.items() if kept[3] == lane]:
+        del here.held[key]
 
 
 def _ignore(exc: Any) -> None:
@@ -130,7 +141,7 @@ def take(key: int) -> Any:
     the lane's thread comes first: this thread's stream waits for it, and TensorPipe's
     CUDA-aware reply waits for this stream, as for a call that ran on its thread."""
     with here.lock:
-        result, row, made = here.held.pop(key)
+        result, row, made, _ = here.held.pop(key)
     for device, event in made or ():
         torch.cuda.current_stream(device).wait_event(event)
     recording.reply_here(result, row)  # a recorded call's row counts the reply's bytes
