@@ -287,20 +287,6 @@ def _leave(
     dropped on its behalf. Then their engines stop and the records say they left. torch's
     leave drops every member's CUDA devices and reply maps: they are given back, also
     when a leave failed half way (:func:`nbrpc._setup.device_replies`)."""
-    try:
-        _leave_group(cluster, leavers, stayers, live, result)
-    finally:
-        ready = [n for n in stayers if _states.state_of(n) is WorkerState.READY]
-        _setup.device_replies(cluster.booted.device_maps, ready)
-
-
-def _leave_group(
-    cluster: Cluster,
-    leavers: list[WorkerRecord],
-    stayers: list[str],
-    live: list[str],
-    result: Scaled,
-) -> None:
     booted, engines = cluster.booted, cluster.engines
     names = [r.name for r in leavers]
     ids = {r.name: r.engine_id for r in leavers if r.engine_id is not None}
@@ -310,20 +296,26 @@ def _leave_group(
         with contextlib.suppress(Exception):
             ar.get(timeout=10)
     failed: dict[str, str] = {}
-    with native_output.quiet_stderr_while_leaving(live):
-        # one at a time: torch's leave holds the group's token, and a leave that fails
-        # keeps it, so the next one waited for it until its timeout (measured: 30 s)
-        for eid in live_ids:
-            failed.update(engines.leave([eid], True, LEAVE_TIMEOUT_S))
-            if f"engine {eid}" in failed:
-                _departures.release_stale_token()
-    gone = [r.name for r in leavers if r.name not in live or f"engine {r.engine_id}" in failed]
-    if gone:  # dead, or its leave failed: out of the group on its behalf, everywhere
+    try:
+        with native_output.quiet_stderr_while_leaving(live):
+            # one at a time: torch's leave holds the group's token, and a leave that fails
+            # keeps it, so the next one waited for it until its timeout (measured: 30 s)
+            for eid in live_ids:
+                failed.update(engines.leave([eid], True, LEAVE_TIMEOUT_S))
+                if f"engine {eid}" in failed:
+                    _departures.release_stale_token()
+        gone = [r.name for r in leavers if r.name not in live or f"engine {r.engine_id}" in failed]
+        if gone:  # dead, or its leave failed: out of the group on its behalf, everywhere
+            ready = [n for n in stayers if _states.state_of(n) is WorkerState.READY]
+            try:
+                _departures.tell_peers_left(
+                    {r.name: r.rank for r in leavers if r.name in gone}, ready
+                )
+            finally:
+                _departures.forget_names(gone)  # the kernel's table, torch's list and token
+    finally:
         ready = [n for n in stayers if _states.state_of(n) is WorkerState.READY]
-        try:
-            _departures.tell_peers_left({r.name: r.rank for r in leavers if r.name in gone}, ready)
-        finally:
-            _departures.forget_names(gone)  # the kernel's table, torch's list and its token
+        _setup.device_replies(booted.device_maps, ready)
     at = time.strftime("%H:%M:%S")
     _states.departed_at_scale(names, [r.rank for r in leavers], at)
     try:
