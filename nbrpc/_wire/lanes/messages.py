@@ -38,8 +38,9 @@ LANE_TENSOR_BYTES = 1 << 16
 
 NotLane, OnDevice = pickling.NotLane, pickling.OnDevice  # (raised while pickling)
 
-#: this process's device maps, fixed at its join: peer name -> {its device: the peer's}
-_device_maps: dict[str, dict[str, str]] = {}
+#: this process's device maps, fixed at its join: peer name -> ({its device: the peer's},
+#: the map back), the pair :func:`places_to` answers
+_device_maps: dict[str, tuple[dict[str, str], dict[str, str]]] = {}
 
 
 def place_by(device_maps: dict | None) -> None:
@@ -47,16 +48,15 @@ def place_by(device_maps: dict | None) -> None:
     tensors to those peers are staged through lanes by them (the module's docstring)."""
     _device_maps.clear()
     for peer, mapping in (device_maps or {}).items():
-        _device_maps[peer] = {canonical(k): canonical(v) for k, v in mapping.items()}
+        there = {canonical(k): canonical(v) for k, v in mapping.items()}
+        if there:
+            _device_maps[peer] = there, {v: k for k, v in there.items()}
 
 
 def places_to(peer: str) -> tuple[dict[str, str] | None, dict[str, str] | None]:
     """Where this process's CUDA tensors go on ``peer`` (its map to it), and where the
     peer's go here (the map back, for the reply); ``(None, None)`` with no map."""
-    there = _device_maps.get(peer)
-    if not there:
-        return None, None
-    return there, {v: k for k, v in there.items()}
+    return _device_maps.get(peer, (None, None))
 
 
 #: a dtype by the name it travels under (a string pickles without an import on arrival)
@@ -93,16 +93,9 @@ def stage(t: torch.Tensor, device: str) -> Any:
     """A small CUDA tensor in the pickle, for ``device`` on the other side: its elements
     copied to this host's memory now (the copy waits for the work queued on this thread's
     stream, as TensorPipe's send waits on that stream's event), contiguous."""
-    if t.requires_grad or t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
-        raise OnDevice(t.device)
     nbytes = t.numel() * t.element_size()
-    address = t.untyped_storage().data_ptr()
-    counted = _lane_counted.bytes + nbytes
-    if counted > LANE_TENSOR_BYTES or (nbytes and address in _lane_counted.storages):
-        raise OnDevice(t.device)  # large, or sharing a storage: TensorPipe's CUDA channel
-    _lane_counted.bytes = counted
-    if nbytes:
-        _lane_counted.storages.add(address)
+    if not _dense(t) or not _counted(nbytes, t.untyped_storage().data_ptr()):
+        raise OnDevice(t.device)  # TensorPipe's CUDA channel, its device maps
     host = t.detach().to("cpu").contiguous()
     data = ctypes.string_at(host.data_ptr(), nbytes) if nbytes else b""
     dtype = _DTYPE_NAMES.get(t.dtype, t.dtype)
@@ -119,19 +112,36 @@ def _reduce_tensor(t: torch.Tensor) -> Any:
         if device is None:
             raise OnDevice(t.device)
         return stage(t, device)
-    if t.requires_grad or t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
+    if not _dense(t):
         raise NotLane
     storage = t.untyped_storage()
     nbytes, address = storage.nbytes(), storage.data_ptr()
-    counted = _lane_counted.bytes + nbytes
-    if counted > LANE_TENSOR_BYTES or (nbytes and address in _lane_counted.storages):
-        raise NotLane  # too large, or two tensors share it (TensorPipe keeps them sharing)
-    _lane_counted.bytes = counted
-    if nbytes:
-        _lane_counted.storages.add(address)
+    if not _counted(nbytes, address):
+        raise NotLane
     data = ctypes.string_at(address, nbytes) if nbytes else b""
     dtype = _DTYPE_NAMES.get(t.dtype, t.dtype)
     return _tensor, (dtype, data, t.storage_offset(), tuple(t.shape), t.stride())
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """A plain dense tensor: no grad, strided, not quantized, conjugated or negated
+    (torch's pickling keeps those)."""
+    return not (
+        t.requires_grad or t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg()
+    )
+
+
+def _counted(nbytes: int, address: int) -> bool:
+    """Whether the message being pickled takes ``nbytes`` more of tensor storage (at
+    ``address``), counted then: within :data:`LANE_TENSOR_BYTES` together, and a storage
+    not already in it (two tensors share it: TensorPipe keeps them sharing)."""
+    counted = _lane_counted.bytes + nbytes
+    if counted > LANE_TENSOR_BYTES or (nbytes and address in _lane_counted.storages):
+        return False
+    _lane_counted.bytes = counted
+    if nbytes:
+        _lane_counted.storages.add(address)
+    return True
 
 
 def _refuse(obj: Any) -> Any:
