@@ -209,6 +209,28 @@ def describe(maps: Maps) -> list[str]:
     return lines
 
 
+#: how many default worker names (worker1, worker2, ...) a kernel on a GPU host maps at its
+#: first join, whatever that cluster is (``NBRPC_PREPARED_GPU_WORKERS``; 0: none)
+PREPARED_GPU_WORKERS = 16
+
+
+def prepared_maps(kernel_devices: list[str], count: int) -> dict[str, dict[str, str]]:
+    """The kernel's maps to the default names ``worker1`` .. ``worker{count}`` that a later
+    ``--gpus auto`` cluster on this host plans (:func:`plan_gpus`: the kernel takes the
+    first GPU, the i-th worker the GPU i modulo their number), so that a GPU cluster can
+    follow a CPU one in the kernel. Empty on a host without CUDA devices."""
+    gpus = [d for d in kernel_devices if d.startswith("cuda:")]
+    if not gpus or count <= 0:
+        return {}
+    return {f"worker{i}": {gpus[0]: gpus[i % len(gpus)]} for i in range(1, count + 1)}
+
+
+def unfixed(fixed: dict[str, dict[str, str]], asked: dict[str, dict[str, str]]) -> list[str]:
+    """The workers to which ``asked`` (the kernel's maps a cluster needs) differs from
+    what the kernel's first join ``fixed``: every map asked must be the fixed one."""
+    return sorted(dest for dest, mapping in asked.items() if fixed.get(dest) != mapping)
+
+
 def check_fixed(
     fixed: dict[str, dict[str, str]] | None,
     kernel: str,
@@ -222,38 +244,40 @@ def check_fixed(
     engines registered) are what this cluster asks for.
 
     torch fixes a process's device maps when it joins the group, and the kernel joins
-    once in its life. The late check (``_group.kernel_membership``) compares the maps
-    themselves once the workers' devices are known; this one needs no worker: whether
-    the kernel must move CUDA tensors at all, and to which names."""
-    if fixed is None:
-        return
+    once in its life; on a GPU host that join maps the default names
+    (:func:`prepared_maps`) whatever the cluster. A CPU cluster needs none of the maps and
+    always starts. A GPU cluster needs each of its maps fixed as it asks: checked here by
+    name, and the maps themselves once the workers' devices are known (:func:`unfixed`,
+    in ``_group.kernel_membership``)."""
     asks = gpus == "auto" or bool(by_hand.get(kernel))
+    if fixed is None or not asks:
+        return
     restart = "or restart the kernel (Kernel > Restart) to choose again"
-    if not fixed and asks:
+    if not fixed:
         raise ConfigError(
-            "this kernel joined torch RPC without device maps (its first cluster used CPU "
-            "tensors), and torch fixes a process's device maps when it joins: in this "
-            f"kernel start CPU clusters (leave --gpus and --device-map out), {restart}."
+            "this kernel joined torch RPC without device maps (no CUDA device was visible "
+            "to it then, or NBRPC_PREPARED_GPU_WORKERS=0), and torch fixes a process's "
+            f"device maps when it joins: in this kernel start CPU clusters, {restart}."
         )
-    if fixed and not asks:
+    missing = unfixed(fixed, by_hand.get(kernel, {}))
+    if gpus == "auto":
+        missing += sorted(set(names or ()) - set(fixed) - set(missing))
+    if missing:
         raise ConfigError(
-            f"this kernel's device maps ({_named(fixed)}) were fixed when its first cluster "
-            "joined, and torch keeps a process's maps for its lifetime: start the cluster "
-            f"with the same --gpus / --device-map as the first time, {restart}."
-        )
-    if not fixed or (gpus == "auto" and names is None):
-        return  # (names that come with the engines: the late check compares the maps)
-    wanted = set(names or ()) if gpus == "auto" else set(by_hand.get(kernel, {}))
-    if wanted != set(fixed):
-        raise ConfigError(
-            f"this kernel's device maps name {_named(fixed)}, fixed when its first "
-            f"cluster joined; this cluster needs maps to {', '.join(sorted(wanted))}. "
-            f"Start the same workers as the first time (--names, -n), {restart}."
+            f"this kernel's device maps ({_named(fixed)}) were fixed when it first joined, "
+            f"and torch keeps a process's maps for its lifetime; this cluster needs other "
+            f"maps to {', '.join(missing)}. Start a GPU cluster of names it maps, with the maps "
+            f"--gpus auto makes, {restart}."
         )
 
 
-def _named(maps: dict[str, dict[str, str]]) -> str:
-    return ", ".join(
+def _named(maps: dict[str, dict[str, str]], shown: int = 3) -> str:
+    """The first ``shown`` maps in full, then how many more (a kernel on a GPU host has
+    :data:`PREPARED_GPU_WORKERS` of them)."""
+    ordered = sorted(maps.items(), key=lambda item: (len(item[0]), item[0]))
+    text = ", ".join(
         f"{dest}: {', '.join(f'{k}->{v}' for k, v in mapping.items())}"
-        for dest, mapping in sorted(maps.items())
+        for dest, mapping in ordered[:shown]
     )
+    more = len(ordered) - shown
+    return f"{text} and {more} more" if more > 0 else text

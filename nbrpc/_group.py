@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from . import _fence, _torch
+from . import _devices, _fence, _torch
 from ._errors import BootError, ConfigError, NotInitializedError
 from ._wire import lanes
 
@@ -337,12 +337,16 @@ def join(
     devices: list | None = None,
     store: dist.Store | None = None,
     transport_names: list[str] | None = None,
+    withhold: bool = False,
 ) -> None:
     """``init_rpc`` this process into the group described by ``spec``.
 
     ``store``: one already opened (the kernel opens a TCP store first to learn its port).
     ``transport_names``: TensorPipe's transports (:func:`transports_for`; None:
     :func:`transports`); this process's own ``NBRPC_TENSORPIPE_TRANSPORTS`` wins.
+    ``withhold``: join with ``device_maps`` (and CUDA's channels) but no device in use and
+    CUDA not brought up, until :func:`lend_devices` (the kernel's first join on a GPU host
+    for a CPU cluster: :mod:`nbrpc._kernel_devices`).
     """
     if _membership.joined is not None:
         raise BootError(
@@ -350,7 +354,7 @@ def join(
             "cannot join twice from one process. Restart it (for attached ipyparallel "
             "engines: restart the engines) and attach again."
         )
-    if uses_cuda(device_maps, devices):
+    if uses_cuda(device_maps, devices) and not withhold:
         # A dynamic group (world_size=None) skips the step of a static init_rpc that brings
         # CUDA up, and the first CUDA tensor TensorPipe hands a process that has not used
         # CUDA yet aborts it in C++ (measured on an H100 with torch 2.11: "Allocator not
@@ -371,11 +375,24 @@ def join(
         if store is None:
             store = spec.open(is_master=(rank == 0), timeout_s=rpc_timeout)
         _membership.handed.append(store)
-        with _tensorpipe_interface(spec.interface()):
+        withheld = _torch.devices_withheld() if withhold else contextlib.nullcontext()
+        with _tensorpipe_interface(spec.interface()), withheld:
             rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=options)
     _membership.joined = name
-    _membership.cuda = local_cuda_devices(device_maps, devices)
-    lanes.place_by(device_maps)  # small CUDA tensors to these peers: staged on lanes
+    lend_devices(() if withhold else local_cuda_devices(device_maps, devices), device_maps)
+
+
+def lend_devices(devices: tuple[str, ...], maps: dict | None, agent: bool = False) -> None:
+    """The CUDA devices this process uses now, and its maps (small CUDA tensors to these
+    peers are staged on lanes). ``agent``: its agent keeps exactly these devices and drops
+    every reply map (:func:`nbrpc._torch.hold_devices`; the kernel, before a cluster's
+    workers join: :mod:`nbrpc._kernel_devices`), CUDA brought up first if they need it."""
+    if agent:
+        if devices and not torch.cuda.is_initialized():
+            torch.cuda.init()  # before the agent takes CUDA streams for a message it reads
+        _torch.hold_devices(list(devices), {})
+    _membership.cuda = tuple(devices)
+    lanes.place_by(maps if devices else {})
 
 
 def hold_devices(replies: dict[str, dict[str, str]]) -> None:
@@ -466,6 +483,7 @@ def kernel_membership(
     devices: list[str] | None = None,
     files: str = "nbrpc",
     transport_names: list[str] | None = None,
+    withhold: bool = False,
 ) -> KernelMembership:
     """Join the kernel to the group on first use; later calls return the same membership.
 
@@ -473,17 +491,21 @@ def kernel_membership(
     kernel's, by its prefix, if the kernel dies).
 
     What cannot change after the first join (torch fixes it for the process) is checked,
-    and a change is refused with a message that says so.
+    and a change is refused with a message that says so: a later cluster's
+    ``device_maps`` must each be one the first join fixed. ``withhold``: see :func:`join`.
     """
     if _membership.kernel is not None:
         member = _membership.kernel
         check_kernel_name(name)
-        if (device_maps or {}) != member.device_maps:
+        unfixed = _devices.unfixed(member.device_maps, device_maps or {})
+        if unfixed:
             raise ConfigError(
-                f"this kernel's device maps are {member.device_maps or 'none'}; torch fixes a "
-                "process's device maps when it joins, so new maps "
-                f"({device_maps or 'none'}) need a kernel restart. Start the cluster with the "
-                "same --gpus / --device-map as the first time, or restart the kernel."
+                f"this kernel's device maps to {', '.join(unfixed)} are "
+                f"{ {d: member.device_maps.get(d) for d in unfixed} }; torch fixes a "
+                "process's device maps when it joins, so other maps "
+                f"({ {d: device_maps[d] for d in unfixed} }) need a kernel restart. Start the "
+                "cluster with the same --gpus / --device-map as the first time, or restart "
+                "the kernel."
             )
         if (listen or "") != member.spec.listen:
             now = f"--listen {member.spec.listen}" if member.spec.listen else "loopback only"
@@ -526,6 +548,7 @@ def kernel_membership(
         devices=devices,
         store=store,
         transport_names=transport_names,
+        withhold=withhold,
     )
     member = KernelMembership(name, spec, owned_dir, device_maps)
     _membership.kernel = member
@@ -535,11 +558,10 @@ def kernel_membership(
 def _raise_open_file_limit() -> None:
     """Lift the kernel's soft limit on open files to its hard limit (capped at 65536).
 
-    torch 2.13's TensorPipe agent keeps its pipe to every worker that left a dynamic group
-    (it never erases them): 4 sockets with the "uv" transport, 24 shared-memory descriptors
-    with "shm". Each %rpc_init generation therefore costs the kernel descriptors per worker
-    it called; under a common soft limit of 1024 that would end in "too many open files"
-    after enough re-runs. nbrpc cannot close torch's pipes, so it makes room.
+    torch 2.13's TensorPipe agent keeps its pipe to every worker that left a dynamic group:
+    4 sockets with the "uv" transport, 24 shared-memory descriptors with "shm", per worker
+    the kernel called, for every %rpc_init; under a common soft limit of 1024 re-runs end
+    in "too many open files". nbrpc cannot close torch's pipes, so it makes room.
     """
     import resource
 

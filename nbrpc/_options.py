@@ -186,8 +186,8 @@ class Options(TypedDict, total=False):
             "--gpus",
             "'auto': one GPU per process, device maps for all pairs",
             doc="``'auto'`` gives each process one GPU (round-robin per host) and maps every "
-            "pair, checked against the devices each process reports before any join "
-            "(the kernel's maps are fixed at its first join: docs/architecture.md).",
+            "pair, checked against each process's devices before any join (the kernel's "
+            "first join maps worker1..worker16 on a GPU host: docs/architecture.md).",
         ),
     ]
     device_maps: Annotated[

@@ -120,6 +120,47 @@ def test_group_membership_internals():
     )
 
 
+def test_a_dynamic_join_decides_devices_where_the_kernel_lends_them():
+    """``devices_withheld`` and ``advertise_devices`` replace two functions of torch's
+    dynamic join, looked up by name when it runs: a process's own device list, from its
+    maps, and what a joiner asks every member (``nbrpc._kernel_devices``)."""
+    from torch.distributed.rpc import backend_registry
+
+    _pin(_torch.can_lend_devices(), "backend_registry lost a lending hook", "LENDING_HOOKS")
+    join = inspect.getsource(backend_registry._set_devices_and_reverse_device_map)
+    _pin(
+        "_create_device_list(" in join and "api.rpc_sync(" in join and "_get_device_infos" in join,
+        "the dynamic join no longer asks members by _get_device_infos nor lists devices",
+        "devices_withheld / advertise_devices",
+    )
+    _pin(
+        backend_registry._create_device_list(
+            [], {"w": {torch.device("cuda:0"): torch.device("cuda:0")}}, {}
+        )
+        == [torch.device("cuda:0")],
+        "_create_device_list(devices, maps, reverse maps) changed",
+        "devices_withheld",
+    )
+    saved = backend_registry._get_device_infos
+    try:
+        _torch.advertise_devices(lambda: ({"w": {"cuda:0": "cuda:1"}}, ["cuda:0"]))
+        count, maps, devices = backend_registry._get_device_infos()
+        _pin(
+            count == torch.cuda.device_count()
+            and maps == {"w": {torch.device("cuda:0"): torch.device("cuda:1")}}
+            and devices == [torch.device("cuda:0")],
+            "_get_device_infos's answer (count, maps, devices)",
+            "advertise_devices",
+        )
+    finally:
+        backend_registry._get_device_infos = saved
+    own = backend_registry._create_device_list
+    with _torch.devices_withheld():
+        maps = {"w": {torch.device("cuda:0"): torch.device("cuda:0")}}
+        _pin(backend_registry._create_device_list([], maps, {}) == [], "withheld", "same")
+    _pin(backend_registry._create_device_list is own, "torch's own, back", "devices_withheld")
+
+
 def test_tensorpipe_options_accept_transports_and_channels():
     options = _torch.tensorpipe_options(["uv"], ["cma", "basic"], init_method="tcp://127.0.0.1:1")
     _pin(options.init_method == "tcp://127.0.0.1:1", "TensorPipe options", "tensorpipe_options")
@@ -235,7 +276,8 @@ def test_no_private_torch_name_outside_the_seam():
 
     private = re.compile(
         r"rpc_api\.|torch\._C|torch\.jit\._|_jit_internal|rpc\.internal|\brpc\._|dist_autograd\._|"
-        r"\._(serialize|deserialize|get_type)\(|(?<!_torch\.)(TP|GLOO)_SOCKET_IFNAME|_transports"
+        r"\._(serialize|deserialize|get_type)\(|(?<!_torch\.)(TP|GLOO)_SOCKET_IFNAME|_transports|"
+        r"backend_registry"
     )
     package = pathlib.Path(nbrpc.__file__).parent
     found = []

@@ -34,7 +34,7 @@ from nbrpc._errors import (
     UnknownWorkerError,
     WorkerDiedError,
 )
-from nbrpc._wire import callee, cancelling, failures, lanes, recording, shm
+from nbrpc._wire import callee, cancelling, failures, lanes, pickling, recording, shm
 
 from . import cancel, deadlock, scripts
 
@@ -479,8 +479,9 @@ def _as_python_call(func: Any, args: tuple, kwargs: dict | None) -> tuple:
     ``RRef[Tensor]`` that TorchScript code takes. Where no schema takes the arguments
     (``torch.ones(3)``, ``dict(k=1)``: "failed to match any schema", although they work
     locally), nbrpc sends a Python call instead, checked here first; and so it does where a
-    large tensor would take the shared-memory fast path, or while a timeline records (the
-    Python call is what names the row).
+    large tensor would take the shared-memory fast path, while a timeline records (the
+    Python call is what names the row), or where the kernel refuses a CUDA argument
+    (:func:`nbrpc._wire.pickling.refuse_devices`: its pickler says why).
     """
     if not _torch.is_builtin(func):
         return func, args, kwargs
@@ -488,6 +489,7 @@ def _as_python_call(func: Any, args: tuple, kwargs: dict | None) -> tuple:
     native = (
         recording.active() is None
         and not shm.carries_any(arguments)
+        and not pickling.refuses(arguments)
         and _torch.builtin_accepts(func, args, kwargs)
     )
     if native:

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbrpc import _devices, _fence, _group, _setup
+from nbrpc import _devices, _fence, _group, _kernel_devices, _setup
 from nbrpc._engines import JOIN_TIMEOUT_S, Engines, remote_message, worker
 from nbrpc._engines.watchdog import hold_store, segment_prefix, sweep_dead_kernels_stores
 from nbrpc._errors import BootError
@@ -123,10 +123,11 @@ class _Boot:
             maps, chosen = self.plan_devices(engine_ids, names)
             me = settings.self_name
             member = _join_kernel(
-                settings, maps.get(me, {}), chosen.get(me), self.booted.transports
+                settings, self.kernel, maps.get(me, {}), chosen.get(me), self.booted.transports
             )
             _fence.admit(self.members)  # the kernel's new listeners too
         assert member is not None
+        _kernel_devices.lend(maps.get(member.name, {}), chosen.get(member.name))
         fenced = sorted(self.members) if self.members is not None else None
         joining = Joining(settings, self.engines, self.booted, member, fenced, self.progress)
         infos = self.join_workers(joining, joining.places(names, engine_ids), maps, chosen)
@@ -170,7 +171,7 @@ class _Boot:
             self.progress.phase("controller", 0.0, source.reused)
         member: KernelMembership | None = None
         if not settings.wants_devices:  # join at once; device maps must wait for the workers
-            member = _join_kernel(settings, {}, None)
+            member = _join_kernel(settings, self.kernel, {}, None)
             _fence.admit(self.members)  # its TensorPipe listeners, once they exist
         source.launch(settings.n or 0)
         engines.connect()
@@ -346,14 +347,20 @@ def _since(t0: float) -> float:
 
 def _join_kernel(
     settings: Settings,
+    kernel: dict,
     device_maps: dict,
     devices: list[str] | None,
     transport_names: list[str] | None = None,
 ) -> KernelMembership:
+    """The kernel's membership; at its first join on a host with CUDA devices, with maps
+    prepared for later GPU clusters (``kernel``: its ``describe_process()``; see
+    :mod:`nbrpc._kernel_devices`)."""
     first = _group.current_kernel_membership() is None
+    withhold = False
     if first:
         with contextlib.suppress(Exception):  # tidying only: never in the way of a boot
             sweep_dead_kernels_stores()  # what killed kernels left (see there)
+        device_maps, withhold = _kernel_devices.first_join(kernel["devices"], device_maps)
     member = _group.kernel_membership(
         settings.self_name,
         init_method=settings.init_method,
@@ -364,6 +371,7 @@ def _join_kernel(
         devices=devices,
         files=segment_prefix(os.getpid()),
         transport_names=transport_names,
+        withhold=withhold,
     )
     if first and member.spec.kind == "file":
         with contextlib.suppress(OSError):

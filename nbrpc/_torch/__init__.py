@@ -19,7 +19,9 @@ What is here, by module:
   a torch outside them gets at import;
 * :mod:`.group`: the current agent and its store (``agent``, ``set_rpc_timeout``), the
   dynamic group's membership (``GROUP_TOKEN_KEY``, ``MEMBER_LIST_KEY``,
-  ``update_group_membership``, ``forget_locally``, ``hold_devices``), torch's gathers
+  ``update_group_membership``, ``forget_locally``, ``hold_devices``), the kernel's
+  devices lent cluster by cluster (``devices_withheld``, ``advertise_devices``,
+  ``can_lend_devices``), torch's gathers
   (``route_all_gather``) and TensorPipe options that are not public
   (``tensorpipe_options``, ``TP_SOCKET_IFNAME``);
 * :mod:`.rrefs`: RRef internals (``PyRRef``, ``rref_fork``, ``rref_from_fork``,
@@ -92,8 +94,11 @@ from .group import (
     GROUP_TOKEN_KEY as GROUP_TOKEN_KEY,
     MEMBER_LIST_KEY as MEMBER_LIST_KEY,
     TP_SOCKET_IFNAME as TP_SOCKET_IFNAME,
+    advertise_devices as advertise_devices,
     agent as agent,
     agent_is_set as agent_is_set,
+    can_lend_devices as can_lend_devices,
+    devices_withheld as devices_withheld,
     forget_locally as forget_locally,
     guard_ddp as guard_ddp,
     hold_devices as hold_devices,

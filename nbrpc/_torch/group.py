@@ -6,11 +6,13 @@ worker dies or leaves; these are the private names it does that with.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.distributed.rpc as rpc
 import torch.distributed.rpc.api as rpc_api
+import torch.distributed.rpc.backend_registry as backend_registry
 from torch.distributed.rpc._utils import _update_group_membership
 from torch.distributed.rpc.constants import UNSET_RPC_TIMEOUT
 
@@ -83,6 +85,55 @@ def hold_devices(devices: list[str], replies: dict[str, dict[str, str]]) -> None
 
 #: the name of the worker that never was (:func:`hold_devices`): no process takes it
 _NOBODY = "nbrpc-no-such-worker"
+
+
+# -- the kernel's devices, lent cluster by cluster -------------------------------------------
+
+#: torch's functions of a dynamic join that decide a process's devices: its own list
+#: (from its maps, at its join) and what a joiner learns of every member's maps
+LENDING_HOOKS = ("_create_device_list", "_get_device_infos")
+
+
+def can_lend_devices() -> bool:
+    """Whether this torch has the functions :func:`devices_withheld` and
+    :func:`advertise_devices` replace (torch 2's dynamic groups)."""
+    return all(callable(getattr(backend_registry, name, None)) for name in LENDING_HOOKS)
+
+
+@contextlib.contextmanager
+def devices_withheld() -> Iterator[None]:
+    """While this process joins: its agent's device list stays empty though its options
+    hold device maps (torch derives the list from them, and an agent with devices takes
+    CUDA streams for every message it reads, which brings CUDA up in the process).
+    :func:`hold_devices` lends the devices later, when a cluster uses them."""
+    saved = backend_registry._create_device_list
+    backend_registry._create_device_list = lambda *args, **kwargs: []
+    try:
+        yield
+    finally:
+        backend_registry._create_device_list = saved
+
+
+def advertise_devices(current: Callable[[], tuple[dict, list]]) -> None:
+    """What a joining worker learns of this process's maps and devices is ``current()``
+    (``({worker: {this process's device: the worker's}}, [devices])``), not the maps its
+    options hold. torch's joiner asks every member (``_get_device_infos``, run on the
+    member): it derives from the answer how it replies to the member and which devices
+    both need, so a CPU cluster's workers, told no maps, start no CUDA."""
+    import torch
+
+    def _get_device_infos() -> tuple[int, dict, list]:
+        maps, devices = current()
+        return (
+            torch.cuda.device_count(),
+            {
+                dest: {torch.device(k): torch.device(v) for k, v in mapping.items()}
+                for dest, mapping in maps.items()
+            },
+            [torch.device(d) for d in devices],
+        )
+
+    backend_registry._get_device_infos = _get_device_infos
 
 
 #: torch's ``_all_gather`` (the collective its RPC layer builds barriers with), as it was

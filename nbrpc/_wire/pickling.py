@@ -54,7 +54,7 @@ import torch
 from torch.distributed.rpc import RRef
 
 from nbrpc import _ledger, _process, _torch
-from nbrpc._errors import SerializationError
+from nbrpc._errors import DeviceMapError, SerializationError
 
 from . import callee, failures, namespace, recording, sent_functions, shm
 
@@ -147,6 +147,9 @@ class _Pickling:
     heads: dict[int, tuple[Any, bytes]] = field(default_factory=dict)
     by_value_seen: int = len(_BY_VALUE_MODULES)
     installed: bool = False
+    #: why a tensor on a device may not leave this process now (None: it may);
+    #: :func:`refuse_devices`
+    refusal: str | None = None
 
 
 _pickling = _Pickling()
@@ -269,7 +272,7 @@ class RpcPickler(cloudpickle.Pickler):
         try:
             with shm.pickling(obj):
                 super().dump(sent)
-        except (SerializationError, NotLane):
+        except (SerializationError, NotLane, DeviceMapError):
             raise
         except Exception as exc:
             raise SerializationError(_cannot_send(obj, exc)) from exc
@@ -293,6 +296,8 @@ class RpcPickler(cloudpickle.Pickler):
             merged[torch.Tensor] = shm.make_reducer(merged[torch.Tensor])
         if recording.active() is not None and torch.Tensor in merged:  # bytes, path
             merged[torch.Tensor] = recording.counted(merged[torch.Tensor])
+        if _pickling.refusal is not None and torch.Tensor in merged:
+            merged[torch.Tensor] = _refusing(merged[torch.Tensor], _pickling.refusal)
         _C_DISPATCH_TABLE.__set__(self, _DispatchTable(merged))
 
 
@@ -375,6 +380,39 @@ class TensorFinder(_torch.TENSOR_EXTRACTOR):
         if isinstance(obj, _NAMED_ONLY):
             return ""
         return super().persistent_id(obj)
+
+
+def refuse_devices(reason: str | None) -> None:
+    """While ``reason`` is set, a tensor on a device (CUDA's; any but the CPU) in a call or
+    reply this process pickles is a :class:`~nbrpc.DeviceMapError` saying ``reason``.
+
+    The kernel sets it while it lends no device to the cluster, though its first join left
+    device maps in torch's options (:mod:`nbrpc._kernel_devices`): torch would map such a
+    tensor and then find no CUDA stream to send it on, a failed assertion inside a C++
+    function that may not throw, which ends the process. Refused here, the call fails
+    before torch sees it. Builtins sent as TorchScript skip this pickler:
+    :func:`refuses` tells the call facade to send them as Python calls."""
+    _pickling.refusal = reason
+
+
+def refuses(arguments: tuple) -> bool:
+    """Whether :func:`refuse_devices` refuses one of ``arguments`` (a builtin's: tensors,
+    or lists and tuples of them)."""
+    if _pickling.refusal is None:
+        return False
+    flat = [
+        item for arg in arguments for item in (arg if isinstance(arg, (list, tuple)) else (arg,))
+    ]
+    return any(isinstance(t, torch.Tensor) and not t.is_cpu for t in flat)
+
+
+def _refusing(reduce: Any, reason: str) -> Any:
+    def reduce_tensor(tensor: torch.Tensor) -> Any:
+        if not tensor.is_cpu:
+            raise DeviceMapError(f"{reason} This call holds a tensor on {tensor.device}.")
+        return reduce(tensor)
+
+    return reduce_tensor
 
 
 def devices_of(obj: Any) -> set[torch.device]:

@@ -111,14 +111,21 @@ FIXED = {"worker1": {"cuda:0": "cuda:0"}, "worker2": {"cuda:0": "cuda:0"}}
 @pytest.mark.parametrize(
     ("fixed", "gpus", "by_hand", "names", "match"),
     [
-        # a CPU cluster first: no GPU cluster in this kernel, and the line says what works
+        # a kernel that joined without maps (no CUDA device then): no GPU cluster, and the
+        # line says what works
         ({}, "auto", {}, ["worker1"], r"without device maps .* start CPU clusters"),
         ({}, None, {"worker0": {"worker1": {"cuda:0": "cuda:0"}}}, ["worker1"], "without"),
-        # a GPU cluster first: not a CPU one, not other names
-        (FIXED, None, {}, ["worker1", "worker2"], r"worker1: cuda:0->cuda:0.*same --gpus"),
-        (FIXED, "auto", {}, ["worker1", "worker2", "worker3"], r"maps to worker1, worker2, w"),
-        (FIXED, "auto", {}, ["a", "b"], r"needs maps to a, b"),
-        (FIXED, None, {"worker0": {"worker1": {"cuda:0": "cuda:0"}}}, None, "needs maps to"),
+        # maps to names the first join did not map, or other maps to the same names
+        (FIXED, "auto", {}, ["worker1", "worker2", "worker3"], r"other maps to worker3\. "),
+        (FIXED, "auto", {}, ["a", "b"], r"other maps to a, b\. Start a GPU cluster of names"),
+        (FIXED, None, {"worker0": {"worker1": {"cuda:0": "cuda:1"}}}, None, "maps to worker1"),
+        (
+            FIXED,
+            "auto",
+            {"worker0": {"worker2": {"cuda:0": "cuda:1"}}},
+            ["worker1", "worker2"],
+            r"worker1: cuda:0->cuda:0, worker2: cuda:0->cuda:0\) were fixed",
+        ),
     ],
 )
 def test_what_the_kernels_first_join_fixed_is_refused_before_anything_starts(
@@ -133,13 +140,57 @@ def test_what_the_kernels_first_join_fixed_is_refused_before_anything_starts(
     [
         (None, "auto", {}, ["worker1"]),  # no join yet: the first one chooses
         ({}, None, {}, ["worker1", "worker2", "worker3"]),  # CPU after CPU, any size
+        (FIXED, None, {}, ["worker1", "worker2", "worker3"]),  # CPU after GPU, any size
         (FIXED, "auto", {}, ["worker2", "worker1"]),  # GPU after GPU, the same names
+        (FIXED, "auto", {}, ["worker1"]),  # fewer of them
         (FIXED, "auto", {}, None),  # names known later: the maps are compared then
         (FIXED, None, {"worker0": FIXED}, None),  # the same maps by hand
+        (FIXED, None, {"worker0": {"worker2": FIXED["worker2"]}}, None),  # one of them
     ],
 )
 def test_what_the_kernels_first_join_allows_goes_on(fixed, gpus, by_hand, names):
     _devices.check_fixed(fixed, "worker0", gpus, by_hand, names)
+
+
+def test_a_kernel_on_a_gpu_host_prepares_the_maps_gpus_auto_plans_for_the_default_names():
+    """What a first join maps whatever its cluster: the maps a later ``--gpus auto``
+    cluster of the default names on this host plans, so the kernel can move from a CPU
+    cluster to a GPU one."""
+    one = _devices.prepared_maps(["cpu", "cuda:0"], 3)
+    assert one == {f"worker{i}": {"cuda:0": "cuda:0"} for i in (1, 2, 3)}
+    two = _devices.prepared_maps(["cpu", "cuda:0", "cuda:1"], 3)
+    assert two == {
+        "worker1": {"cuda:0": "cuda:1"},
+        "worker2": {"cuda:0": "cuda:0"},
+        "worker3": {"cuda:0": "cuda:1"},
+    }
+    assert _devices.prepared_maps(["cpu"], 16) == {}  # a host without CUDA: no maps
+    assert _devices.prepared_maps(["cpu", "cuda:0"], 0) == {}  # turned off
+    for gpus in (["cuda:0"], ["cuda:0", "cuda:1"], ["cuda:0", "cuda:1", "cuda:2"]):
+        names = ["worker0", "worker1", "worker2", "worker3", "worker4"]
+        _, planned = _devices.plan_gpus({n: gpus for n in names}, {n: "h" for n in names})
+        prepared = _devices.prepared_maps(gpus, 4)
+        assert planned["worker0"] == prepared, gpus  # a later --gpus auto cluster fits
+        assert _devices.unfixed(prepared, planned["worker0"]) == []
+
+
+def test_a_later_clusters_maps_must_each_be_one_the_first_join_fixed():
+    assert _devices.unfixed(FIXED, {}) == []
+    assert _devices.unfixed(FIXED, {"worker2": {"cuda:0": "cuda:0"}}) == []
+    assert _devices.unfixed(FIXED, {"worker2": {"cuda:0": "cuda:1"}}) == ["worker2"]
+    assert _devices.unfixed(FIXED, {"b": {}, "a": {"cuda:0": "cuda:0"}}) == ["a", "b"]
+
+
+def test_a_refusal_names_the_first_maps_and_counts_the_rest():
+    fixed = _devices.prepared_maps(["cuda:0"], 16)
+    with pytest.raises(ConfigError) as refused:
+        _devices.check_fixed(fixed, "worker0", "auto", {}, ["a"])
+    line = str(refused.value)
+    assert (
+        "worker1: cuda:0->cuda:0, worker2: cuda:0->cuda:0, worker3: cuda:0->cuda:0 and 13 more"
+        in line
+    )
+    assert "\n" not in line
 
 
 def test_a_cuda_cluster_with_cores_to_spare_takes_torchs_transports(monkeypatch):
