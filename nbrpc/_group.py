@@ -503,9 +503,9 @@ def kernel_membership(
                 f"this kernel's device maps to {', '.join(unfixed)} are "
                 f"{ {d: member.device_maps.get(d) for d in unfixed} }; torch fixes a "
                 "process's device maps when it joins, so other maps "
-                f"({ {d: device_maps[d] for d in unfixed} }) need a kernel restart. Start the "
-                "cluster with the same --gpus / --device-map as the first time, or restart "
-                "the kernel."
+                f"({ {d: device_maps[d] for d in unfixed} }) need a kernel restart. Start GPU "
+                "clusters with maps it has (--gpus auto with the default names, on this "
+                "host), or restart the kernel."
             )
         if (listen or "") != member.spec.listen:
             now = f"--listen {member.spec.listen}" if member.spec.listen else "loopback only"
