@@ -497,13 +497,13 @@ def kernel_membership(
     if _membership.kernel is not None:
         member = _membership.kernel
         check_kernel_name(name)
-        unfixed = _devices.unfixed(member.device_maps, device_maps or {})
-        if unfixed:
+        asked = device_maps or {}
+        if unfixed := _devices.unfixed(member.device_maps, asked):
             raise ConfigError(
                 f"this kernel's device maps to {', '.join(unfixed)} are "
                 f"{ {d: member.device_maps.get(d) for d in unfixed} }; torch fixes a "
                 "process's device maps when it joins, so other maps "
-                f"({ {d: device_maps[d] for d in unfixed} }) need a kernel restart. Start GPU "
+                f"({ {d: asked[d] for d in unfixed} }) need a kernel restart. Start GPU "
                 "clusters with maps it has (--gpus auto with the default names, on this "
                 "host), or restart the kernel."
             )

@@ -9,7 +9,7 @@ from conftest import ensure_cluster, run_script, running
 
 import nbrpc
 from nbrpc import _group
-from nbrpc._errors import DeviceMapError
+from nbrpc._errors import ConfigError, DeviceMapError
 
 #: a GPU script's limit: under pytest's own (300 s, its thread method ends the whole run),
 #: so a hang fails one test, with the script's stderr, and the others still run
@@ -55,6 +55,28 @@ def test_the_cuda_devices_a_process_joins_with_are_what_its_async_replies_wait_f
     )
     assert _group.local_cuda_devices(None, [0, "cuda:0"]) == ("cuda:0",)
     assert _group.cuda_devices() == ()  # this suite's kernel joined with CPU tensors only
+
+
+def test_a_clusters_maps_that_the_kernels_first_join_did_not_fix_are_refused_by_name():
+    """The late check, once the workers' devices are known (the early one by name:
+    tests/unit/test_device_maps.py): each map the cluster needs must be one the first join
+    fixed, and the refusal says which and what works. This suite's kernel joined without
+    maps (no CUDA here)."""
+    ensure_cluster()
+    member = _group.current_kernel_membership()
+    timeout = torch.distributed.rpc.get_rpc_timeout()
+    with pytest.raises(ConfigError, match=r"maps to worker1 are \{'worker1': None\}.*restart"):
+        _group.kernel_membership(
+            member.name,
+            init_method=None,
+            rpc_timeout=timeout,
+            num_worker_threads=8,
+            device_maps={"worker1": {"cuda:0": "cuda:1"}},
+        )
+    same = _group.kernel_membership(
+        member.name, init_method=None, rpc_timeout=timeout, num_worker_threads=8
+    )
+    assert same is member
 
 
 #: Both kernels' check (prepended to their scripts): a tensor on a device sent to a CPU
