@@ -268,6 +268,7 @@ def test_a_gpu_cluster_stages_small_cuda_tensors_on_lanes_and_large_ones_take_te
 
 
 CPU_GPU_CPU = """
+import os, shutil, subprocess
 import torch, nbrpc
 import torch.distributed.autograd as dist_autograd
 from nbrpc import _group
@@ -291,9 +292,19 @@ class Lin(torch.nn.Module):
 def cuda_up():
     return torch.cuda.is_initialized()
 
+def holds_a_context(pid):
+    # the driver's own list of the processes with a CUDA context (None: no nvidia-smi)
+    if not shutil.which("nvidia-smi"):
+        return None
+    query = ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"]
+    return str(pid) in subprocess.run(query, capture_output=True, text=True).stdout.split()
+
 nbrpc.init(n=2, progress=False)
-assert not torch.cuda.is_initialized(), "a CPU cluster first: CUDA stays down in the kernel"
 assert nbrpc.rpc_sync("worker1", plus, args=(torch.ones(2),)).tolist() == [2.0, 2.0]
+assert not torch.cuda.is_initialized(), "a CPU cluster first: CUDA stays down in the kernel"
+held = holds_a_context(os.getpid())
+print("the kernel holds a CUDA context after a CPU cluster:", held)
+assert held is not True, "TensorPipe's CUDA channels made a context in the kernel"
 nbrpc.shutdown()
 for turn in range(2):
     nbrpc.init(n=2, gpus="auto", progress=False)
