@@ -130,5 +130,29 @@ fig.tight_layout()
 display(fig)
 plt.close(fig)
 
+# %% [markdown]
+# ## CPU and GPU clusters in one kernel
+#
+# The kernel joins torch RPC once, and torch fixes its device maps then. On a GPU host that
+# first join maps the default names `worker1`..`worker16` whatever the cluster, so a CPU
+# cluster and a GPU one follow each other without a kernel restart. A CPU cluster lends
+# the kernel no device (its workers start no CUDA), and a CUDA tensor sent to it is refused
+# with a line that says what to do.
+
+# %%
+nbrpc.shutdown()
+nbrpc.init(n=2, progress=False)  # a CPU cluster now, the same names
+print("CPU cluster:", nbrpc.rpc_sync("worker2", torch.add, args=(torch.ones(2), 1)))
+if CUDA:
+    try:
+        nbrpc.rpc_sync("worker1", torch.add, args=(torch.ones(2, device="cuda:0"), 1))
+    except nbrpc.DeviceMapError as refused:
+        print("refused:", refused)
+    nbrpc.shutdown()
+    nbrpc.init(n=2, gpus="auto", progress=False)  # and a GPU one again
+    y = nbrpc.rpc_sync("worker2", torch.add, args=(torch.ones(2, device="cuda:0"), 1))
+    print("GPU cluster again:", y)
+    assert y.is_cuda and y.tolist() == [2.0, 2.0]
+
 # %%
 nbrpc.shutdown()
