@@ -23,9 +23,12 @@ reversible where torch allows it:
   (:func:`nbrpc._torch.advertise_devices`), so a CPU cluster's workers start no CUDA.
 
 While the kernel lends no device but holds maps, a CUDA tensor it sends would be mapped by
-torch and then find no stream: a failed assertion in a C++ function that may not throw,
-which ends the kernel. The kernel's pickler refuses such a tensor first, with a line that
-says what to do (:func:`nbrpc._wire.pickling.refuse_devices`).
+torch, find no CUDA stream, and fail only after torch counted the call as active: the
+kernel's leave would then wait forever. The kernel refuses such a tensor first, with a line
+that says what to do (:func:`nbrpc._wire.pickling.refuse_devices`). And the kernel's agent
+must hold every device a map of the cluster's names: a worker's reply that a map sends to
+a device the kernel's agent lacks finds no stream where torch reads it, on TensorPipe's
+loop thread, and that ends the process (:func:`lend` lends them all).
 
 What stays fixed: maps to other names or other devices than the first join's (refused
 before anything starts: :func:`nbrpc._devices.check_fixed`), the transports, and CUDA
@@ -83,13 +86,14 @@ def first_join(kernel_devices: list[str], maps: dict) -> tuple[dict, bool]:
 
 def lend(maps: dict, devices: list[str] | None) -> None:
     """Before a cluster's workers join (``maps``: the kernel's maps to them; ``devices``:
-    the kernel's GPU for them): the kernel's agent holds exactly these devices, joiners
-    learn these maps, and CUDA tensors are refused while none is lent. Nothing to do in a
-    kernel whose first join set no maps (a host without CUDA devices)."""
+    its GPU under ``--gpus auto``): the kernel's agent holds exactly these devices and the
+    sources of these maps (maps by hand name no GPU of their own), joiners learn these
+    maps, and CUDA tensors are refused while none is lent. Nothing to do in a kernel whose
+    first join set no maps (a host without CUDA devices)."""
     member = _group.current_kernel_membership()
     if member is None or not member.device_maps or not _lent.installed:
         return
-    lent = list(devices or [])
+    lent = list(_group.local_cuda_devices(maps, devices))
     _lent.maps, _lent.devices = dict(maps), lent
     _group.lend_devices(tuple(lent), maps, agent=True)
     pickling.refuse_devices(None if lent else REFUSAL)

@@ -107,6 +107,10 @@ from nbrpc import _group, _torch
 def plus(x):
     return x + 1
 
+@torch.jit.script
+def scripted(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
 def their_maps():
     from torch.distributed.rpc import api
     maps = api._get_current_rpc_agent()._get_backend_options().device_maps
@@ -120,7 +124,8 @@ for generation in range(2):
     assert nbrpc.rpc_sync("worker2", plus, args=(torch.ones(2),)).tolist() == [2.0, 2.0]
     assert nbrpc.rpc_sync("worker1", torch.add, args=(torch.ones(3), 1)).tolist() == [2.0] * 3
     assert nbrpc.rpc_sync("worker1", their_maps) == {}
-    for func in (plus, torch.neg):
+    assert nbrpc.rpc_sync("worker1", scripted, args=(torch.ones(1),)).item() == 2.0
+    for func in (plus, torch.neg, scripted):  # by pickle, as TorchScript: all refused
         expect_refused(func, torch.ones(2, device="meta"))
     nbrpc.shutdown()
     print("cpu cluster", generation, "ok")
@@ -156,7 +161,7 @@ def test_a_kernel_on_a_gpu_host_prepares_maps_at_its_first_join_and_cpu_clusters
     assert "cpu cluster 0 ok" in out, out
     assert "cpu cluster 1 ok" in out, out
     refusals = [line for line in out.splitlines() if line.startswith("refused:")]
-    assert len(refusals) == 4, out
+    assert len(refusals) == 6, out
     assert all("no device maps" in line and "tensor on meta" in line for line in refusals), out
     assert "planned: --gpus auto: worker1 on" in out, out  # the plan's refusal, not the join's
     assert "other maps to other" in out, out

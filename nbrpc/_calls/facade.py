@@ -18,6 +18,7 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import FunctionType, MethodType
 from typing import Any, TypeVar
 
 import torch
@@ -479,17 +480,20 @@ def _as_python_call(func: Any, args: tuple, kwargs: dict | None) -> tuple:
     ``RRef[Tensor]`` that TorchScript code takes. Where no schema takes the arguments
     (``torch.ones(3)``, ``dict(k=1)``: "failed to match any schema", although they work
     locally), nbrpc sends a Python call instead, checked here first; and so it does where a
-    large tensor would take the shared-memory fast path, while a timeline records (the
-    Python call is what names the row), or where the kernel refuses a CUDA argument
-    (:func:`nbrpc._wire.pickling.refuse_devices`: its pickler says why).
+    large tensor would take the shared-memory fast path, or while a timeline records (the
+    Python call is what names the row). A CUDA argument the kernel refuses
+    (:func:`nbrpc._wire.pickling.refuse_devices`) is refused here for what does not go
+    through nbrpc's pickler: builtins sent as TorchScript operators, TorchScript functions.
     """
+    if isinstance(func, FunctionType | MethodType | type):
+        return func, args, kwargs  # nbrpc's pickler sees all it sends
+    arguments = (*args, *(kwargs or {}).values())
+    pickling.refuse_here(arguments)  # a builtin's or TorchScript's arguments: not pickled
     if not _torch.is_builtin(func):
         return func, args, kwargs
-    arguments = (*args, *(kwargs or {}).values())
     native = (
         recording.active() is None
         and not shm.carries_any(arguments)
-        and not pickling.refuses(arguments)
         and _torch.builtin_accepts(func, args, kwargs)
     )
     if native:

@@ -297,7 +297,7 @@ class RpcPickler(cloudpickle.Pickler):
         if recording.active() is not None and torch.Tensor in merged:  # bytes, path
             merged[torch.Tensor] = recording.counted(merged[torch.Tensor])
         if _pickling.refusal is not None and torch.Tensor in merged:
-            merged[torch.Tensor] = _refusing(merged[torch.Tensor], _pickling.refusal)
+            merged[torch.Tensor] = _refusing(merged[torch.Tensor])
         _C_DISPATCH_TABLE.__set__(self, _DispatchTable(merged))
 
 
@@ -388,31 +388,35 @@ def refuse_devices(reason: str | None) -> None:
 
     The kernel sets it while it lends no device to the cluster, though its first join left
     device maps in torch's options (:mod:`nbrpc._kernel_devices`): torch would map such a
-    tensor and then find no CUDA stream to send it on, a failed assertion inside a C++
-    function that may not throw, which ends the process. Refused here, the call fails
-    before torch sees it. Builtins sent as TorchScript skip this pickler:
-    :func:`refuses` tells the call facade to send them as Python calls."""
+    tensor, then find no CUDA stream for it and raise only after counting the call as
+    active, and a count that never drops makes the kernel's leave wait forever. Refused
+    here, the call fails before torch sees it. What skips this pickler (builtins sent as
+    TorchScript operators, TorchScript functions) is checked by :func:`refuse_here`."""
     _pickling.refusal = reason
 
 
-def refuses(arguments: tuple) -> bool:
-    """Whether :func:`refuse_devices` refuses one of ``arguments`` (a builtin's: tensors,
-    or lists and tuples of them)."""
+def refuse_here(arguments: tuple) -> None:
+    """Raise :func:`refuse_devices`'s error if one of ``arguments`` (a builtin's or a
+    TorchScript function's: tensors, or lists and tuples of them) is on a device."""
     if _pickling.refusal is None:
-        return False
-    flat = [
-        item for arg in arguments for item in (arg if isinstance(arg, (list, tuple)) else (arg,))
-    ]
-    return any(isinstance(t, torch.Tensor) and not t.is_cpu for t in flat)
+        return
+    for arg in arguments:
+        for item in arg if isinstance(arg, (list, tuple)) else (arg,):
+            if isinstance(item, torch.Tensor) and not item.is_cpu:
+                raise _refused(item)
 
 
-def _refusing(reduce: Any, reason: str) -> Any:
+def _refusing(reduce: Any) -> Any:
     def reduce_tensor(tensor: torch.Tensor) -> Any:
         if not tensor.is_cpu:
-            raise DeviceMapError(f"{reason} This call holds a tensor on {tensor.device}.")
+            raise _refused(tensor)
         return reduce(tensor)
 
     return reduce_tensor
+
+
+def _refused(tensor: torch.Tensor) -> DeviceMapError:
+    return DeviceMapError(f"{_pickling.refusal} This call holds a tensor on {tensor.device}.")
 
 
 def devices_of(obj: Any) -> set[torch.device]:

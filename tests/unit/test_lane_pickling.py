@@ -180,14 +180,15 @@ def test_a_call_carries_the_map_back_for_its_reply_only_to_a_peer_it_maps():
 
 def test_while_the_kernel_lends_no_device_a_tensor_on_one_is_refused_before_torch_sees_it():
     """(nbrpc/_wire/pickling.py, ``refuse_devices``) torch would map such a tensor by the
-    maps the kernel's first join fixed and then find no CUDA stream: an assertion in a C++
-    function that may not throw. ``meta`` is a device's tensor on any machine."""
+    maps the kernel's first join fixed, find no CUDA stream, and fail only after counting
+    the call as active (the kernel's leave would wait for it forever). ``meta`` is a
+    device's tensor on any machine."""
     from nbrpc._errors import DeviceMapError
     from nbrpc._wire import pickling
 
     pickling.install()
     on_device = torch.ones(2, device="meta")
-    assert not pickling.refuses((on_device,))  # nothing refused by default
+    pickling.refuse_here((on_device,))  # nothing refused by default
     pickling.refuse_devices("no maps here.")
     try:
         with pytest.raises(
@@ -196,9 +197,10 @@ def test_while_the_kernel_lends_no_device_a_tensor_on_one_is_refused_before_torc
             pickling.serialize({"x": [1, on_device]})
         _, table = pickling.serialize({"x": [1, torch.ones(2)]})  # CPU tensors still go
         assert len(table) == 1
-        assert pickling.refuses((1, on_device))
-        assert pickling.refuses(([torch.ones(1), on_device],))
-        assert not pickling.refuses((torch.ones(1), [torch.ones(1)], 3))
+        for arguments in ((1, on_device), ([torch.ones(1), on_device],)):
+            with pytest.raises(DeviceMapError, match="tensor on meta"):
+                pickling.refuse_here(arguments)  # a builtin's or TorchScript's arguments
+        pickling.refuse_here((torch.ones(1), [torch.ones(1)], 3))
     finally:
         pickling.refuse_devices(None)
     _, table = pickling.serialize(on_device)
