@@ -485,7 +485,7 @@ def _as_python_call(func: Any, args: tuple, kwargs: dict | None) -> tuple:
     (:func:`nbrpc._wire.pickling.refuse_devices`) is refused here for what does not go
     through nbrpc's pickler: builtins sent as TorchScript operators, TorchScript functions.
     """
-    if isinstance(func, FunctionType | MethodType | type):
+    if isinstance(func, FunctionType | MethodType):
         return func, args, kwargs  # nbrpc's pickler sees all it sends
     arguments = (*args, *(kwargs or {}).values())
     pickling.refuse_here(arguments)  # a builtin's or TorchScript's arguments: not pickled
