@@ -36,7 +36,7 @@ def forget(dead: list[str], live: list[str]) -> None:
             continue
         for peer in live:
             _tell_left(peer, info)
-        _torch.forget_locally(info)
+        _group.forget_peer(info)
         _remove_from_member_list(agent.store, info.name, info.id)
 
 
@@ -55,8 +55,9 @@ def tell_peers_left(ranks: dict[str, int], live: list[str]) -> None:
 
 
 def _tell_left(peer: str, info: rpc.WorkerInfo) -> None:
-    """The message torch's own leave sends each member: ``info`` left the group."""
-    _torch.rpc_sync(peer, _torch.update_group_membership, args=(info, [], {}, False), timeout=10)
+    """What torch's own leave tells each member, ``info`` left the group, but the member
+    keeps its CUDA devices and its other reply maps (:func:`nbrpc._group.forget_peer`)."""
+    _torch.rpc_sync(peer, _group.forget_peer, args=(info,), timeout=10)
 
 
 def forget_names(names: list[str]) -> None:
@@ -70,7 +71,7 @@ def forget_names(names: list[str]) -> None:
     infos = {w.name: w for w in agent.get_worker_infos()}
     for name in names:
         if name in infos and name != _group.joined_name():
-            _torch.forget_locally(infos[name])
+            _group.forget_peer(infos[name])
         _remove_from_member_list(agent.store, name, None)
     release_stale_token()
 

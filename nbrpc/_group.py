@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from . import _devices, _fence, _torch
+from . import _devices, _fence, _process, _torch
 from ._errors import BootError, ConfigError, NotInitializedError
 from ._wire import lanes
 
@@ -50,7 +50,8 @@ class _Membership:
     calls, and the store handed to torch's next rendezvous."""
 
     joined: str | None = None
-    cuda: tuple[str, ...] = ()  # the CUDA devices it joined with (local_cuda_devices)
+    cuda: tuple[str, ...] = ()  # the CUDA devices it uses (local_cuda_devices, lent)
+    replies: dict[str, dict[str, str]] = field(default_factory=dict)  # hold_devices's
     kernel: KernelMembership | None = None
     active: bool = False
     handed: list[dist.Store] = field(default_factory=list)
@@ -391,6 +392,7 @@ def lend_devices(devices: tuple[str, ...], maps: dict | None, agent: bool = Fals
         if devices and not torch.cuda.is_initialized():
             torch.cuda.init()  # before the agent takes CUDA streams for a message it reads
         _torch.hold_devices(list(devices), {})
+        _membership.replies = {}
     _membership.cuda = tuple(devices)
     lanes.place_by(maps if devices else {})
 
@@ -401,6 +403,15 @@ def hold_devices(replies: dict[str, dict[str, str]]) -> None:
     each process by :func:`nbrpc._setup.device_replies`."""
     if _membership.cuda or replies:
         _torch.hold_devices(list(_membership.cuda), replies)
+        _membership.replies = dict(replies)
+
+
+def forget_peer(info: Any) -> None:
+    """``info`` left the group, in this process, which keeps its devices and its reply
+    maps to the others: torch's leave message drops them all, and a CUDA tensor a peer
+    then sends here finds no stream where TensorPipe reads it, which ends the process."""
+    replies = {peer: m for peer, m in _membership.replies.items() if peer != info.name}
+    _torch.forget_locally(info, list(_membership.cuda), replies)
 
 
 def release_user_rrefs(timeout_s: float) -> None:
@@ -522,7 +533,7 @@ def kernel_membership(
             )
         _torch.set_rpc_timeout(rpc_timeout)
         return member
-    _raise_open_file_limit()
+    _process.raise_open_file_limit()
     owned_dir = None
     store = None
     if listen:
@@ -553,22 +564,6 @@ def kernel_membership(
     member = KernelMembership(name, spec, owned_dir, device_maps)
     _membership.kernel = member
     return member
-
-
-def _raise_open_file_limit() -> None:
-    """Lift the kernel's soft limit on open files to its hard limit (capped at 65536).
-
-    torch 2.13's TensorPipe agent keeps its pipe to every worker that left a dynamic group:
-    4 sockets with the "uv" transport, 24 shared-memory descriptors with "shm", per worker
-    the kernel called, for every %rpc_init; under a common soft limit of 1024 re-runs end
-    in "too many open files". nbrpc cannot close torch's pipes, so it makes room.
-    """
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
-    if soft != resource.RLIM_INFINITY and soft < want:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
 def current_kernel_membership() -> KernelMembership | None:

@@ -209,3 +209,19 @@ def cuda_memory() -> list[dict[str, Any]]:
             }
         )
     return devices
+
+
+def raise_open_file_limit() -> None:
+    """Lift the kernel's soft limit on open files to its hard limit (capped at 65536).
+
+    torch 2.13's TensorPipe agent keeps its pipe to every worker that left a dynamic group:
+    4 sockets with the "uv" transport, 24 shared-memory descriptors with "shm", per worker
+    the kernel called, for every %rpc_init; under a common soft limit of 1024 re-runs end
+    in "too many open files". nbrpc cannot close torch's pipes, so it makes room.
+    """
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))

@@ -208,6 +208,12 @@ def test_a_member_gets_back_its_devices_and_reply_maps_through_a_joins_update(cl
     _torch.rpc_sync("worker1", _group.hold_devices, args=(nobody,), timeout=10)
     after = sorted((w.name, w.id) for w in _torch.agent().get_worker_infos())
     _pin(after == before, "the update changed the members", "hold_devices")
+    # a leave on behalf of a worker (one that never was), keeping devices and reply maps
+    ghost = rpc.WorkerInfo("nbrpc-seam-ghost", -2)
+    _torch.rpc_sync("worker1", _group.forget_peer, args=(ghost,), timeout=10)
+    _torch.forget_locally(ghost, [], nobody)
+    after = sorted((w.name, w.id) for w in _torch.agent().get_worker_infos())
+    _pin(after == before, "a leave's update changed the other members", "forget_locally")
     _pin(
         nbrpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), 1)).item() == 2.0,
         "a call",

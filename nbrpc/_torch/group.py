@@ -49,9 +49,23 @@ MEMBER_LIST_KEY = "_ALL_WORKER_INFOS"  # under the "names" prefix: "name-id," en
 update_group_membership = _update_group_membership
 
 
-def forget_locally(info: Any) -> None:
-    """What :data:`update_group_membership` does, in this process: ``info`` left."""
-    agent()._update_group_membership(info, [], {}, False)
+def forget_locally(
+    info: Any, devices: list[str] | None = None, replies: dict | None = None
+) -> None:
+    """What :data:`update_group_membership` does, in this process: ``info`` left. It keeps
+    ``devices`` and the reply maps ``replies`` (peer -> {device: the peer's}), and drops
+    every other (torch's own leave message keeps none)."""
+    import torch
+
+    agent()._update_group_membership(
+        info,
+        [torch.device(d) for d in devices or ()],
+        {
+            peer: {torch.device(k): torch.device(v) for k, v in mapping.items()}
+            for peer, mapping in (replies or {}).items()
+        },
+        False,
+    )
 
 
 def hold_devices(devices: list[str], replies: dict[str, dict[str, str]]) -> None:
