@@ -285,8 +285,8 @@ def _leave(
 ) -> None:
     """The leavers let go of their RRefs and leave by torch's leave; one that cannot is
     dropped on its behalf. Then their engines stop and the records say they left. torch's
-    leave drops every member's CUDA devices and reply maps: they are given back, also
-    when a leave failed half way (:func:`nbrpc._setup.device_replies`)."""
+    leave drops every member's CUDA devices and reply maps: they are given back after each
+    leave, and when one failed half way (:func:`nbrpc._setup.device_replies`)."""
     booted, engines = cluster.booted, cluster.engines
     names = [r.name for r in leavers]
     ids = {r.name: r.engine_id for r in leavers if r.engine_id is not None}
@@ -304,6 +304,9 @@ def _leave(
                 failed.update(engines.leave([eid], True, LEAVE_TIMEOUT_S))
                 if f"engine {eid}" in failed:
                     _departures.release_stale_token()
+                if booted.device_maps:  # each leave: not the next one's wait without devices
+                    ready = [n for n in stayers if _states.state_of(n) is WorkerState.READY]
+                    _setup.device_replies(booted.device_maps, ready)
         gone = [r.name for r in leavers if r.name not in live or f"engine {r.engine_id}" in failed]
         if gone:  # dead, or its leave failed: out of the group on its behalf, everywhere
             ready = [n for n in stayers if _states.state_of(n) is WorkerState.READY]
