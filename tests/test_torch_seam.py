@@ -90,6 +90,13 @@ def test_rref_internals_exist():
         _pin(hasattr(torch._C._distributed_rpc, name), f"{name} is gone", "owned_rref_count")
 
 
+def test_the_rref_contexts_counts_are_where_nbrpc_reads_them(cluster):
+    """``owned_rref_count`` and ``pending_user_rrefs`` read torch's RRef debug info."""
+    keys = set(rpc._rref_context_get_debug_info())
+    _pin({"num_owner_rrefs", "num_pending_users"} <= keys, f"its keys: {keys}", "rrefs.py")
+    _pin(_torch.pending_user_rrefs() >= 0, "num_pending_users is no count", "pending_user_rrefs")
+
+
 def test_patched_api_names_exist():
     for name in ("remote", "shutdown", "_get_current_rpc_agent", "_is_current_rpc_agent_set"):
         _pin(hasattr(rpc_api, name), f"torch.distributed.rpc.api.{name} is gone", "patch_api")

@@ -56,6 +56,9 @@ DEAD_RELEASE_TIMEOUT_S = 2.0  # RRefs owned by a dead worker are never confirmed
 # in an earlier cluster leaves torch waiting for the whole timeout, so bound it.
 RELEASE_TIMEOUT_S = 5.0
 NOTHING_HELD_RELEASE_TIMEOUT_S = 0.2
+
+_stale_pending = [0]  # user RRefs unconfirmed after the last release: their owner died
+
 SAY_WAITING_AFTER_S = 1.0  # a graceful shutdown waiting on calls says so after this
 
 
@@ -388,6 +391,7 @@ class Cluster:
             _group.release_user_rrefs(timeout_s)
         except Exception as exc:
             log.warning("releasing the kernel's RRefs: %s", exc)
+        _stale_pending[0] = _torch.pending_user_rrefs()  # unconfirmed after the wait: for good
         for ar in asked:
             try:
                 ar.get(timeout=timeout_s + 5)
@@ -396,15 +400,13 @@ class Cluster:
 
     @staticmethod
     def _release_timeout(timeout: float, dead: bool) -> float:
-        """How long torch may wait for owners to confirm the kernel's RRef deletions.
-
-        torch waits the whole bound for an owner that died, in this cluster or an earlier
-        one (measured: 5 s added to every later shutdown). With no RRef of another
-        process held by the kernel there is nothing left to confirm worth waiting for.
-        """
+        """How long torch may wait for owners to confirm the kernel's RRef deletions: the
+        whole bound for an owner that died (measured: 5 s added to every later shutdown),
+        so briefly when the kernel holds no RRef of another process and none newly waits
+        for its owner's confirmation (a loaded machine's last ``remote()``)."""
         if dead:
             return DEAD_RELEASE_TIMEOUT_S
-        if not _ledger.holds_user_rrefs():
+        if not _ledger.holds_user_rrefs() and _torch.pending_user_rrefs() <= _stale_pending[0]:
             return NOTHING_HELD_RELEASE_TIMEOUT_S
         return min(timeout, RELEASE_TIMEOUT_S)
 

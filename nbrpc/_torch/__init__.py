@@ -26,7 +26,7 @@ What is here, by module:
   (``tensorpipe_options``, ``TP_SOCKET_IFNAME``);
 * :mod:`.rrefs`: RRef internals (``PyRRef``, ``rref_fork``, ``rref_from_fork``,
   ``rref_type_future``, ``original_get_type``, ``rref_id``, ``owned_rref_count``,
-  ``delete_user_rrefs``, ``patch_rref_method``);
+  ``pending_user_rrefs``, ``delete_user_rrefs``, ``patch_rref_method``);
 * :mod:`.calls`: torch's own senders and the names a notebook calls (``rpc_sync``,
   ``route_user_calls``), the hooks nbrpc installs into ``torch.distributed.rpc.internal``
   and the patches of ``torch.distributed.rpc.api`` (``install_rpc_hooks``,
@@ -120,6 +120,7 @@ from .rrefs import (
     owned_rref_count as owned_rref_count,
     owner_name as owner_name,
     patch_rref_method as patch_rref_method,
+    pending_user_rrefs as pending_user_rrefs,
     remember_creation as remember_creation,
     rref_creation_future as rref_creation_future,
     rref_fork as rref_fork,

@@ -86,6 +86,12 @@ def owned_rref_count() -> int:
     return int(_rref_context_get_debug_info().get("num_owner_rrefs", 0))
 
 
+def pending_user_rrefs() -> int:
+    """How many user RRefs of this process wait for their owner's confirmation (one just
+    made by ``remote()`` or forked, or one whose owner died first: that one waits for good)."""
+    return int(_rref_context_get_debug_info().get("num_pending_users", 0))
+
+
 def delete_user_rrefs(timeout_s: float) -> None:
     """Delete this process's user RRefs, telling their owners (torch's static-group
     shutdown does this; its dynamic leave does not)."""
