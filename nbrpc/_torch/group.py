@@ -45,7 +45,8 @@ def leave_group(timeout: float = 0) -> None:
 GROUP_TOKEN_KEY = "RpcGroupManagementToken"  # the key of the join/leave critical section
 MEMBER_LIST_KEY = "_ALL_WORKER_INFOS"  # under the "names" prefix: "name-id," entries
 
-#: The function torch's leave runs on every peer (sent by RPC, so it must be torch's own).
+#: The function torch's leave runs on every peer (nbrpc's leave on a worker's behalf runs
+#: :func:`forget_locally` there instead, which keeps the peer's devices).
 update_group_membership = _update_group_membership
 
 
