@@ -388,12 +388,11 @@ def lend_devices(devices: tuple[str, ...], maps: dict | None, agent: bool = Fals
     peers are staged on lanes). ``agent``: its agent keeps exactly these devices and drops
     every reply map (:func:`nbrpc._torch.hold_devices`; the kernel, before a cluster's
     workers join: :mod:`nbrpc._kernel_devices`), CUDA brought up first if they need it."""
-    if agent:
-        if devices and not torch.cuda.is_initialized():
-            torch.cuda.init()  # before the agent takes CUDA streams for a message it reads
-        _torch.hold_devices(list(devices), {})
-        _membership.replies = {}
+    if agent and devices and not torch.cuda.is_initialized():
+        torch.cuda.init()  # before the agent takes CUDA streams for a message it reads
     _membership.cuda = tuple(devices)
+    if agent:
+        _hold({})
     lanes.place_by(maps if devices else {})
 
 
@@ -402,8 +401,14 @@ def hold_devices(replies: dict[str, dict[str, str]]) -> None:
     where torch's dynamic group dropped them (:func:`nbrpc._torch.hold_devices`); run in
     each process by :func:`nbrpc._setup.device_replies`."""
     if _membership.cuda or replies:
-        _torch.hold_devices(list(_membership.cuda), replies)
-        _membership.replies = dict(replies)
+        _hold(replies)
+
+
+def _hold(replies: dict[str, dict[str, str]]) -> None:
+    """The agent keeps exactly this process's devices and the reply maps ``replies``,
+    remembered for :func:`forget_peer`."""
+    _torch.hold_devices(list(_membership.cuda), replies)
+    _membership.replies = dict(replies)
 
 
 def forget_peer(info: Any) -> None:

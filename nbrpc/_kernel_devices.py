@@ -54,10 +54,9 @@ REFUSAL = (
 @dataclass
 class _Lent:
     """What the kernel lends the cluster now up: its maps to the workers, which a joiner
-    learns, and its devices."""
+    learns with the kernel's devices (``_group.cuda_devices()``)."""
 
     maps: dict[str, dict[str, str]] = field(default_factory=dict)
-    devices: list[str] = field(default_factory=list)
     installed: bool = False
 
 
@@ -93,13 +92,13 @@ def lend(maps: dict, devices: list[str] | None) -> None:
     member = _group.current_kernel_membership()
     if member is None or not member.device_maps or not _lent.installed:
         return
-    lent = list(_group.local_cuda_devices(maps, devices))
-    _lent.maps, _lent.devices = dict(maps), lent
-    _group.lend_devices(tuple(lent), maps, agent=True)
+    lent = _group.local_cuda_devices(maps, devices)
+    _lent.maps = dict(maps)
+    _group.lend_devices(lent, maps, agent=True)
     pickling.refuse_devices(None if lent else REFUSAL)
 
 
 def _install() -> None:
     if not _lent.installed:
-        _torch.advertise_devices(lambda: (_lent.maps, _lent.devices))
+        _torch.advertise_devices(lambda: (_lent.maps, list(_group.cuda_devices())))
         _lent.installed = True

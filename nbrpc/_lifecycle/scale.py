@@ -296,6 +296,10 @@ def _leave(
         with contextlib.suppress(Exception):
             ar.get(timeout=10)
     failed: dict[str, str] = {}
+
+    def ready() -> list[str]:
+        return [n for n in stayers if _states.state_of(n) is WorkerState.READY]
+
     try:
         with native_output.quiet_stderr_while_leaving(live):
             # one at a time: torch's leave holds the group's token, and a leave that fails
@@ -304,21 +308,18 @@ def _leave(
                 failed.update(engines.leave([eid], True, LEAVE_TIMEOUT_S))
                 if f"engine {eid}" in failed:
                     _departures.release_stale_token()
-                if booted.device_maps:  # each leave: not the next one's wait without devices
-                    ready = [n for n in stayers if _states.state_of(n) is WorkerState.READY]
-                    _setup.device_replies(booted.device_maps, ready)
+                if booted.device_maps and eid != live_ids[-1]:  # after the last: finally
+                    _setup.device_replies(booted.device_maps, ready())
         gone = [r.name for r in leavers if r.name not in live or f"engine {r.engine_id}" in failed]
         if gone:  # dead, or its leave failed: out of the group on its behalf, everywhere
-            ready = [n for n in stayers if _states.state_of(n) is WorkerState.READY]
             try:
                 _departures.tell_peers_left(
-                    {r.name: r.rank for r in leavers if r.name in gone}, ready
+                    {r.name: r.rank for r in leavers if r.name in gone}, ready()
                 )
             finally:
                 _departures.forget_names(gone)  # the kernel's table, torch's list and token
     finally:
-        ready = [n for n in stayers if _states.state_of(n) is WorkerState.READY]
-        _setup.device_replies(booted.device_maps, ready)
+        _setup.device_replies(booted.device_maps, ready())
     at = time.strftime("%H:%M:%S")
     _states.departed_at_scale(names, [r.rank for r in leavers], at)
     try:
