@@ -148,6 +148,8 @@ if CUDA:
         nbrpc.rpc_sync("worker1", torch.add, args=(torch.ones(2, device="cuda:0"), 1))
     except nbrpc.DeviceMapError as refused:
         print("refused:", refused)
+    else:
+        raise AssertionError("a CUDA tensor reached a cluster without device maps")
     nbrpc.shutdown()
     nbrpc.init(n=2, gpus="auto", progress=False)  # and a GPU one again
     y = nbrpc.rpc_sync("worker2", torch.add, args=(torch.ones(2, device="cuda:0"), 1))

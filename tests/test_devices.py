@@ -61,17 +61,20 @@ def test_a_clusters_maps_that_the_kernels_first_join_did_not_fix_are_refused_by_
     """The late check, once the workers' devices are known (the early one by name:
     tests/unit/test_device_maps.py): each map the cluster needs must be one the first join
     fixed, and the refusal says which and what works. This suite's kernel joined without
-    maps (no CUDA here)."""
+    maps where there is no CUDA, and with ``--gpus auto``'s for worker1..worker16 where
+    there is (always from cuda:0): no first join fixes a map from cuda:1."""
     ensure_cluster()
     member = _group.current_kernel_membership()
     timeout = torch.distributed.rpc.get_rpc_timeout()
-    with pytest.raises(ConfigError, match=r"maps to worker1 are \{'worker1': None\}.*restart"):
+    fixed = r"(None|\{'cuda:0': 'cuda:\d+'\})"
+    refused = rf"maps to worker1 are \{{'worker1': {fixed}\}}.*restart"
+    with pytest.raises(ConfigError, match=refused):
         _group.kernel_membership(
             member.name,
             init_method=None,
             rpc_timeout=timeout,
             num_worker_threads=8,
-            device_maps={"worker1": {"cuda:0": "cuda:1"}},
+            device_maps={"worker1": {"cuda:1": "cuda:0"}},
         )
     same = _group.kernel_membership(
         member.name, init_method=None, rpc_timeout=timeout, num_worker_threads=8
