@@ -1,14 +1,18 @@
 """The quickstart in a real Jupyter kernel: what shows up in which cell.
 
 nbval (``make test`` runs it over ``notebooks/``) checks that every cell runs and that the
-notebooks' own asserts hold; this test checks the outputs a person reads.
+notebooks' own asserts hold; this test checks the outputs a person reads, run by the
+runner ``make demo`` uses (tools/run_notebook.py).
 """
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
+from conftest import load_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,13 +31,8 @@ def _text(cell) -> str:
 
 @pytest.fixture(scope="module")
 def quickstart():
-    nb = nbformat.read(ROOT / "notebooks" / "01_quickstart.ipynb", as_version=4)
-    NotebookClient(
-        nb,
-        timeout=300,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(ROOT / "notebooks")}},
-    ).execute()
+    nb, failed = load_tool("run_notebook").execute(ROOT / "notebooks" / "01_quickstart.ipynb", 300)
+    assert not failed
     return {
         cell.source.splitlines()[0]: _text(cell) for cell in nb.cells if cell.cell_type == "code"
     }
@@ -74,3 +73,30 @@ def test_second_cluster_in_the_same_kernel(quickstart):
 
 def test_no_cell_failed(quickstart):
     assert not [src for src, out in quickstart.items() if "ERROR " in out]
+
+
+def test_the_demo_prints_each_cells_output_says_which_failed_and_leaves_nothing(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell("import os\nprint('computed', 6 * 7, os.getcwd())"),
+        nbformat.v4.new_code_cell("1 / 0"),
+        nbformat.v4.new_code_cell("print('never runs')"),
+    ]
+    path = tmp_path / "nb" / "demo.ipynb"
+    path.parent.mkdir()
+    nbformat.write(nb, path)
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "run_notebook.py"), str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    assert run.returncode == 1, run
+    assert f"--- cell 0: import os\ncomputed 42 {path.parent}\n" in run.stdout
+    assert "ZeroDivisionError: division by zero" in run.stdout
+    assert "never runs" not in run.stdout
+    assert f"--- {path}: FAILED in " in run.stdout
+    # the kernel listened on files in a private folder, not on TCP ports, and they are gone
+    assert "without encryption" not in run.stderr, run.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["nb"]

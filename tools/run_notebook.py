@@ -1,15 +1,18 @@
 """Execute a notebook headless (a real Jupyter kernel) and print what each cell computed.
 
-Used by ``make demo``. Exits non-zero when a cell fails.
+Used by ``make demo`` and by tests/test_notebooks.py. Exits non-zero when a cell fails.
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import nbformat
+from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
@@ -24,21 +27,34 @@ def text_of(output: dict) -> str:
     return ""
 
 
-def main(path: str) -> int:
+def execute(path: str | Path, timeout: int = 600) -> tuple[nbformat.NotebookNode, bool]:
+    """Run every cell of the notebook at ``path`` in a new kernel, in the notebook's folder.
+
+    Returns the notebook with its outputs, and whether a cell failed (the cells after it
+    did not run)."""
     nb = nbformat.read(path, as_version=4)
+    # the kernel's channels are files only this user can open, not TCP ports that any local
+    # process could reach (ipykernel warns that those are unencrypted)
+    sockets = tempfile.mkdtemp(prefix="nbrpc-notebook-")
+    kernel = KernelManager(kernel_name="python3", transport="ipc", ip=f"{sockets}/kernel")
     client = NotebookClient(
-        nb,
-        timeout=600,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(Path(path).parent)}},
+        nb, km=kernel, timeout=timeout, resources={"metadata": {"path": str(Path(path).parent)}}
     )
-    started = time.monotonic()
-    failed = False
     try:
         client.execute()
+        return nb, False
     except CellExecutionError as exc:
-        failed = True
         print(exc, file=sys.stderr)
+        return nb, True
+    finally:
+        if kernel.has_kernel:
+            kernel.shutdown_kernel()  # as nbclient does with a kernel it started itself
+        shutil.rmtree(sockets, ignore_errors=True)
+
+
+def main(path: str) -> int:
+    started = time.monotonic()
+    nb, failed = execute(path)
     for index, cell in enumerate(nb.cells):
         if cell.cell_type != "code" or not cell.get("outputs"):
             continue
