@@ -1,6 +1,6 @@
 """The checks that need a GPU, in one command, each under a time limit of its own.
 
-    python tools/gpu_check.py [--out DIR] [--compat] [--quick]
+    python tools/gpu_check.py [--out DIR] [--compat] [--quick] [--rehearse]
 
 Runs, with this interpreter and its torch (a CUDA build), from the repository's root, in
 issue 47's order:
@@ -16,7 +16,11 @@ issue 47's order:
 Each step's output goes to ``DIR/<step>.log`` (default: a new temporary directory); a
 summary (one line per step: how it ended, its seconds, its last result line) is printed
 and written to ``DIR/summary.txt``. A step that runs past its limit is ended, and the next
-one runs. Without CUDA it says so and exits 0, as the benchmark does.
+one runs. Without CUDA it says so and exits 0, as the benchmark does; with ``--rehearse``
+it runs the steps anyway (their CUDA parts skip, saying why), which shows, before any time
+on a GPU host is spent, whether this interpreter has what they import and launch: the
+wheels ``tools/wheelhouse.py`` gathers for a host with no package index, installed the way
+it prints.
 """
 
 from __future__ import annotations
@@ -87,16 +91,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="where the logs go (default: a new temporary folder)")
     parser.add_argument("--compat", action="store_true", help="torch's CUDA test classes too")
     parser.add_argument("--quick", action="store_true", help="the benchmark's fewer repeats")
+    parser.add_argument(
+        "--rehearse", action="store_true", help="run the steps without CUDA too (they skip it)"
+    )
     args = parser.parse_args(argv)
     import torch
 
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not args.rehearse:
         print(f"no CUDA device (torch {torch.__version__}): nothing to check here")
         return 0
     out = Path(args.out or tempfile.mkdtemp(prefix="nbrpc-gpu-"))
     out.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
     head = (
-        f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, torch "
+        f"{gpu} x{torch.cuda.device_count()}, torch "
         f"{torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} cores"
     )
     print(head, flush=True)

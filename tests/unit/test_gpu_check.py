@@ -32,3 +32,29 @@ def test_the_steps_run_in_the_issues_order_and_name_files_that_exist():
         for part in argv:
             if part.endswith((".py", ".ipynb")):
                 assert (gpu_check.ROOT / part).exists(), part
+
+
+def test_the_wheelhouse_asks_for_what_gpu_check_imports_and_not_for_what_a_gpu_host_has():
+    wheelhouse = load_tool("wheelhouse")
+    names = {wheelhouse.requirement_name(r) for r in wheelhouse.requirements()}
+    for needed in ("ipyparallel", "ipykernel", "cloudpickle", "ipywidgets", "nbval", "pytest"):
+        assert needed in names, names
+    assert not names & {"torch", "numpy", "matplotlib"}, names
+    assert not names & {"ruff", "mypy", "jupyterlab", "playwright"}, names  # make lint's, CI's
+    assert "numpy" in {wheelhouse.requirement_name(r) for r in wheelhouse.requirements(())}
+
+
+def test_the_wheelhouse_drops_what_the_target_has_and_finds_two_versions_of_one(tmp_path):
+    wheelhouse = load_tool("wheelhouse")
+    for name in (
+        "numpy-2.5.2-cp312-cp312-manylinux_2_28_x86_64.whl",
+        "pyzmq-27.3.0-cp312-abi3-manylinux_2_28_x86_64.whl",
+        "typing_extensions-4.15.0-py3-none-any.whl",
+        "typing_extensions-4.14.0-py3-none-any.whl",
+    ):
+        (tmp_path / name).write_bytes(b"")
+    removed = wheelhouse.prune(tmp_path, ("numpy",))
+    assert [path.name for path in removed] == ["numpy-2.5.2-cp312-cp312-manylinux_2_28_x86_64.whl"]
+    assert wheelhouse.twice(tmp_path) == ["typing-extensions"]
+    assert wheelhouse.requirement_name("pytest-timeout>=2.3") == "pytest-timeout"
+    assert wheelhouse.requirement_name("Jupyter_Client [test]") == "jupyter-client"
