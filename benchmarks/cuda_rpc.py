@@ -21,7 +21,8 @@ Figures, each a median over repeats after a warm-up, in issue 47's order (items 
   (first), and the builtin with a CUDA tensor (last: the reply comes back on the
   caller's device), staged on a lane and, lanes paused, through TensorPipe's CUDA channel;
 - one kernel (a fresh process): a CPU cluster on this host, its small calls, whether the
-  kernel started CUDA, a GPU cluster asked for after it (refused at once), a CPU one again.
+  kernel started CUDA, a GPU cluster after it (its small calls, on the transports the CPU
+  first join chose), a CPU one again.
 
 Prints a table and writes ``benchmarks/results/cuda.json``; without CUDA it says so and
 exits 0.
@@ -208,14 +209,22 @@ def run_nbrpc_cuda_small() -> dict:
 def one_kernel() -> dict:
     """Issue 47's item 5, in a kernel of its own (what its first join fixes is the point):
     a CPU cluster on this host and its small calls, whether the kernel started CUDA, a
-    GPU cluster asked for after it (refused: how fast, in which words), a CPU one again."""
+    GPU cluster after it (how long it took to start or be refused, and in which words; its
+    small calls, the CUDA one included), a CPU cluster again and its small calls."""
     import time
 
     import nbrpc
 
+    def calls(cluster: str, local: str | None = None) -> None:
+        for figure, value in small_calls(nbrpc.rpc_sync, None).items():
+            out[f"{figure} [{cluster}]"] = value
+        if local is not None:
+            for figure, value in small_calls(nbrpc.rpc_sync, local).items():
+                out[f"{figure} [{cluster}]"] = value
+
     out: dict = {}
     nbrpc.init(n=1, progress=False)
-    out.update({f"{k}, CPU cluster": v for k, v in small_calls(nbrpc.rpc_sync, None).items()})
+    calls("CPU cluster")
     out["CUDA started in the kernel"] = torch.cuda.is_initialized()
     nbrpc.shutdown()
     t0 = time.monotonic()
@@ -223,13 +232,20 @@ def one_kernel() -> dict:
         nbrpc.init(n=1, gpus="auto", progress=False)
     except Exception as exc:
         out["a GPU cluster after it"] = f"{type(exc).__name__}: {exc}"
+        out["answered in s"] = time.monotonic() - t0
     else:
         out["a GPU cluster after it"] = "started"
-        nbrpc.shutdown()
-    out["answered in s"] = time.monotonic() - t0
+        out["answered in s"] = time.monotonic() - t0
+        try:
+            calls("GPU cluster after a CPU one", devices()[0])
+        finally:
+            nbrpc.shutdown()
     nbrpc.init(n=2, progress=False)
     out["a CPU cluster again"] = nbrpc.workers()[1:]
-    nbrpc.shutdown()
+    try:
+        calls("CPU cluster again")
+    finally:
+        nbrpc.shutdown()
     return out
 
 
@@ -282,10 +298,10 @@ def report(results: dict) -> None:
     one = results["one kernel"]
     print("one kernel, a CPU cluster first (a fresh process):")
     for key, value in one.items():
-        if isinstance(value, dict):  # a small call on the CPU cluster, against the script
-            script = raw[key.removesuffix(", CPU cluster")]["median"]
+        if isinstance(value, dict):  # "FIGURE [CLUSTER]": a small call, against the script's
+            script = raw[key.split(" [")[0]]["median"]
             ratio = value["median"] / script
-            print(f"  {key:<45}{value['median'] * 1e6:>9.1f} µs {ratio:>6.2f}x")
+            print(f"  {key:<64}{value['median'] * 1e6:>9.1f} µs {ratio:>6.2f}x")
         else:
             print(f"  {key}: {value}")
 
