@@ -58,3 +58,11 @@ def test_the_wheelhouse_drops_what_the_target_has_and_finds_two_versions_of_one(
     assert wheelhouse.twice(tmp_path) == ["typing-extensions"]
     assert wheelhouse.requirement_name("pytest-timeout>=2.3") == "pytest-timeout"
     assert wheelhouse.requirement_name("Jupyter_Client [test]") == "jupyter-client"
+
+
+def test_the_quick_checks_limits_fit_ten_minutes_with_the_install_before_them():
+    gpu_check = load_tool("gpu_check")
+    limits = {name: limit for name, _, limit in gpu_check.STEPS}
+    limits["benchmark"] = gpu_check.QUICK_BENCHMARK_S
+    assert sum(limits.values()) <= 570, limits
+    assert all("-x" not in argv for _, argv, _ in gpu_check.STEPS)
