@@ -37,6 +37,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+#: pytest's plugins, named: the ones a GPU host's image installs (other versions, built for
+#: its own pytest) are not loaded (``PYTEST_DISABLE_PLUGIN_AUTOLOAD``)
+PLUGINS = ("-p", "pytest_timeout", "-p", "nbval.plugin")
 #: (name, argv after the interpreter, seconds), in the order they run. With ``--quick`` the
 #: limits add up to 9.5 min (:data:`QUICK_BENCHMARK_S` for the benchmark): a GPU host lent
 #: for 10 minutes at a time runs them all, and the wheels' install before them, in one go.
@@ -45,13 +48,21 @@ STEPS: list[tuple[str, list[str], int]] = [
     (
         "tests",
         # -v: the name of a test is in the log before it runs (one ended at the limit is named)
-        ["-m", "pytest", "tests/test_devices.py", "tests/test_torch_seam.py", "-v", "-rs"],
+        [
+            "-m",
+            "pytest",
+            *PLUGINS,
+            "tests/test_devices.py",
+            "tests/test_torch_seam.py",
+            "-v",
+            "-rs",
+        ],
         300,
     ),
     ("benchmark", ["benchmarks/cuda_rpc.py"], 360),
     (
         "notebook",
-        ["-m", "pytest", "--nbval-lax", "notebooks/07_cuda_rpc_benchmark.ipynb", "-q"],
+        ["-m", "pytest", *PLUGINS, "--nbval-lax", "notebooks/07_cuda_rpc_benchmark.ipynb", "-q"],
         90,
     ),
 ]
@@ -80,7 +91,7 @@ def run_step(name: str, argv: list[str], limit: int, out: Path) -> str:
             cwd=ROOT,
             stdout=f,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"},
             start_new_session=True,  # its workers too, when it runs past its limit
         )
         try:
@@ -91,7 +102,7 @@ def run_step(name: str, argv: list[str], limit: int, out: Path) -> str:
             proc.wait()
             how = f"ended at its limit ({limit} s)"
     lines = [line.strip() for line in log.read_text(errors="replace").splitlines()]
-    last = next((line for line in reversed(lines) if line), "")
+    last = next((line.strip("= ") for line in reversed(lines) if line), "")
     return f"{name}: {how} in {time.monotonic() - t0:.0f} s; {last[:160]}"
 
 
