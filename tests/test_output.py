@@ -189,12 +189,13 @@ def test_shutdown_noise_stays_out_and_other_cpp_lines_still_arrive():
         dropped = k.value("__import__('nbrpc._wire.native_output', fromlist=['x']).dropped()")
         assert dropped >= 2, "torch wrote its line for each worker that left, and it was kept out"
 
-        # A peer nbrpc did not stop: the same kind of line, about worker7, still shows
+        # A peer nbrpc did not stop, nor find dead: the same kind of line, about worker7,
+        # still shows, once it waited DEATH_REPORT_S (0.5 s) for nbrpc's word on worker7
         line = (
             "[W1123 12:00:00.000000000 tensorpipe_agent.cpp:723] RPC agent for worker0 "
             "encountered error when reading incoming request from worker7: EOF: end of file"
         )
-        events = _events(k, f"os.write(2, {(line + chr(10)).encode()!r}); time.sleep(0.5)")
+        events = _events(k, f"os.write(2, {(line + chr(10)).encode()!r}); time.sleep(1.5)")
         assert line in _stream_text(events, "stderr")
 
         # ... and so does torch's own, for a worker killed behind nbrpc's back
@@ -273,6 +274,36 @@ def test_torchs_lines_about_a_peer_nbrpc_stopped_are_expected_requests_and_respo
         assert not native_output.expected(line.format(n=n, what=what, peer="worker8"))
     native_output.joined(["worker9"])
     assert not native_output.expected(line.format(n=941, what="response", peer="worker9"))
+
+
+def test_torchs_lines_about_a_peer_nbrpc_found_dead_wait_for_that_word_and_are_dropped():
+    from nbrpc import _states
+    from nbrpc._wire import native_output
+
+    def closed(peer: str) -> str:
+        return (
+            "[W1127 12:00:00.000000000 tensorpipe_agent.cpp:723] RPC agent for worker1 "
+            f"encountered error when reading incoming request from {peer}: EOF: end of file\n"
+        )
+
+    wait = native_output.DEATH_REPORT_S
+    held = native_output.Held()
+    # a crash: torch's line comes first and waits, with what follows it, for nbrpc's word
+    assert native_output.sift(["before\n", closed("worker7"), "after\n"], held, 100.0) == [
+        "before\n"
+    ]
+    assert native_output.sift(["later\n"], held, 100.0 + wait / 2) == []
+    native_output.on_worker_change(_states.WorkerChange(_states.Change.DIED, ("worker7",)))
+    assert native_output.sift([], held, 100.0 + wait / 2) == ["after\n", "later\n"]
+    assert native_output.expected(closed("worker7"))  # the other workers' lines, shown here
+    # a death nbrpc did not notice in time: torch's line is shown, late
+    assert native_output.sift([closed("worker6"), "next\n"], held, 200.0) == []
+    assert native_output.sift([], held, 200.0 + wait) == [closed("worker6"), "next\n"]
+    assert native_output.sift([closed("worker6")], held, 300.0, flush=True) == [closed("worker6")]
+    assert held.lines == []
+    # a fresh worker7 (a restart, a new cluster): its connections' end is news again
+    native_output.on_worker_change(_states.WorkerChange(_states.Change.REJOINED, ("worker7",)))
+    assert native_output.awaits_word(closed("worker7"))
 
 
 def test_a_panel_no_front_end_draws_puts_the_card_in_the_cell(kernel):

@@ -24,8 +24,16 @@ the user did not ask for; a cell showed one per worker, in red, at every ``%rpc_
 :func:`expected` drops exactly these lines (:data:`CLOSED_BY_PEER`), in the kernel's own
 stderr (:func:`quiet_kernel_stderr`, a pipe between file descriptor 2 and what it was), in
 a script's while nbrpc makes workers leave (:func:`quiet_stderr_while_leaving`, the same
-pipe for that time only) and in what workers forward. Any other line passes unchanged: a
-peer that drops its connection when nbrpc did not ask it to is still reported.
+pipe for that time only) and in what workers forward.
+
+A peer that drops its connection when nbrpc did not ask it to (its process crashed) is
+still reported, once: when a call to it fails, the cell shows ``WorkerDiedError`` with the
+process's last words, and ``%rpc_status`` shows it dead; torch's lines about that peer's
+closed connections, the kernel's own and the other workers', then say nothing more and
+are dropped in the kernel (:func:`on_worker_change`). torch writes them as it reads the
+connection's end, a moment before the call that lost it is failed, so in the kernel such
+a line waits up to :data:`DEATH_REPORT_S` for nbrpc's word on that peer (the lines after
+it wait behind it); a death nbrpc has not noticed by then keeps torch's line.
 """
 
 from __future__ import annotations
@@ -54,6 +62,9 @@ LEAVING_GRACE_S = 15.0
 LEAVING_PUMP_S = 2.0
 #: How long a script's shutdown waits for torch's line about each peer that left.
 LEAVING_LINES_S = 0.5
+#: How long the kernel holds torch's line about a peer's closed connection, waiting for
+#: nbrpc to find that peer dead (then the line is dropped: the death was reported).
+DEATH_REPORT_S = 0.5
 #: torch's line for a peer's connection that closed (group 1: the peer's name).
 CLOSED_BY_PEER = re.compile(
     r"^\[[EW]\d{4} [^\]]*tensorpipe_agent\.cpp:\d+\] RPC agent for \S+ encountered error "
@@ -82,6 +93,8 @@ class _Leaving:
     dropped: int = 0  # lines dropped so far (tests and docs read it)
     #: peers whose closed connection was reported (and dropped) since they were named
     closed: set[str] = field(default_factory=set)
+    #: peers nbrpc found dead (and said so): their closed connections are no news
+    dead: set[str] = field(default_factory=set)
 
 
 _leaving = _Leaving()
@@ -105,15 +118,24 @@ def joined(names: list[str]) -> None:
     """``names`` joined a new cluster: a closing connection of theirs is news again."""
     for name in names:
         _leaving.until.pop(name, None)
+        _leaving.dead.discard(name)
+
+
+def died(names: list[str]) -> None:
+    """nbrpc found ``names`` dead and says so (a call's ``WorkerDiedError``, the status):
+    torch's lines about their closed connections add nothing."""
+    _leaving.dead.update(names)
 
 
 def on_worker_change(change: _states.WorkerChange) -> None:
     """A listener of :mod:`nbrpc._states` (registered by the lifecycle): workers nbrpc
-    makes leave (a shutdown, a restart) close their connections as expected; the ranks
-    of processes that left for good drop references with an expected error; workers that
-    joined, or joined again, are news again."""
+    makes leave (a shutdown, a restart) close their connections as expected, and so did
+    workers it found dead; the ranks of processes that left for good drop references with
+    an expected error; workers that joined, or joined again, are news again."""
     if change.kind in (_states.Change.LEAVING, _states.Change.RESTARTING):
         expect_leaving(list(change.names))
+    elif change.kind is _states.Change.DIED:
+        died(list(change.names))
     elif change.kind is _states.Change.LEFT:
         expect_gone(list(change.ranks))
     elif change.kind in (_states.Change.JOINED, _states.Change.REJOINED):
@@ -128,14 +150,48 @@ def expected(line: str) -> bool:
         _leaving.dropped += 1
         return True
     match = CLOSED_BY_PEER.match(line)
-    if match is None:
-        return False
-    until = _leaving.until.get(match.group(1), 0.0)
-    if time.monotonic() > until:
+    if match is None or not _explained(match.group(1)):
         return False
     _leaving.dropped += 1
     _leaving.closed.add(match.group(1))
     return True
+
+
+def awaits_word(line: str) -> bool:
+    """Whether ``line`` is torch's report of a closed connection that nbrpc has said
+    nothing about yet: the peer may be found dead in a moment (:data:`DEATH_REPORT_S`)."""
+    match = CLOSED_BY_PEER.match(line)
+    return match is not None and not _explained(match.group(1))
+
+
+def _explained(peer: str) -> bool:
+    """nbrpc made ``peer`` leave a moment ago, or found it dead."""
+    return peer in _leaving.dead or time.monotonic() <= _leaving.until.get(peer, 0.0)
+
+
+@dataclass
+class Held:
+    """Lines held back from the first one that :func:`awaits_word`, and since when."""
+
+    lines: list[str] = field(default_factory=list)
+    since: float | None = None
+
+
+def sift(lines: list[str], held: Held, now: float, flush: bool = False) -> list[str]:
+    """What of ``held``'s lines and then ``lines`` may be shown at ``now``, without the
+    expected ones (:func:`_kept`): all of it up to the first line that awaits nbrpc's word
+    on its peer for less than :data:`DEATH_REPORT_S`, which ``held`` keeps with the lines
+    after it (``flush``: none is kept)."""
+    lines = held.lines + lines
+    for index, line in enumerate(lines):
+        if flush or not awaits_word(line):
+            continue
+        held.since = now if held.since is None else held.since
+        if now - held.since < DEATH_REPORT_S:
+            held.lines = lines[index:]
+            return _kept(lines[:index])
+    held.lines, held.since = [], None
+    return _kept(lines)
 
 
 def dropped() -> int:
@@ -224,7 +280,7 @@ def quiet_stderr_while_leaving(names: list[str]) -> Iterator[None]:
 
 
 def _pump(read_end: int, to: int) -> None:
-    pending = b""
+    pending, held = b"", Held()
     while True:
         try:
             ready, _, _ = select.select([read_end], [], [], TAIL_EVERY_S)
@@ -232,13 +288,14 @@ def _pump(read_end: int, to: int) -> None:
         except OSError:
             return
         if ready and not data:  # the write end is closed: nothing more will come
-            _write(to, pending)
+            _write(to, "".join(sift([], held, time.monotonic(), flush=True)).encode() + pending)
             return
         pending += data
         # complete lines; a partial line once it has sat for a period (a C progress line)
         cut = pending.rfind(b"\n") + 1 if ready else len(pending)
         chunk, pending = pending[:cut], pending[cut:]
-        _write(to, "".join(_kept(output.lines_of(chunk.decode(errors="replace")))).encode())
+        lines = output.lines_of(chunk.decode(errors="replace"))
+        _write(to, "".join(sift(lines, held, time.monotonic())).encode())
 
 
 @dataclass
@@ -379,7 +436,20 @@ def forward(text: str) -> None:
 
 def show(worker: str, text: str) -> None:
     """Runs in the kernel: a worker's native output, shown in the cell that is running
-    (none running: it stays in the worker's log), without the lines nbrpc caused."""
-    lines = _kept(output.lines_of(text))
+    (none running: it stays in the worker's log), without the lines nbrpc caused; from a
+    line about a closed connection nbrpc has not explained yet, a moment later."""
+    held = Held()
+    _show(worker, sift(output.lines_of(text), held, time.monotonic()))
+    if held.lines:
+        later = threading.Timer(DEATH_REPORT_S, _show_held, args=(worker, held))
+        later.daemon = True
+        later.start()
+
+
+def _show_held(worker: str, held: Held) -> None:
+    _show(worker, sift([], held, time.monotonic(), flush=True))
+
+
+def _show(worker: str, lines: list[str]) -> None:
     if lines and _process.cell_running():
         output.show_output(worker, [("stderr", "".join(lines))])
