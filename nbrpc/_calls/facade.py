@@ -387,12 +387,18 @@ def _settle_from_lane(
     reply: lanes.Reply, dest: WorkerInfo, sent: tuple, call: Sent, out: Future
 ) -> None:
     """Finish ``out`` with a lane's reply (on the lane's reader thread, or the caller's
-    when the lane was lost as the call left)."""
-    value, error, resend = _outcome(reply, dest, sent, call)
-    if resend is None:
-        failures.complete(out, value, error)
-    else:  # fetched, or sent again, through TensorPipe (no wait on this thread)
-        _settle_through_torch(dest, resend, call, out)
+    when the lane was lost as the call left). A call fetched or sent again through
+    TensorPipe that torch refuses to start (the worker died meanwhile, a device map)
+    fails ``out`` with that error: the reader thread, which has already let go of this
+    call, would end on it, and ``out`` would wait forever."""
+    try:
+        value, error, resend = _outcome(reply, dest, sent, call)
+        if resend is None:
+            failures.complete(out, value, error)
+        else:  # fetched, or sent again, through TensorPipe (no wait on this thread)
+            _settle_through_torch(dest, resend, call, out)
+    except Exception as exc:
+        failures.complete(out, error=call.translate(exc))
 
 
 def _settle_through_torch(dest: WorkerInfo, sent: tuple, call: Sent, out: Future) -> None:

@@ -11,6 +11,7 @@ import contextlib
 import os
 import tempfile
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -181,3 +182,25 @@ def test_the_functions_remembered_as_answering_on_a_device_are_bounded(me):
     finally:
         lanes.close()
         os.rmdir(lanes_dir)
+
+
+def test_a_fetch_torch_refuses_to_start_fails_the_call_instead_of_leaving_it_waiting(me):
+    """A shared lane's reply that TensorPipe must fetch, on the lane's reader thread: when
+    torch refuses to start that fetch (here: this process never joined a group; on a
+    cluster, a worker that died meanwhile), the call's future fails with that error."""
+    from nbrpc._calls import facade
+
+    out = torch.futures.Future()
+    call = facade.Sent(me.name, grad_tensor, 0.0, None)
+    route = lanes.route(me, grad_tensor, (), None, main=False)
+    route.lane.post(
+        route.payload,
+        lambda reply: facade._settle_from_lane(reply, me, (grad_tensor, (), None), call, out),
+    )
+    deadline = time.monotonic() + 5
+    while not out.done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert out.done(), "the call's future still waits after torch refused the fetch"
+    with pytest.raises(Exception, match="not been initialized"):
+        out.wait()
+    assert not route.lane.closed  # the lane's reader lives on for the next call
