@@ -216,6 +216,15 @@ def make(n):
 
 BIG = 1 << 15  # 128 KB of float32: over a lane's 64 KB, TensorPipe's CUDA channel
 
+def late_pair(n):
+    # a large CPU tensor first (the lane refuses the reply for it, not for the CUDA one),
+    # then a CUDA tensor whose last write waits behind ~0.1 s of work on this thread's
+    # stream: TensorPipe's send, on another stream, must wait for it
+    x = torch.zeros(n, device="cuda:0")
+    torch.cuda._sleep(200_000_000)
+    x.fill_(3.0)
+    return torch.zeros(BIG), x
+
 cluster = nbrpc.init(n=1, gpus="auto", progress=False)
 assert cluster.booted.lanes, "a GPU cluster opens lanes"
 with nbrpc.record() as rec:
@@ -240,6 +249,9 @@ with nbrpc.record() as rec:
     for _ in range(2):  # a large CUDA reply: kept, fetched through TensorPipe, then TensorPipe
         b = nbrpc.rpc_sync("worker1", make, args=(BIG,))
         assert b.is_cuda and b.sum().item() == 2.0 * BIG
+for _ in range(2):
+    cpu, late = nbrpc.rpc_sync("worker1", late_pair, args=(1000,))
+    assert late.is_cuda and late.tolist() == [3.0] * 1000, "the reply left before it was made"
 routes = [(r["function"], r["route"]) for r in rec.calls if r["caller"] != "worker1"]
 print("routes", routes)
 plused = [r for name, r in routes if name == "plus"]

@@ -96,11 +96,13 @@ def run(answer: Callable[[bytes], Any], call: int, payload: bytes, lane: int = 0
         kind = VALUE
     except Exception as exc:  # an RRef, a CUDA or large tensor, or no pickle: TensorPipe takes it
         made = None
-        kind = FETCH
-        if isinstance(exc, messages.OnDevice):
-            kind = ON_DEVICE
+        kind = ON_DEVICE if isinstance(exc, messages.OnDevice) else FETCH
+        # a reply refused for something else first (a large CPU tensor, an RRef) may hold
+        # CUDA tensors too; only Python code on this thread made them (a lane's call has
+        # no TensorPipe arguments), so CUDA is initialized wherever there are any
+        if kind == ON_DEVICE or torch.cuda.is_initialized():
             with contextlib.suppress(Exception):  # CUDA failing: TensorPipe's send says so
-                made = _made_on(result, exc.device)
+                made = _made_on(result, getattr(exc, "device", None))
         with here.lock:
             key = next(here.held_ids)
             here.held[key] = result, row, made, lane
@@ -123,10 +125,11 @@ def _ignore(exc: Any) -> None:
 
 def _made_on(result: Any, first: Any) -> list[tuple[Any, Any]]:
     """Where a reply's CUDA tensors are being made: an event on this thread's stream of
-    each of their devices (``first``: the one pickling met first), recorded now.
+    each of their devices (``first``: the one pickling met first, if it did), recorded now.
     :func:`take` runs on one of torch's RPC threads, whose streams TensorPipe orders the
     reply after, not this one's."""
-    devices = {d for d in (first, *pickling.devices_of(result)) if d.type == "cuda"}
+    found = pickling.devices_of(result) | ({first} if first is not None else set())
+    devices = {d for d in found if d.type == "cuda"}
     made = []
     for device in sorted(devices, key=str):
         event = torch.cuda.Event()
