@@ -322,9 +322,9 @@ def holds_a_context(pid):
 nbrpc.init(n=2, progress=False)
 assert nbrpc.rpc_sync("worker1", plus, args=(torch.ones(2),)).tolist() == [2.0, 2.0]
 assert not torch.cuda.is_initialized(), "a CPU cluster first: CUDA stays down in the kernel"
-held = holds_a_context(os.getpid())
-print("the kernel holds a CUDA context after a CPU cluster:", held)
-assert held is not True, "TensorPipe's CUDA channels made a context in the kernel"
+# the driver's view, judged by the test after the whole script: TensorPipe's CUDA
+# channels, which the first join sets up for the GPU clusters after it, must not make one
+print("the kernel holds a CUDA context after a CPU cluster:", holds_a_context(os.getpid()))
 nbrpc.shutdown()
 for turn in range(2):
     nbrpc.init(n=2, gpus="auto", progress=False)
@@ -370,6 +370,8 @@ def test_one_kernel_goes_from_a_cpu_cluster_to_a_gpu_one_and_back_without_a_rest
     assert "turn 0 ok" in out, out
     assert "turn 1 ok" in out, out
     assert out.count("refused: this cluster has no device maps") == 2, out
+    # nvidia-smi's list of processes with a context (None where it is missing)
+    assert "the kernel holds a CUDA context after a CPU cluster: True" not in out, out
 
 
 GPU_REPLIES = """
