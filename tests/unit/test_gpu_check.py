@@ -66,3 +66,46 @@ def test_the_quick_checks_limits_fit_ten_minutes_with_the_install_before_them():
     limits["benchmark"] = gpu_check.QUICK_BENCHMARK_S
     assert sum(limits.values()) <= 570, limits
     assert all("-x" not in argv for _, argv, _ in gpu_check.STEPS)
+
+
+def test_the_benchmark_keeps_each_part_s_figures_when_a_later_part_fails(
+    tmp_path, monkeypatch, capsys
+):
+    """benchmarks/cuda_rpc.py on a lent GPU: a part that fails (here nbrpc's, and the small
+    CUDA calls) is named in cuda.json and the table, and the parts that ran keep their
+    figures, written as each ended; the command's status says something failed."""
+    import json
+
+    from benchmarks import cuda_rpc
+
+    figure = {"median": 0.001}
+    raw = {
+        "10 passes, cpu": figure,
+        "10 passes, cuda": figure,
+        "small call, builtin, CPU tensor": figure,
+        "small call, builtin, CUDA tensor": figure,
+    }
+
+    def broken(*args):
+        raise RuntimeError("the GPU cluster did not start")
+
+    monkeypatch.setattr(cuda_rpc, "ROOT", tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "a GPU")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(cuda_rpc, "run_raw", lambda repeats: raw)
+    monkeypatch.setattr(cuda_rpc, "run_nbrpc", broken)
+    monkeypatch.setattr(cuda_rpc, "run_one_kernel", lambda: {"a GPU cluster after it": "started"})
+    monkeypatch.setattr(cuda_rpc, "floor", lambda repeats: figure)
+    monkeypatch.setattr(cuda_rpc, "run_nbrpc_cuda_small", broken)
+    monkeypatch.setattr("sys.argv", ["cuda_rpc.py", "--quick"])
+    assert cuda_rpc.main() == 1
+    saved = json.loads((tmp_path / "benchmarks" / "results" / "cuda.json").read_text())
+    assert saved["torch script"] == raw
+    assert saved["floor"] == figure
+    assert saved["one kernel"] == {"a GPU cluster after it": "started"}
+    assert set(saved["failed"]) == {"nbrpc", "small CUDA calls"}
+    assert "did not start" in saved["failed"]["nbrpc"]
+    shown = capsys.readouterr().out
+    assert "FAILED nbrpc: RuntimeError: the GPU cluster did not start" in shown
+    assert "a GPU cluster after it: started" in shown
