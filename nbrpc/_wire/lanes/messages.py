@@ -211,10 +211,15 @@ def _plain(obj: Any, depth: int = 0) -> bool:
 
 def _plain_call(func: Any, args: tuple, kwargs: dict) -> bool:
     """Whether a call's arguments are plain (:func:`_plain`); a builtin sent as a Python
-    call (``call_builtin(op, args, kwargs)``) may name its operator, a module's builtin."""
+    call (``call_builtin(op, args, kwargs)``) may name its operator: a module's builtin
+    (``math.sqrt``), or one of torch's (``torch.add``, whose ``__self__`` is None), which
+    the C pickler, like nbrpc's, pickles by name (an operator bound to an object would
+    carry that object)."""
     if func is call_builtin and len(args) == 3:
         op, args, kwargs = args[0], args[1], args[2] or {}
-        if type(op) is not BuiltinFunctionType or type(op.__self__) is not ModuleType:
+        if type(op) is not BuiltinFunctionType or (
+            op.__self__ is not None and type(op.__self__) is not ModuleType
+        ):
             return False
     return _plain(args) and _plain(kwargs)
 
