@@ -5,6 +5,7 @@ closes mid-frame, and a header that is not a peer's."""
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 
 import pytest
@@ -79,3 +80,25 @@ def test_an_outbox_sends_every_frame_in_order_and_refuses_after_close():
         outbox.close()
         assert not outbox.put(FRAME.pack(1, 0, 3))
     assert lost == []
+
+
+def test_a_large_frame_whose_read_times_out_midway_goes_on_where_it_stopped(pair):
+    """The main thread's lane reads in slices (``SO_RCVTIMEO``): a sender that pauses in
+    the middle of a large frame makes a read time out; the bytes read so far are kept,
+    and the next read finishes that frame and then the one after it."""
+    a, b = pair
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 50_000))
+    big = bytes(range(256)) * 1024  # 256 KiB: more than one read takes
+    whole = _frame(7, 3, big) + _frame(8, 3, b"after")
+    cut = FRAME.size + 100_000
+    a.sendall(whole[:cut])
+    frames = Frames(b)
+    with pytest.raises(BlockingIOError):
+        frames.next()  # the sender paused: the slice ends with the frame in part
+    with pytest.raises(BlockingIOError):
+        frames.next()  # and again, having read nothing more
+    a.sendall(whole[cut:])
+    call, kind, payload = frames.next()
+    assert (call, kind, len(payload)) == (7, 3, len(big))
+    assert bytes(payload) == big
+    assert [(c, k, bytes(p)) for c, k, p in [frames.next()]] == [(8, 3, b"after")]

@@ -29,14 +29,20 @@ class Frames:
     65 µs in one run and 340 µs in the next, as the scheduler placed both processes on
     one CPU or not; with ``sched_yield`` it was 200 µs.)"""
 
-    __slots__ = ("buffer", "closed", "sock", "start")
+    __slots__ = ("buffer", "closed", "partial", "sock", "start")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock, self.buffer, self.start, self.closed = sock, b"", 0, False
+        # a large frame read in part when a read timed out: (call, kind, frame, bytes got)
+        self.partial: tuple[int, int, bytearray, int] | None = None
 
     def next(self) -> tuple[int, int, Any] | None:
         """``(call, kind, payload)`` of the next frame, or None once the peer closed or
-        sent what is not a frame (over :data:`MAX_PAYLOAD`); raises ``OSError``."""
+        sent what is not a frame (over :data:`MAX_PAYLOAD`); raises ``OSError``. A read
+        that times out (``BlockingIOError``: the main thread's lane reads in slices)
+        loses nothing: the next call goes on where it stopped."""
+        if self.partial is not None:
+            return self._rest(*self.partial)
         buffer, start, head = self.buffer, self.start, FRAME.size
         while True:
             have = len(buffer) - start
@@ -52,7 +58,9 @@ class Frames:
                         self.buffer, self.start = b"", 0
                     return call, kind, memoryview(buffer)[start + head : end]
                 if head + size > _RECV:  # a large frame: the rest read straight into place
-                    return self._rest(call, kind, buffer[start:], head + size)
+                    whole = bytearray(head + size)
+                    whole[:have] = memoryview(buffer)[start:]
+                    return self._rest(call, kind, whole, have)
             if self.closed:
                 return None
             more = self.sock.recv(_RECV)
@@ -63,12 +71,17 @@ class Frames:
             start = 0
             self.buffer, self.start = buffer, 0
 
-    def _rest(self, call: int, kind: int, start: bytes, end: int) -> tuple[int, int, Any] | None:
-        whole = bytearray(end)
-        whole[: len(start)] = start
-        view, got = memoryview(whole), len(start)
+    def _rest(
+        self, call: int, kind: int, whole: bytearray, got: int
+    ) -> tuple[int, int, Any] | None:
+        view, end = memoryview(whole), len(whole)
+        self.partial = None
         while got < end:
-            n = self.sock.recv_into(view[got:])
+            try:
+                n = self.sock.recv_into(view[got:])
+            except BlockingIOError:  # a slice ended mid-frame: kept for the next call
+                self.partial = call, kind, whole, got
+                raise
             if not n:
                 self.closed = True
                 return None
