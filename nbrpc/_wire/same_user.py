@@ -8,13 +8,23 @@ uid is checked too (``SO_PEERCRED``), and a peer of another user is closed unrea
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 
 PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+#: errors of one ``accept`` that leave the listener open: the process was out of
+#: descriptors or memory for a moment, or the peer left before it was accepted. The loop
+#: waits :data:`ACCEPT_AGAIN_S` and accepts again; it ended on them, and every later lane
+#: or side door to this live process waited unserved.
+ACCEPT_AGAIN = frozenset(
+    {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EINTR}
+)
+ACCEPT_AGAIN_S = 0.1
 
 
 def peer_uid(conn: socket.socket) -> int:
@@ -41,7 +51,10 @@ def accept(
     while True:
         try:
             conn, _ = listener.accept()
-        except OSError:
+        except OSError as exc:
+            if exc.errno in ACCEPT_AGAIN:  # e.g. out of descriptors a moment: not closed
+                time.sleep(ACCEPT_AGAIN_S)
+                continue
             return  # closed
         if peer_uid(conn) != uid:  # the directory's mode admits no one else; this checks it
             with contextlib.suppress(OSError):
