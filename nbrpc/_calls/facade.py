@@ -376,14 +376,14 @@ def start_call(
     if way.lane is None:
         _settle_through_torch(dest, sent, call, out)
     else:
-        way.lane.post(way.payload, lambda reply: _settle_from_lane(reply, dest, sent, call, out))
+        way.lane.post(way.payload, lambda reply: settle_from_lane(reply, dest, sent, call, out))
     out.origin = cancelling.last_origin()  # what nbrpc.cancel(out) cancels
     if call.limit > 0:
         deadlines.expire_after(call.limit, out, call.expired)
     return out
 
 
-def _settle_from_lane(
+def settle_from_lane(
     reply: lanes.Reply, dest: WorkerInfo, sent: tuple, call: Sent, out: Future
 ) -> None:
     """Finish ``out`` with a lane's reply (on the lane's reader thread, or the caller's

@@ -216,7 +216,7 @@ def test_a_builtins_call_of_plain_values_takes_the_c_picklers_path_and_arrives_w
     from nbrpc._wire.callee import call_builtin
 
     sent = (op, (torch.ones(1), 1) if op is torch.add else (4.0,), None)
-    assert messages._plain_call(call_builtin, sent, {})
+    assert messages.plain_call(call_builtin, sent, {})
     func, args, kwargs, _, _ = messages.lane_call_of(
         messages.lane_call(call_builtin, sent, {}, None)
     )
@@ -230,4 +230,4 @@ def test_a_builtin_bound_to_an_object_takes_nbrpcs_pickler():
     """``[].append``: the C pickler would carry its list by value, nbrpc's decides."""
     from nbrpc._wire.callee import call_builtin
 
-    assert not messages._plain_call(call_builtin, ([].append, (1,), None), {})
+    assert not messages.plain_call(call_builtin, ([].append, (1,), None), {})

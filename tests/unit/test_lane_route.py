@@ -195,7 +195,7 @@ def test_a_fetch_torch_refuses_to_start_fails_the_call_instead_of_leaving_it_wai
     route = lanes.route(me, grad_tensor, (), None, main=False)
     route.lane.post(
         route.payload,
-        lambda reply: facade._settle_from_lane(reply, me, (grad_tensor, (), None), call, out),
+        lambda reply: facade.settle_from_lane(reply, me, (grad_tensor, (), None), call, out),
     )
     deadline = time.monotonic() + 5
     while not out.done() and time.monotonic() < deadline:
@@ -204,3 +204,26 @@ def test_a_fetch_torch_refuses_to_start_fails_the_call_instead_of_leaving_it_wai
     with pytest.raises(Exception, match="not been initialized"):
         out.wait()
     assert not route.lane.closed  # the lane's reader lives on for the next call
+
+
+def many_bytes(n):
+    return bytes(n)
+
+
+def test_a_call_or_reply_over_a_frames_limit_is_left_to_torch(me, monkeypatch):
+    """A lane's frame holds 1 GiB (a reader drops a longer one as not a peer's): a call
+    that pickles to more takes TensorPipe, and a reply that does is kept for TensorPipe's
+    fetch; the lane stays. (The limit is made 1000 bytes here.)"""
+    from nbrpc._wire.lanes import callee, caller
+
+    monkeypatch.setattr(caller, "MAX_PAYLOAD", 1000)
+    assert lanes.route(me, add, (b"x" * 2000, b""), None, main=True).why is lanes.Why.NOT_LANE
+    monkeypatch.setattr(callee, "MAX_PAYLOAD", 1000)
+    route = lanes.route(me, many_bytes, (5000,), None, main=True)
+    reply = route.lane.ask(route.payload, 5.0, wait)
+    func, args, _ = reply.through_torch(("sent",))
+    assert func is take
+    assert take(*args) == bytes(5000)
+    again = lanes.route(me, many_bytes, (10,), None, main=True)
+    assert again.lane is route.lane
+    assert again.lane.ask(again.payload, 5.0, wait).got == bytes(10)

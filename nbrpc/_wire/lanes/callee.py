@@ -22,7 +22,7 @@ from nbrpc._wire import pickling, recording, same_user
 from nbrpc._wire.callee import run_function, serve_lanes_here
 
 from . import messages
-from .frames import FRAME, Frames, Outbox
+from .frames import FRAME, MAX_PAYLOAD, Frames, Outbox
 from .state import CALLS, FETCH, INLINE, ON_DEVICE, RETRY, VALUE, here, shut
 
 
@@ -93,6 +93,8 @@ def run(answer: Callable[[bytes], Any], call: int, payload: bytes, lane: int = 0
     row = recording.reply_row(result)
     try:
         reply = messages.lane_dumps(result, back)  # small CUDA tensors: staged back
+        if len(reply) > MAX_PAYLOAD:  # more than a frame holds: TensorPipe fetches it
+            raise messages.NotLane(f"a reply of {len(reply)} bytes")
         kind = VALUE
     except Exception as exc:  # an RRef, a CUDA or large tensor, or no pickle: TensorPipe takes it
         made = None

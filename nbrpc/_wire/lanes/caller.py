@@ -25,7 +25,7 @@ from nbrpc._wire.callee import call_builtin, is_user_call, serving
 
 from . import messages
 from .callee import take
-from .frames import FRAME, Frames, Outbox
+from .frames import FRAME, MAX_PAYLOAD, Frames, Outbox
 from .state import (
     FETCH,
     INLINE,
@@ -63,7 +63,10 @@ class Why(enum.Enum):
     ASYNC_EXECUTION = "the function is decorated @rpc.functions.async_execution"
     PROFILER = "torch's profiler records (it records the RPC)"
     AUTOGRAD = "it is made inside a distributed autograd context"
-    NOT_LANE = "its arguments hold an RRef or a tensor a lane does not carry, or do not pickle"
+    NOT_LANE = (
+        "its arguments hold an RRef or a tensor a lane does not carry, do not pickle, or "
+        "pickle to more than a lane's frame holds (1 GiB)"
+    )
     ON_DEVICE = (
         "its arguments hold a tensor on a device (CUDA) that no device map to the peer "
         "places, or over a lane's size: TensorPipe's device maps place it"
@@ -132,6 +135,8 @@ def route(dest: Any, func: Any, args: tuple, kwargs: dict | None, main: bool) ->
     except messages.OnDevice:
         return _NONE[Why.ON_DEVICE]
     except Exception:  # NotLane, or what TensorPipe's pickling will report in its words
+        return _NONE[Why.NOT_LANE]
+    if len(payload) > MAX_PAYLOAD:  # (a frame's limit: a peer reading it would drop it)
         return _NONE[Why.NOT_LANE]
     lane = lane_to(dest, main)
     if lane is None:
@@ -272,9 +277,9 @@ class Lane:
 
     def _send(self, payload: bytes, on_reply: Callable[[Reply], None] | None) -> None:
         call = next(self.ids)
+        frame = FRAME.pack(call, len(payload), INLINE if self.main else POOLED) + payload
         if on_reply is not None:
             self.pending[call] = on_reply
-        frame = FRAME.pack(call, len(payload), INLINE if self.main else POOLED) + payload
         try:
             if self.outbox is not None:
                 if not self.outbox.put(frame):
@@ -378,7 +383,10 @@ def lane_to(dest: Any, main: bool) -> Lane | None:
     directory = here.directory
     if directory is None:
         return None
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    except OSError:  # out of descriptors a moment: TensorPipe takes this call
+        return None
     try:
         sock.connect(path_of(directory, dest.name))
     except OSError:
@@ -388,9 +396,11 @@ def lane_to(dest: Any, main: bool) -> Lane | None:
     lane = Lane(sock, dest.name, main)
     with here.lock:
         opened = here.directory is not None  # else closed meanwhile
-        if opened:
+        other = table.get(dest.id)  # another thread's first call to dest opened one too
+        kept = other if other is not None and not other.closed else lane
+        if opened and kept is lane:
             table[dest.id] = lane
-    if not opened:
-        lane.close()
-        return None
+    if not opened or kept is not lane:
+        lane.close()  # (its reader, its socket and the peer's thread end with it)
+        return kept if opened else None
     return lane

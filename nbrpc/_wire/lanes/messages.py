@@ -209,7 +209,7 @@ def _plain(obj: Any, depth: int = 0) -> bool:
     return True
 
 
-def _plain_call(func: Any, args: tuple, kwargs: dict) -> bool:
+def plain_call(func: Any, args: tuple, kwargs: dict) -> bool:
     """Whether a call's arguments are plain (:func:`_plain`); a builtin sent as a Python
     call (``call_builtin(op, args, kwargs)``) may name its operator: a module's builtin
     (``math.sqrt``), or one of torch's (``torch.add``, whose ``__self__`` is None), which
@@ -248,7 +248,7 @@ def lane_call(
     places, back = places_to(peer) if _device_maps else (None, None)
     if not stage:
         places = None
-    head = pickling.function_head(func) if _plain_call(func, args, kwargs) else None
+    head = pickling.function_head(func) if plain_call(func, args, kwargs) else None
     if head is not None:
         return _plain_pickle(
             (args, kwargs, header, back), head, _PLAIN_TABLES[recording_on], places

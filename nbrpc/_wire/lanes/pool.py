@@ -74,6 +74,8 @@ class Pool:
                     self._another()
             try:
                 self.run(*item)
+            except Exception:  # (run answers its call itself; a thread that ended here
+                pass  # would have left its count taken and the calls behind it waiting)
             finally:
                 del item
                 ran = True
