@@ -130,5 +130,17 @@ def _serve() -> None:
         future = ref()
         if future is None or future.done():
             continue
-        with contextlib.suppress(Exception):  # finished meanwhile: the result won
-            future.set_exception(make_error())
+        error = make_error()
+        threading.Thread(
+            target=_fail, args=(future, error), name="nbrpc-deadline-expired", daemon=True
+        ).start()
+        del future
+
+
+def _fail(future: Any, error: BaseException) -> None:
+    """Fail ``future`` with ``error``, on a thread of its own: ``set_exception`` runs the
+    future's callbacks on the thread that calls it, and a callback that waits on another
+    call (a ``then`` that makes one) would hold this module's one thread, and with it
+    every other deadline in the process. Expiries are rare: a thread each is cheap."""
+    with contextlib.suppress(Exception):  # finished meanwhile: the result won
+        future.set_exception(error)
