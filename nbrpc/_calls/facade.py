@@ -105,6 +105,8 @@ class Future(torch.futures.Future):
                 elif callee.holds_rpc_thread():  # a call made inside a call, on torch's pool
                     with deadlock.waiting(self.dest, self):
                         return super().wait()
+                else:  # a future's callback on a lane's reader: the reply may come there
+                    lanes.hand_over_reading()
             return super().wait()
         except BaseException as kept:
             if isinstance(kept, KeyboardInterrupt):  # the stop button, between two waits

@@ -227,3 +227,39 @@ def test_a_call_or_reply_over_a_frames_limit_is_left_to_torch(me, monkeypatch):
     again = lanes.route(me, many_bytes, (10,), None, main=True)
     assert again.lane is route.lane
     assert again.lane.ask(again.payload, 5.0, wait).got == bytes(10)
+
+
+def nap(seconds):
+    time.sleep(seconds)
+    return seconds
+
+
+def test_a_callback_on_a_lanes_reader_may_wait_for_another_call_on_that_lane(me):
+    """``first.then(lambda f: second.wait())``: the callback runs on the shared lane's
+    reader, and ``second``'s reply comes on that lane; the wait hands the reading to
+    another thread (without, the callback waited for itself: a timeout, or forever)."""
+    from nbrpc._calls import facade
+
+    def start(func, args):
+        out = facade.Future()
+        call = facade.Sent(me.name, func, 0.0, None)
+        route = lanes.route(me, func, args, None, main=False)
+        assert route.lane is not None
+        sent = (func, args, None)
+        route.lane.post(
+            route.payload, lambda reply: facade.settle_from_lane(reply, me, sent, call, out)
+        )
+        return out, route.lane
+
+    (first, lane), (second, same) = start(nap, (0.1,)), start(nap, (0.5,))
+    assert same is lane
+    both = first.then(lambda f: (f.value(), second.wait()))
+    deadline = time.monotonic() + 10
+    while not both.done() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert both.done(), "the callback still waits for a reply only its own thread reads"
+    assert both.value() == (0.1, 0.5)
+    third, again = start(nap, (0.0,))  # the lane goes on, read by the new thread
+    assert again is lane
+    assert third.wait() == 0.0
+    assert not lane.closed

@@ -62,6 +62,7 @@ from .caller import (
     Route as Route,
     Why as Why,
     answered_on_device as answered_on_device,
+    hand_over_reading as hand_over_reading,
     in_flight as in_flight,
     route as route,
 )

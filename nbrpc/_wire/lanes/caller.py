@@ -171,6 +171,14 @@ def why_not(dest: Any, func: Any) -> Route | None:
     return None
 
 
+def hand_over_reading() -> None:
+    """This thread is about to wait for a call: if it is a lane's reader (a future's
+    callback runs here), another thread reads that lane from now on (:meth:`Lane.hand_over`)."""
+    lane = reading.lane
+    if lane is not None:
+        lane.hand_over()
+
+
 def answered_on_device(dest: Any, func: Any) -> None:
     """A lane's reply from ``dest`` to a call of ``func`` held a tensor on a device
     (``ON_DEVICE``): later calls of ``func`` there take TensorPipe from the start, as
@@ -227,9 +235,24 @@ class Lane:
         self.busy = False  # the main thread's lane: reserved for a call (route())
         self.closed = False
         self.outbox: Outbox | None = None
+        self.reader: threading.Thread | None = None
         if not main:  # calls leave through an outbox; a reader thread completes them
             self.outbox = Outbox(sock, f"nbrpc-lane-out-{dest}", self.write_lock, self._lost)
-            threading.Thread(target=self._read, name=f"nbrpc-lane-{dest}", daemon=True).start()
+            self._start_reader()
+
+    def _start_reader(self) -> None:
+        self.reader = threading.Thread(
+            target=self._read, name=f"nbrpc-lane-{self.dest}", daemon=True
+        )
+        self.reader.start()
+
+    def hand_over(self) -> None:
+        """Called on this lane's reader thread, in a callback about to wait for a call
+        (``fut.then(lambda f: other.wait())``): that call's reply may come on this lane,
+        which only its reader reads, so another thread reads from now on, and this one
+        ends when its callback returns."""
+        if not self.closed and self.reader is threading.current_thread():
+            self._start_reader()
 
     def ask(self, payload: bytes, limit: float, wait_in_slices: Waiter) -> Reply | None:
         """The main thread's call on this lane, reserved for it by :func:`route`: its
@@ -332,9 +355,10 @@ class Lane:
 
     def _read(self) -> None:
         reading.lane = self  # futures complete here, and run their callbacks here
+        me = threading.current_thread()
         lost: LaneLost | None = None
         try:
-            while True:
+            while self.reader is me:  # (until handed over: :meth:`hand_over`)
                 call, reply = self.receive()
                 on_reply = self.pending.pop(call, None)
                 if on_reply is not None:
@@ -344,11 +368,12 @@ class Lane:
         except Exception as exc:  # a reply that does not unpickle here: the lane is unusable
             lost = LaneLost(f"the lane to {self.dest} broke: {type(exc).__name__}: {exc}")
         finally:
-            self.close()
-            pending = list(self.pending.values())
-            self.pending.clear()
-            for on_reply in pending:
-                on_reply(Reply(LOST, lost))
+            if self.reader is me:
+                self.close()
+                pending = list(self.pending.values())
+                self.pending.clear()
+                for on_reply in pending:
+                    on_reply(Reply(LOST, lost))
 
     def close(self) -> None:
         if self.closed:
