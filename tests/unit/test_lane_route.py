@@ -186,8 +186,9 @@ def test_the_functions_remembered_as_answering_on_a_device_are_bounded(me):
 
 def test_a_fetch_torch_refuses_to_start_fails_the_call_instead_of_leaving_it_waiting(me):
     """A shared lane's reply that TensorPipe must fetch, on the lane's reader thread: when
-    torch refuses to start that fetch (here: this process never joined a group; on a
-    cluster, a worker that died meanwhile), the call's future fails with that error."""
+    torch refuses to start that fetch (here: this process is in no group, or in one
+    without this name, as after the suite's shared cluster; on a cluster, a worker that
+    died meanwhile), the call's future fails with torch's error."""
     from nbrpc._calls import facade
 
     out = torch.futures.Future()
@@ -201,7 +202,7 @@ def test_a_fetch_torch_refuses_to_start_fails_the_call_instead_of_leaving_it_wai
     while not out.done() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert out.done(), "the call's future still waits after torch refused the fetch"
-    with pytest.raises(Exception, match="not been initialized"):
+    with pytest.raises(Exception, match=r"not been initialized|Cannot get WorkerInfo"):
         out.wait()
     assert not route.lane.closed  # the lane's reader lives on for the next call
 
