@@ -115,7 +115,7 @@ def test_non_graceful_shutdown_cancels_calls_in_flight(cluster):
 
 
 def _open_files() -> list[str]:
-    """What this process's descriptors point at, sockets left out (they are counted)."""
+    """What this process's descriptors point at, sockets included."""
     files = []
     for fd in os.listdir("/proc/self/fd"):
         try:

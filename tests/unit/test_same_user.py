@@ -15,8 +15,11 @@ class _Listener:
     admits one real peer of this user, then is closed."""
 
     def __init__(self, conn: socket.socket) -> None:
-        self.answers = [OSError(errno.EMFILE, "Too many open files"), conn]
-        self.answers.append(OSError(errno.EBADF, "Bad file descriptor"))
+        self.answers = [
+            OSError(errno.EMFILE, "Too many open files"),
+            conn,
+            OSError(errno.EBADF, "Bad file descriptor"),
+        ]
 
     def accept(self):
         answer = self.answers.pop(0)

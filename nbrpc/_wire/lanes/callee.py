@@ -130,8 +130,8 @@ def _made_on(result: Any, first: Any) -> list[tuple[Any, Any]]:
     each of their devices (``first``: the one pickling met first, if it did), recorded now.
     :func:`take` runs on one of torch's RPC threads, whose streams TensorPipe orders the
     reply after, not this one's."""
-    found = pickling.devices_of(result) | ({first} if first is not None else set())
-    devices = {d for d in found if d.type == "cuda"}
+    found = (first, *pickling.devices_of(result))
+    devices = {d for d in found if d is not None and d.type == "cuda"}
     made = []
     for device in sorted(devices, key=str):
         event = torch.cuda.Event()

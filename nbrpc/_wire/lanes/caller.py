@@ -422,10 +422,8 @@ def lane_to(dest: Any, main: bool) -> Lane | None:
     with here.lock:
         opened = here.directory is not None  # else closed meanwhile
         other = table.get(dest.id)  # another thread's first call to dest opened one too
-        kept = other if other is not None and not other.closed else lane
-        if opened and kept is lane:
+        if opened and (other is None or other.closed):
             table[dest.id] = lane
-    if not opened or kept is not lane:
-        lane.close()  # (its reader, its socket and the peer's thread end with it)
-        return kept if opened else None
-    return lane
+            return lane
+    lane.close()  # (its reader, its socket and the peer's thread end with it)
+    return other if opened else None
