@@ -39,10 +39,16 @@ there is one; not the frames of nbrpc, IPython and torch between them.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import linecache
 import os
 import re
 import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def library_dirs() -> tuple[str, ...]:
@@ -136,6 +142,58 @@ def short_traceback(exc: BaseException) -> list[str]:
     lines.append(f"{name}: {exc}" if str(exc) else name)
     lines.extend(_cells_named(note.strip("\n")) for note in getattr(exc, "__notes__", ()))
     return lines
+
+
+class ShortTraceback:
+    """A rebuilt exception's ``_render_traceback_``: IPython shows the notebook's lines and
+    the worker's traceback, not nbrpc's frames (:func:`short_traceback`).
+    Not sent along if the exception travels on: the next receiver makes its own."""
+
+    def __init__(self, exc: BaseException | None) -> None:
+        self.exc = exc
+
+    def __call__(self) -> list[str]:
+        if self.exc is None:
+            raise AttributeError("no exception to render")  # IPython then shows its own
+        return short_traceback(self.exc)
+
+    def __reduce__(self) -> tuple:
+        return (ShortTraceback, (None,))
+
+
+def shown_short(call: Callable[..., T]) -> Callable[..., T]:
+    """``call`` (one of nbrpc's calls a notebook makes), whose errors a notebook shows
+    short, as nbrpc's own: the cell's lines and the error, not the frames of nbrpc and
+    torch an error of torch's passed through; so is the stop button's KeyboardInterrupt
+    that lands while the call is being sent (measured: in torch's ``rpc_async``, an RL
+    tutorial's cell showed nbrpc's and torch's frames). Type, message and traceback
+    unchanged (a script, ``except RuntimeError`` and torch's ``assertRaisesRegex`` see
+    torch's error)."""
+
+    @functools.wraps(call)
+    def shown(*args: Any, **kwargs: Any) -> T:
+        try:
+            return call(*args, **kwargs)
+        except (Exception, KeyboardInterrupt) as exc:
+            show_short_unless_rendered(exc)
+            raise
+
+    return shown
+
+
+def show_short_unless_rendered(exc: BaseException) -> None:
+    """:func:`show_short`, for an error that does not render itself already (nbrpc's own
+    errors, a worker's rebuilt exception); one whose type takes no attribute (``__slots__``)
+    stays as it is."""
+    if getattr(exc, "_render_traceback_", None) is None:
+        with contextlib.suppress(Exception):
+            show_short(exc)
+
+
+def show_short(exc: BaseException) -> None:
+    """Have IPython show ``exc`` short: the cell's lines, not nbrpc's (the stop button's
+    KeyboardInterrupt raised inside one of nbrpc's waits)."""
+    exc._render_traceback_ = ShortTraceback(exc)  # type: ignore[attr-defined]
 
 
 def _cells_named(note: str) -> str:

@@ -20,10 +20,9 @@ from traitlets import Bool
 from . import _cells, _options, _process
 from ._debugger import postmortem
 from ._engines import local
-from ._errors import raised_in_rpc_code
+from ._errors import raised_in_rpc_code, show_short
 from ._gather import timeline
 from ._lifecycle import actions, cluster as lifecycle
-from ._wire import failures
 
 #: ``NBRPC_PREWARM=0`` in the environment: ``%load_ext nbrpc`` starts nothing.
 PREWARM_ENV = "NBRPC_PREWARM"
@@ -213,14 +212,14 @@ class RpcMagics(Magics):
 def show_interrupts_short(shell: Any) -> None:
     """The stop button's KeyboardInterrupt that lands in nbrpc's or torch's RPC code
     between nbrpc's waits (a loop of small calls spends much of its time there) shows the
-    cell's lines, as one raised in a wait does (``failures.show_short``). Installed only
+    cell's lines, as one raised in a wait does (``nbrpc._errors.show_short``). Installed only
     where no other handler of IPython's custom exceptions is: a user's is kept."""
     if shell.custom_exceptions:
         return
 
     def interrupted(shell: Any, etype: Any, value: Any, tb: Any, tb_offset: Any = None) -> None:
         if raised_in_rpc_code(value):
-            failures.show_short(value)
+            show_short(value)
         shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
 
     shell.set_custom_exc((KeyboardInterrupt,), interrupted)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed.autograd as dist_autograd
 
 from . import _torch, _trace
-from ._errors import AutogradContextError
+from ._errors import AutogradContextError, shown_short
 from ._rows import Trace
 
 __all__ = [
@@ -168,9 +168,12 @@ def trace_backward(context_id: int | None = None) -> Trace:
     return _trace.trace_backward(context_id)
 
 
+@shown_short
 def _local_backward(*args: Any, **kwargs: Any) -> Any:
     """``torch.autograd.backward`` (``loss.backward()``), with torch's internal assertion
-    for a graph that crossed workers turned into the fix."""
+    for a graph that crossed workers turned into the fix. A notebook shows its errors and
+    the stop button's KeyboardInterrupt short, the cell's lines: not this function's
+    frames, which torch's own ``loss.backward()`` does not have."""
     try:
         return _torch.local_backward(*args, **kwargs)
     except RuntimeError as exc:

@@ -34,6 +34,9 @@ from nbrpc._errors import (
     SerializationError,
     UnknownWorkerError,
     WorkerDiedError,
+    show_short,
+    show_short_unless_rendered,
+    shown_short,
 )
 from nbrpc._wire import callee, cancelling, failures, lanes, pickling, recording, shm
 
@@ -110,9 +113,9 @@ class Future(torch.futures.Future):
             return super().wait()
         except BaseException as kept:
             if isinstance(kept, KeyboardInterrupt):  # the stop button, between two waits
-                failures.show_short(kept)  # the cell's lines, not this frame
+                show_short(kept)  # the cell's lines, not this frame
             error = failures.raisable(kept)  # the future keeps ``kept`` (see there)
-        failures.show_short_unless_rendered(error)  # torch's own error: short too
+        show_short_unless_rendered(error)  # torch's own error: short too
         raise error
 
 
@@ -243,7 +246,7 @@ def timeout_error(
     )
 
 
-@failures.shown_short
+@shown_short
 def rpc_sync(
     to: str | WorkerInfo | int,
     func: Callable[..., T],
@@ -269,7 +272,7 @@ def rpc_sync(
         try:
             reply = way.lane.ask(way.payload, limit, prompts.wait_in_slices_on_main_thread)
         except KeyboardInterrupt as stop:  # the stop button: the cell's lines, not nbrpc's
-            failures.show_short(stop)
+            show_short(stop)
             raise
         if reply is not None and reply.kind == lanes.VALUE:  # the answer, or its error
             value, error = failures.returned(reply.got)
@@ -312,7 +315,7 @@ def _outcome(
     return value, error, None
 
 
-@failures.shown_short
+@shown_short
 def rpc_async(
     to: str | WorkerInfo | int,
     func: Callable[..., T],
@@ -509,7 +512,7 @@ def _as_python_call(func: Any, args: tuple, kwargs: dict | None) -> tuple:
     return callee.call_builtin, (func, args, kwargs), None
 
 
-@failures.shown_short
+@shown_short
 def remote(
     to: str | WorkerInfo | int,
     func: Callable[..., T],

@@ -18,7 +18,7 @@ from torch.distributed.rpc import WorkerInfo
 
 from nbrpc import _ledger, _torch
 from nbrpc._debugger import prompts
-from nbrpc._errors import WorkerDiedError
+from nbrpc._errors import WorkerDiedError, shown_short
 from nbrpc._wire import failures
 
 from . import facade, spelling
@@ -116,7 +116,7 @@ def install() -> None:
     translation, and its proxies (``rref.rpc_sync().f()``, ``rpc_async()``, ``remote()``)
     nbrpc's calls, so a method's exception keeps its type as a call's does, and so does
     the failed creation of the value they call (idempotent)."""
-    _torch.patch_rref_method("to_here", failures.shown_short(_to_here))
+    _torch.patch_rref_method("to_here", shown_short(_to_here))
     _torch.patch_rref_method("owner", _owner)
     _torch.patch_rref_method("_get_type", _get_type)
     for name, call in spelling.torchs_spelling().items():

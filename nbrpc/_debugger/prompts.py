@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbrpc import _states
+from nbrpc._errors import show_short
 from nbrpc._process import shell as ipython_shell
 from nbrpc._wire import cancelling, failures
 
@@ -284,7 +285,7 @@ def _wait(one_slice: Any, woke: threading.Event, limit: float) -> bool:
                 if deadline is not None and deadlines.clock.now() >= deadline:
                     return False
     except KeyboardInterrupt as stop:  # the stop button: the cell's lines, not nbrpc's waits
-        failures.show_short(stop)
+        show_short(stop)
         cancelling.stopped()  # and the cell's calls are cancelled where they run
         raise
     return True

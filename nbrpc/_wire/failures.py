@@ -18,9 +18,7 @@ that travels with the failure; the kernel remembers the last failure it received
 from __future__ import annotations
 
 import collections
-import contextlib
 import copy
-import functools
 import itertools
 import linecache
 import os
@@ -29,14 +27,18 @@ import re
 import sys
 import threading
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import cloudpickle
 
 from nbrpc import _process
-from nbrpc._errors import RemoteError, SerializationError, format_frames, short_traceback
+from nbrpc._errors import (
+    RemoteError,
+    SerializationError,
+    ShortTraceback,
+    format_frames,
+)
 from nbrpc._torch import NOT_ON_CALLEE, RemoteException
 
 T = TypeVar("T")
@@ -190,23 +192,6 @@ def format_remote_traceback(failure: _FailureText) -> str:
     return "".join(lines)
 
 
-class _ShortTraceback:
-    """A rebuilt exception's ``_render_traceback_``: IPython shows the notebook's lines and
-    the worker's traceback, not nbrpc's frames (:func:`nbrpc._errors.short_traceback`).
-    Not sent along if the exception travels on: the next receiver makes its own."""
-
-    def __init__(self, exc: BaseException | None) -> None:
-        self.exc = exc
-
-    def __call__(self) -> list[str]:
-        if self.exc is None:
-            raise AttributeError("no exception to render")  # IPython then shows its own
-        return short_traceback(self.exc)
-
-    def __reduce__(self) -> tuple:
-        return (_ShortTraceback, (None,))
-
-
 class _Arrived:
     """The RemoteException a rebuilt exception came as, for :func:`failure` to pass on.
     Not sent along: the next receiver keeps its own."""
@@ -216,41 +201,6 @@ class _Arrived:
 
     def __reduce__(self) -> tuple:
         return (_Arrived, (None,))
-
-
-def shown_short(call: Callable[..., T]) -> Callable[..., T]:
-    """``call`` (one of nbrpc's calls a notebook makes), whose errors a notebook shows
-    short, as nbrpc's own: the cell's lines and the error, not the frames of nbrpc and
-    torch an error of torch's passed through; so is the stop button's KeyboardInterrupt
-    that lands while the call is being sent (measured: in torch's ``rpc_async``, an RL
-    tutorial's cell showed nbrpc's and torch's frames). Type, message and traceback
-    unchanged (a script, ``except RuntimeError`` and torch's ``assertRaisesRegex`` see
-    torch's error)."""
-
-    @functools.wraps(call)
-    def shown(*args: Any, **kwargs: Any) -> T:
-        try:
-            return call(*args, **kwargs)
-        except (Exception, KeyboardInterrupt) as exc:
-            show_short_unless_rendered(exc)
-            raise
-
-    return shown
-
-
-def show_short_unless_rendered(exc: BaseException) -> None:
-    """:func:`show_short`, for an error that does not render itself already (nbrpc's own
-    errors, a worker's rebuilt exception); one whose type takes no attribute (``__slots__``)
-    stays as it is."""
-    if getattr(exc, "_render_traceback_", None) is None:
-        with contextlib.suppress(Exception):
-            show_short(exc)
-
-
-def show_short(exc: BaseException) -> None:
-    """Have IPython show ``exc`` short: the cell's lines, not nbrpc's (the stop button's
-    KeyboardInterrupt raised inside one of nbrpc's waits)."""
-    exc._render_traceback_ = _ShortTraceback(exc)  # type: ignore[attr-defined]
 
 
 def rebuild(result: RemoteException) -> BaseException:
@@ -291,7 +241,7 @@ def rebuild(result: RemoteException) -> BaseException:
     try:
         exc.worker = failure.worker  # type: ignore[attr-defined]
         exc.remote_traceback = remote_tb  # type: ignore[attr-defined]
-        exc._render_traceback_ = _ShortTraceback(exc)  # type: ignore[attr-defined]
+        exc._render_traceback_ = ShortTraceback(exc)  # type: ignore[attr-defined]
         exc._nbrpc_arrived = _Arrived(result)  # type: ignore[attr-defined]
     except Exception:
         pass  # an exception type with __slots__: the note below still carries it
@@ -359,8 +309,8 @@ def raisable(exc: BaseException) -> BaseException:
     if type(twin) is not type(exc):
         return exc
     twin.__traceback__ = None
-    if isinstance(getattr(twin, "_render_traceback_", None), _ShortTraceback):
-        twin._render_traceback_ = _ShortTraceback(twin)  # type: ignore[attr-defined]
+    if isinstance(getattr(twin, "_render_traceback_", None), ShortTraceback):
+        twin._render_traceback_ = ShortTraceback(twin)  # type: ignore[attr-defined]
     return twin
 
 

@@ -1,9 +1,15 @@
-"""What a notebook shows of an error or a stop inside one of nbrpc's calls: the cell's
-lines (``nbrpc._wire.failures.shown_short``), not nbrpc's frames."""
+"""What a notebook shows of an error or a stop inside one of nbrpc's calls, or inside a
+local ``loss.backward()`` (which nbrpc routes): the cell's lines
+(``nbrpc._errors.shown_short``), not nbrpc's frames."""
+
+import os
+import traceback
 
 import pytest
+import torch
 
-from nbrpc._wire import failures
+import nbrpc
+from nbrpc import _errors, autograd
 
 
 def _sending():
@@ -19,8 +25,40 @@ def _failing():
 )
 def test_a_stop_or_an_error_inside_a_call_is_shown_short(inside, kind):
     with pytest.raises(kind) as raised:
-        failures.shown_short(inside)()
+        _errors.shown_short(inside)()
     assert type(raised.value) is kind  # the type stays: scripts and torch's tests see it
     shown = "".join(raised.value._render_traceback_())  # what IPython shows
     assert inside.__name__ in shown, shown  # the user's own frames stay
-    assert "failures.py" not in shown, shown  # nbrpc's do not
+    assert "_errors.py" not in shown, shown  # nbrpc's do not
+
+
+class _StopInBackward(torch.autograd.Function):
+    """A backward the stop button lands in: torch's engine raises the KeyboardInterrupt."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise KeyboardInterrupt
+
+
+def test_a_stop_in_a_local_backward_shows_the_cells_lines_not_nbrpcs(monkeypatch):
+    """nbrpc routes ``torch.autograd.backward`` (``loss.backward()`` on a graph that
+    crossed workers says what to use instead): the stop button landing there shows the
+    notebook's line, not nbrpc's frames, which torch's own backward does not have."""
+    import nbrpc._torch as seam
+
+    monkeypatch.setattr(torch.autograd, "backward", torch.autograd.backward)
+    autograd.install()
+    assert torch.autograd.backward is not seam.local_backward  # routed
+    loss = _StopInBackward.apply(torch.ones(2, requires_grad=True)).sum()
+    with pytest.raises(KeyboardInterrupt) as raised:
+        loss.backward()
+    libraries = (os.path.dirname(nbrpc.__file__), os.path.dirname(torch.__file__))
+    passed = [f.filename for f in traceback.extract_tb(raised.value.__traceback__)]
+    assert any(f.startswith(libraries[0]) for f in passed)  # it went through nbrpc's routing
+    shown = "".join(raised.value._render_traceback_())
+    assert "loss.backward()" in shown, shown
+    assert not any(lib in shown for lib in libraries), shown
