@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -128,6 +129,58 @@ def test_asking_a_process_whose_threads_come_and_go_100_times_never_crashes_it()
         spinning = [t for t in threads if "spin" in [f["function"] for f in t["frames"]]]
         assert len(spinning) == 8, threads
         assert not [t for t in threads if t["name"] == "nbrpc-stacks"]  # nbrpc's, hidden
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+DEEP = """
+import importlib.util, sys, threading, time
+spec = importlib.util.spec_from_file_location("stacks", sys.argv[1])
+stacks = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(stacks)
+stacks.install()
+
+def down(depth):
+    if depth:
+        return down(depth - 1)
+    time.sleep(60)
+
+for _ in range(80):
+    threading.Thread(target=down, args=(95,), daemon=True).start()
+time.sleep(0.5)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_two_readers_at_once_each_get_a_whole_dump_larger_than_the_first_map():
+    """The thread answers into a map (one GIL turn, no system call); its first size is
+    ANSWER_BYTES, and 80 threads 95 frames deep need more, so it grows. Two readers that
+    ask at the same moment each find their own token named in the answer."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", DEEP, dumps.__file__], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "ready\n"
+        parts: list = [None, None]
+
+        def read(i: int) -> None:
+            parts[i] = dumps.collect([proc.pid])[proc.pid]
+
+        readers = [threading.Thread(target=read, args=(i,)) for i in range(2)]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join()
+        for part in parts:
+            assert "error" not in part, part
+            assert part["how"] == "thread"
+            assert len(part["dump"].encode()) > dumps.ANSWER_BYTES
+            deep = [t for t in dumps.parse(part["dump"]) if len(t["frames"]) > 95]
+            assert len(deep) == 80, part["dump"][-2000:]
+        assert proc.poll() is None
     finally:
         proc.kill()
         proc.wait()
