@@ -11,6 +11,7 @@ import torch
 
 from nbrpc import _torch
 from nbrpc._debugger import prompts
+from nbrpc._wire import lanes
 
 from . import facade
 
@@ -64,6 +65,7 @@ def wait_all(futures: list) -> list:
     if threading.current_thread() is threading.main_thread():
         prompts.wait_on_main_thread(settled)
     else:
+        lanes.hand_over_reading()  # a future's callback on a lane's reader: replies come there
         settled.wait()
     if state["failed"] is not None:
         state["failed"].wait()  # raises its error, as the future itself would

@@ -20,6 +20,7 @@ import torch.distributed.rpc as rpc
 
 import nbrpc
 from nbrpc import _process
+from nbrpc._calls import spelling
 from nbrpc._wire import lanes
 from nbrpc._wire.lanes.callee import take
 
@@ -235,10 +236,16 @@ def nap(seconds):
     return seconds
 
 
-def test_a_callback_on_a_lanes_reader_may_wait_for_another_call_on_that_lane(me):
+@pytest.mark.parametrize(
+    "waits",
+    [lambda fut: fut.wait(), lambda fut: spelling.wait_all([fut])[0]],
+    ids=["Future.wait", "torch.futures.wait_all"],
+)
+def test_a_callback_on_a_lanes_reader_may_wait_for_another_call_on_that_lane(me, waits):
     """``first.then(lambda f: second.wait())``: the callback runs on the shared lane's
     reader, and ``second``'s reply comes on that lane; the wait hands the reading to
-    another thread (without, the callback waited for itself: a timeout, or forever)."""
+    another thread (without, the callback waited for itself: a timeout, or forever).
+    So does torch's spelling, ``torch.futures.wait_all``, routed."""
     from nbrpc._calls import facade
 
     def start(func, args):
@@ -254,7 +261,7 @@ def test_a_callback_on_a_lanes_reader_may_wait_for_another_call_on_that_lane(me)
 
     (first, lane), (second, same) = start(nap, (0.1,)), start(nap, (0.5,))
     assert same is lane
-    both = first.then(lambda f: (f.value(), second.wait()))
+    both = first.then(lambda f: (f.value(), waits(second)))
     deadline = time.monotonic() + 10
     while not both.done() and time.monotonic() < deadline:
         time.sleep(0.02)
