@@ -8,6 +8,7 @@ needs one starts one, ``conftest.ensure_cluster``)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import tempfile
 import threading
@@ -17,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed.rpc as rpc
+from conftest import wait_until
 
 import nbrpc
 from nbrpc import _process
@@ -231,6 +233,22 @@ def test_a_call_or_reply_over_a_frames_limit_is_left_to_torch(me, monkeypatch):
     assert again.lane.ask(again.payload, 5.0, wait).got == bytes(10)
 
 
+def posted(me, func, args):
+    """``func(*args)`` called on this process's shared lane, as ``rpc_async`` calls it:
+    nbrpc's future for it, and the lane."""
+    from nbrpc._calls import facade
+
+    out = facade.Future()
+    call = facade.Sent(me.name, func, 0.0, None)
+    route = lanes.route(me, func, args, None, main=False)
+    assert route.lane is not None
+    sent = (func, args, None)
+    route.lane.post(
+        route.payload, lambda reply: facade.settle_from_lane(reply, me, sent, call, out)
+    )
+    return out, route.lane
+
+
 def nap(seconds):
     time.sleep(seconds)
     return seconds
@@ -246,19 +264,7 @@ def test_a_callback_on_a_lanes_reader_may_wait_for_another_call_on_that_lane(me,
     reader, and ``second``'s reply comes on that lane; the wait hands the reading to
     another thread (without, the callback waited for itself: a timeout, or forever).
     So does torch's spelling, ``torch.futures.wait_all``, routed."""
-    from nbrpc._calls import facade
-
-    def start(func, args):
-        out = facade.Future()
-        call = facade.Sent(me.name, func, 0.0, None)
-        route = lanes.route(me, func, args, None, main=False)
-        assert route.lane is not None
-        sent = (func, args, None)
-        route.lane.post(
-            route.payload, lambda reply: facade.settle_from_lane(reply, me, sent, call, out)
-        )
-        return out, route.lane
-
+    start = functools.partial(posted, me)
     (first, lane), (second, same) = start(nap, (0.1,)), start(nap, (0.5,))
     assert same is lane
     both = first.then(lambda f: (f.value(), waits(second)))
@@ -271,3 +277,35 @@ def test_a_callback_on_a_lanes_reader_may_wait_for_another_call_on_that_lane(me,
     assert again is lane
     assert third.wait() == 0.0
     assert not lane.closed
+
+
+def test_a_slow_callback_on_a_lanes_reader_holds_no_other_reply_up(me):
+    """``first.then(slow)``: torch runs the callback on one of its RPC threads, and other
+    replies come meanwhile. On a lane it runs on the reader: after SLOW_CALLBACK_S
+    another thread reads the lane, so ``second``'s reply is not held for the 2 s of
+    ``slow`` (without: second.wait() took them all)."""
+    from nbrpc._wire.lanes import caller
+
+    start = functools.partial(posted, me)
+    first, lane = start(nap, (0.3,))
+    slow = first.then(lambda f: nap(2.0))
+    assert not first.done()  # the callback runs on the reader, not here
+    assert wait_until(first.done, timeout=5)  # its callback runs now, for 2 s
+    t0 = time.monotonic()
+    second, same = start(nap, (0.05,))
+    assert same is lane
+    assert second.wait() == 0.05
+    took = time.monotonic() - t0
+    assert took < 1.0, f"the reply waited {took:.2f} s behind a callback"
+    assert not slow.done()  # the callback still runs, on the thread that began it
+    assert slow.wait() == 2.0
+    third, again = start(nap, (0.0,))  # the lane goes on, one reader at a time
+    assert again is lane
+    assert third.wait() == 0.0
+    assert not lane.closed
+
+    def readers():
+        return [t for t in threading.enumerate() if t.name == f"nbrpc-lane-{lane.dest}"]
+
+    assert wait_until(lambda: readers() == [lane.reader]), readers()  # the old one ended
+    assert caller.SLOW_CALLBACK_S < 1.0

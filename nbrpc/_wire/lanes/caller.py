@@ -15,6 +15,7 @@ import pickle
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from types import FunctionType
 from typing import Any, NamedTuple
@@ -50,6 +51,10 @@ LOST = 9  # a Reply's kind, here only: the lane closed before the reply came
 UNREADABLE = 10  # a Reply's kind, here only: its value did not unpickle in this process
 #: calls remembered as answering with a tensor on a device (then forgotten, oldest first)
 ON_DEVICE_KEPT = 256
+#: a reply's callbacks (a future's ``then``) that run longer than this on a lane's reader
+#: have the lane read by a new thread: torch runs callbacks on one of its RPC threads, so
+#: a slow one does not hold other replies up (:func:`_watch_callbacks`)
+SLOW_CALLBACK_S = 0.02
 
 
 class Why(enum.Enum):
@@ -236,9 +241,13 @@ class Lane:
         self.closed = False
         self.outbox: Outbox | None = None
         self.reader: threading.Thread | None = None
+        self.turn = threading.Lock()  # who reads next: the reader, or one after it
+        #: (the reader, since when) while the reader runs a reply's callbacks
+        self.settling: tuple[threading.Thread, float] | None = None
         if not main:  # calls leave through an outbox; a reader thread completes them
             self.outbox = Outbox(sock, f"nbrpc-lane-out-{dest}", self.write_lock, self._lost)
             self._start_reader()
+            _watching.start()
 
     def _start_reader(self) -> None:
         self.reader = threading.Thread(
@@ -251,7 +260,20 @@ class Lane:
         (``fut.then(lambda f: other.wait())``): that call's reply may come on this lane,
         which only its reader reads, so another thread reads from now on, and this one
         ends when its callback returns."""
-        if not self.closed and self.reader is threading.current_thread():
+        self._hand_over_from(threading.current_thread(), None)
+
+    def _hand_over_from(
+        self, reader: threading.Thread, since: tuple[threading.Thread, float] | None
+    ) -> None:
+        """A new thread reads this lane if ``reader`` still does (and, ``since`` given,
+        is still in the callbacks it began then, not back at the socket: two readers
+        would split its frames)."""
+        with self.turn:
+            if self.closed or self.reader is not reader:
+                return
+            if since is not None and self.settling is not since:
+                return
+            self.settling = None
             self._start_reader()
 
     def ask(self, payload: bytes, limit: float, wait_in_slices: Waiter) -> Reply | None:
@@ -362,7 +384,13 @@ class Lane:
                 call, reply = self.receive()
                 on_reply = self.pending.pop(call, None)
                 if on_reply is not None:
-                    on_reply(reply)
+                    self.settling = since = (me, time.monotonic())
+                    try:
+                        on_reply(reply)  # the future's callbacks run here
+                    finally:
+                        with self.turn:  # back to the socket, unless handed over
+                            if self.settling is since:
+                                self.settling = None
         except LaneLost as exc:
             lost = exc
         except Exception as exc:  # a reply that does not unpickle here: the lane is unusable
@@ -383,6 +411,43 @@ class Lane:
             self.outbox.close()
         shut(self.sock)
         here.forget(self)
+
+
+class _Watching:
+    """The thread that hands a lane's reading over while its reader runs a slow callback
+    (one per process, from its first shared lane on; it looks every half
+    :data:`SLOW_CALLBACK_S`)."""
+
+    def __init__(self) -> None:
+        self.thread: threading.Thread | None = None
+        self.lock = threading.Lock()
+
+    def start(self) -> None:
+        if self.thread is not None and self.thread.is_alive():  # (not after a fork)
+            return
+        with self.lock:
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(
+                    target=_watch_callbacks, name="nbrpc-lane-callbacks", daemon=True
+                )
+                self.thread.start()
+
+
+_watching = _Watching()
+
+
+def _watch_callbacks() -> None:
+    """Forever: a shared lane whose reader has run one reply's callbacks for over
+    :data:`SLOW_CALLBACK_S` is read by a new thread from then on; the old one ends when
+    its callbacks return. Without, ``fut.then(slow)`` held up every other reply from that
+    peer until ``slow`` returned; in torch it holds one of 16 threads."""
+    while True:
+        time.sleep(SLOW_CALLBACK_S / 2)
+        now = time.monotonic()
+        for lane in list(here.shared.values()):
+            since = lane.settling
+            if since is not None and now - since[1] > SLOW_CALLBACK_S:
+                lane._hand_over_from(since[0], since)
 
 
 def _reply(kind: int, payload: bytes) -> Reply:
