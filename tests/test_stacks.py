@@ -4,11 +4,13 @@ tests/test_timeline.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 from conftest import wait_until
@@ -84,12 +86,34 @@ def test_stacks_come_within_2_s_when_every_rpc_thread_is_busy_or_holds_the_gil(c
         nbrpc.stacks("worker9")
 
 
-CHURN = """
+#: a program whose process set its stacks up (this file's ``stacks.py``, by path)
+INSTALLED = """
 import importlib.util, sys, threading, time
 spec = importlib.util.spec_from_file_location("stacks", sys.argv[1])
 stacks = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(stacks)
 stacks.install()
+"""
+
+
+@contextlib.contextmanager
+def running(program: str) -> Iterator[subprocess.Popen]:
+    """``INSTALLED + program`` in a process of its own, once it printed "ready"."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", INSTALLED + program, dumps.__file__],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "ready\n"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+CHURN = """
 
 def leaf(x):
     return x + 1
@@ -112,12 +136,7 @@ def test_asking_a_process_whose_threads_come_and_go_100_times_never_crashes_it()
     without a lock: in this process it died of SIGSEGV within 200 dumps in 5 of 5 runs.
     Asked, the process's own thread answers under the GIL, and the signal is kept for a
     thread that holds the GIL in C."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", CHURN, dumps.__file__], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline() == "ready\n"
+    with running(CHURN) as proc:
         hows = []
         for _ in range(100):
             part = dumps.collect([proc.pid])[proc.pid]
@@ -129,17 +148,9 @@ def test_asking_a_process_whose_threads_come_and_go_100_times_never_crashes_it()
         spinning = [t for t in threads if "spin" in [f["function"] for f in t["frames"]]]
         assert len(spinning) == 8, threads
         assert not [t for t in threads if t["name"] == "nbrpc-stacks"]  # nbrpc's, hidden
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 DEEP = """
-import importlib.util, sys, threading, time
-spec = importlib.util.spec_from_file_location("stacks", sys.argv[1])
-stacks = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(stacks)
-stacks.install()
 
 def down(depth):
     if depth:
@@ -158,12 +169,7 @@ def test_two_readers_at_once_each_get_a_whole_dump_larger_than_the_first_map():
     """The thread answers into a map (one GIL turn, no system call); its first size is
     ANSWER_BYTES, and 80 threads 95 frames deep need more, so it grows. Two readers that
     ask at the same moment each find their own token named in the answer."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", DEEP, dumps.__file__], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline() == "ready\n"
+    with running(DEEP) as proc:
         parts: list = [None, None]
 
         def read(i: int) -> None:
@@ -181,9 +187,6 @@ def test_two_readers_at_once_each_get_a_whole_dump_larger_than_the_first_map():
             deep = [t for t in dumps.parse(part["dump"]) if len(t["frames"]) > 95]
             assert len(deep) == 80, part["dump"][-2000:]
         assert proc.poll() is None
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_stacks_never_signal_a_process_that_did_not_set_them_up(tmp_path):
