@@ -18,7 +18,7 @@ import torch
 import torch.distributed.autograd as dist_autograd
 
 from . import _torch, _trace
-from ._errors import AutogradContextError, shown_short
+from ._errors import AutogradContextError, show_short
 from ._rows import Trace
 
 __all__ = [
@@ -168,14 +168,17 @@ def trace_backward(context_id: int | None = None) -> Trace:
     return _trace.trace_backward(context_id)
 
 
-@shown_short
 def _local_backward(*args: Any, **kwargs: Any) -> Any:
     """``torch.autograd.backward`` (``loss.backward()``), with torch's internal assertion
-    for a graph that crossed workers turned into the fix. A notebook shows its errors and
-    the stop button's KeyboardInterrupt short, the cell's lines: not this function's
-    frames, which torch's own ``loss.backward()`` does not have."""
+    for a graph that crossed workers turned into the fix. The stop button's
+    KeyboardInterrupt shows short in a notebook, the cell's lines, as in nbrpc's calls:
+    not this function's frames, which torch's own ``loss.backward()`` does not have.
+    torch's errors keep torch's whole display (their chained causes too)."""
     try:
         return _torch.local_backward(*args, **kwargs)
+    except KeyboardInterrupt as stop:
+        show_short(stop)
+        raise
     except RuntimeError as exc:
         if _torch.LOCAL_BACKWARD_ACROSS_WORKERS not in str(exc):
             raise

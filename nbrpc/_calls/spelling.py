@@ -65,7 +65,8 @@ def wait_all(futures: list) -> list:
     if threading.current_thread() is threading.main_thread():
         prompts.wait_on_main_thread(settled)
     else:
-        lanes.hand_over_reading()  # a future's callback on a lane's reader: replies come there
+        if not settled.done():  # a future's callback on a lane's reader: replies come there
+            lanes.hand_over_reading()
         settled.wait()
     if state["failed"] is not None:
         state["failed"].wait()  # raises its error, as the future itself would

@@ -62,3 +62,25 @@ def test_a_stop_in_a_local_backward_shows_the_cells_lines_not_nbrpcs(monkeypatch
     shown = "".join(raised.value._render_traceback_())
     assert "loss.backward()" in shown, shown
     assert not any(lib in shown for lib in libraries), shown
+
+
+class _FailInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ValueError("the user's own") from KeyError("its cause")
+
+
+def test_an_error_in_a_local_backward_keeps_torchs_whole_display(monkeypatch):
+    """Only the stop shows short there: an error keeps IPython's own traceback, its
+    chained cause included, as without nbrpc."""
+    monkeypatch.setattr(torch.autograd, "backward", torch.autograd.backward)
+    autograd.install()
+    loss = _FailInBackward.apply(torch.ones(2, requires_grad=True)).sum()
+    with pytest.raises(ValueError, match="the user's own") as raised:
+        loss.backward()
+    assert isinstance(raised.value.__cause__, KeyError)
+    assert getattr(raised.value, "_render_traceback_", None) is None

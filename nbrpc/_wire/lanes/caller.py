@@ -9,6 +9,7 @@ stays here.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 import pickle
@@ -53,8 +54,13 @@ UNREADABLE = 10  # a Reply's kind, here only: its value did not unpickle in this
 ON_DEVICE_KEPT = 256
 #: a reply's callbacks (a future's ``then``) that run longer than this on a lane's reader
 #: have the lane read by a new thread: torch runs callbacks on one of its RPC threads, so
-#: a slow one does not hold other replies up (:func:`_watch_callbacks`)
+#: a slow one does not hold other replies up (:func:`_watch_callbacks`; read at every look)
 SLOW_CALLBACK_S = 0.02
+#: how often the watcher looks, while this process has a shared lane
+LOOK_EVERY_S = 0.05
+#: readers handed over that still run their callbacks, at most, for the watcher (torch's
+#: default ``num_worker_threads``); beyond, a slow callback holds its lane's replies up
+MAX_AWAY = 16
 
 
 class Why(enum.Enum):
@@ -246,14 +252,22 @@ class Lane:
         self.settling: tuple[threading.Thread, float] | None = None
         if not main:  # calls leave through an outbox; a reader thread completes them
             self.outbox = Outbox(sock, f"nbrpc-lane-out-{dest}", self.write_lock, self._lost)
-            self._start_reader()
-            _watching.start()
+            if not self._start_reader():
+                self.close()
+                raise RuntimeError(f"no thread could start to read a lane to {dest}")
 
-    def _start_reader(self) -> None:
+    def _start_reader(self) -> bool:
+        """A new thread reads this lane; False if none could start (the reader stays)."""
+        old = self.reader
         self.reader = threading.Thread(
             target=self._read, name=f"nbrpc-lane-{self.dest}", daemon=True
         )
-        self.reader.start()
+        try:
+            self.reader.start()
+        except RuntimeError:  # "can't start new thread": a process or cgroup's limit
+            self.reader = old
+            return False
+        return True
 
     def hand_over(self) -> None:
         """Called on this lane's reader thread, in a callback about to wait for a call
@@ -273,8 +287,9 @@ class Lane:
                 return
             if since is not None and self.settling is not since:
                 return
-            self.settling = None
-            self._start_reader()
+            if self._start_reader():
+                self.settling = None
+                _watching.went_away(reader)
 
     def ask(self, payload: bytes, limit: float, wait_in_slices: Waiter) -> Reply | None:
         """The main thread's call on this lane, reserved for it by :func:`route`: its
@@ -415,39 +430,65 @@ class Lane:
 
 class _Watching:
     """The thread that hands a lane's reading over while its reader runs a slow callback
-    (one per process, from its first shared lane on; it looks every half
-    :data:`SLOW_CALLBACK_S`)."""
+    (one per process while it has a shared lane), and the readers handed over that still
+    run their callbacks (a thread ends as its callbacks return)."""
 
     def __init__(self) -> None:
         self.thread: threading.Thread | None = None
         self.lock = threading.Lock()
+        self.away: set[threading.Thread] = set()
 
     def start(self) -> None:
-        if self.thread is not None and self.thread.is_alive():  # (not after a fork)
-            return
+        """Called once a shared lane is in ``here.shared``: the watcher runs (again)."""
         with self.lock:
-            if self.thread is None or not self.thread.is_alive():
-                self.thread = threading.Thread(
+            if self.thread is None or not self.thread.is_alive():  # (not after a fork)
+                thread = threading.Thread(
                     target=_watch_callbacks, name="nbrpc-lane-callbacks", daemon=True
                 )
-                self.thread.start()
+                with contextlib.suppress(RuntimeError):  # no thread: callbacks hold, as before
+                    thread.start()
+                    self.thread = thread
+
+    def went_away(self, reader: threading.Thread) -> None:
+        with self.lock:
+            self.away.add(reader)
+
+    def still_away(self) -> int:
+        with self.lock:
+            self.away = {t for t in self.away if t.is_alive()}
+            return len(self.away)
+
+    def lanes_or_stop(self) -> list[Lane]:
+        """The shared lanes; none: the watcher ends (under the lock :meth:`start` takes)."""
+        with self.lock:
+            lanes = list(here.shared.values())
+            if not lanes:
+                self.thread = None
+            return lanes
 
 
 _watching = _Watching()
 
 
 def _watch_callbacks() -> None:
-    """Forever: a shared lane whose reader has run one reply's callbacks for over
-    :data:`SLOW_CALLBACK_S` is read by a new thread from then on; the old one ends when
-    its callbacks return. Without, ``fut.then(slow)`` held up every other reply from that
-    peer until ``slow`` returned; in torch it holds one of 16 threads."""
+    """While this process has a shared lane: one whose reader has run one reply's
+    callbacks for over :data:`SLOW_CALLBACK_S` is read by a new thread from then on; the
+    old one ends when its callbacks return. Without, ``fut.then(slow)`` held up every
+    other reply from that peer until ``slow`` returned; in torch it holds one of 16
+    threads. At most :data:`MAX_AWAY` such readers at once."""
     while True:
-        time.sleep(SLOW_CALLBACK_S / 2)
+        time.sleep(LOOK_EVERY_S)
+        lanes = _watching.lanes_or_stop()
+        if not lanes:
+            return
         now = time.monotonic()
-        for lane in list(here.shared.values()):
+        for lane in lanes:
             since = lane.settling
-            if since is not None and now - since[1] > SLOW_CALLBACK_S:
-                lane._hand_over_from(since[0], since)
+            if since is None or now - since[1] <= SLOW_CALLBACK_S:
+                continue
+            if _watching.still_away() >= MAX_AWAY:
+                break
+            lane._hand_over_from(since[0], since)
 
 
 def _reply(kind: int, payload: bytes) -> Reply:
@@ -487,8 +528,12 @@ def lane_to(dest: Any, main: bool) -> Lane | None:
     with here.lock:
         opened = here.directory is not None  # else closed meanwhile
         other = table.get(dest.id)  # another thread's first call to dest opened one too
-        if opened and (other is None or other.closed):
+        kept = opened and (other is None or other.closed)
+        if kept:
             table[dest.id] = lane
-            return lane
+    if kept:
+        if not main:
+            _watching.start()  # (once the lane is in the table: it looks there)
+        return lane
     lane.close()  # (its reader, its socket and the peer's thread end with it)
     return other if opened else None
