@@ -117,6 +117,7 @@ _labels = _Labels()
 _dump: Any = None  # the file faulthandler writes to (kept open: it holds the descriptor)
 _asked: list[int] = []  # this process's .ask pipe's descriptor (a forked child's: its parent's)
 _installed: list[str] = []  # the files' base path, once installed in this process
+_answering: list[Any] = []  # this process's answer map (a forked child's: its parent's)
 
 
 def install() -> None:
@@ -137,7 +138,16 @@ def install() -> None:
         os.close(fd)
     _labels.map[:] = (b" " * (SLOT_BYTES - 1) + b"\n") * SLOTS
     _labels.slots = {}
-    _listen(base, _mapped(base + ".answer", ANSWER_BYTES))
+    try:
+        answers = _Answers(base + ".answer", ANSWER_BYTES)
+    except OSError:  # no room for it (a full /tmp): asked, it has no pipe; the signal answers
+        answers = None
+    for old in _answering:  # a forked child's copy of its parent's
+        old.close()
+    _answering[:] = [answers] if answers is not None else []
+    if answers is not None:
+        _listen(base, answers)
+    _after_fork_once()
     dump = open(base + ".part", "w")  # noqa: SIM115 (faulthandler keeps writing to it)
     faulthandler.register(SIGNAL, file=dump, all_threads=True, chain=False)
     os.rename(base + ".part", base + ".stacks")  # signalled only once this name exists
@@ -147,17 +157,62 @@ def install() -> None:
     _installed[:] = [base]
 
 
-def _mapped(path: str, size: int) -> mmap.mmap:
-    """A new file of ``size`` zero bytes at ``path``, mapped (shared) in memory."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.ftruncate(fd, size)
-        return mmap.mmap(fd, size)
-    finally:
-        os.close(fd)
+class _Answers:
+    """The answer map: a file of ``size`` bytes, allocated (a write into a map of a
+    sparse file on a full filesystem is SIGBUS, the process's end; an allocation that
+    fails is an error here), mapped shared; it grows by doubling."""
+
+    def __init__(self, path: str, size: int) -> None:
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.posix_fallocate(self.fd, 0, size)
+            self.map = mmap.mmap(self.fd, size)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError, BufferError):
+            self.map.close()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+    def write(self, body: bytes) -> None:
+        """``body`` into the map, under a sequence that is odd while it is written (a
+        reader that sees an odd or a changed sequence reads again)."""
+        if _HEAD.size + len(body) > len(self.map):
+            size = len(self.map)
+            while _HEAD.size + len(body) > size:
+                size *= 2
+            os.posix_fallocate(self.fd, 0, size)  # (the one system call: a rare answer)
+            self.map.resize(size)
+        sequence = _HEAD.unpack_from(self.map)[0]
+        _HEAD.pack_into(self.map, 0, sequence | 1, 0)
+        self.map[_HEAD.size : _HEAD.size + len(body)] = body
+        _HEAD.pack_into(self.map, 0, (sequence | 1) + 1, len(body))
 
 
-def _listen(base: str, answers: mmap.mmap) -> None:
+class _Switch:
+    """The switch interval the ``nbrpc-stacks`` thread raised, while it is raised: a
+    child forked meanwhile gets it back."""
+
+    before: float | None = None
+    registered = False
+
+
+def _after_fork_once() -> None:
+    if not _Switch.registered:
+        os.register_at_fork(after_in_child=_switch_back_in_child)
+        _Switch.registered = True
+
+
+def _switch_back_in_child() -> None:
+    if _Switch.before is not None:
+        sys.setswitchinterval(_Switch.before)
+        _Switch.before = None
+
+
+def _listen(base: str, answers: _Answers) -> None:
     """Make the ``.ask`` pipe and start the thread that answers it into ``answers``."""
     for fd in _asked:  # a forked child's copy of its parent's pipe: not its to read
         with contextlib.suppress(OSError):
@@ -172,7 +227,7 @@ def _listen(base: str, answers: mmap.mmap) -> None:
     threading.Thread(target=_answer, args=(fd, answers), name="nbrpc-stacks", daemon=True).start()
 
 
-def _answer(fd: int, answers: mmap.mmap) -> None:
+def _answer(fd: int, answers: _Answers) -> None:
     """The ``nbrpc-stacks`` thread: each token read from the pipe gets the stacks of
     every other thread, written into ``answers`` under the tokens of the last
     :data:`RECENT_S` (a reader that asked just before another still finds its own)."""
@@ -188,30 +243,19 @@ def _answer(fd: int, answers: mmap.mmap) -> None:
         tokens = [t for t in lines if _TOKEN.fullmatch(t)]  # other bytes: ignored
         if not tokens:
             continue
-        interval = sys.getswitchinterval()
+        interval = _Switch.before = sys.getswitchinterval()
         sys.setswitchinterval(max(interval, ANSWER_SWITCH_S))
         try:
             text = format_threads()
             now = time.monotonic()
             recent.extend((now, token) for token in tokens)
             named = b" ".join(token for at, token in recent if now - at < RECENT_S)
-            _write_answer(answers, named + b"\n" + text.encode(errors="replace"))
+            answers.write(named + b"\n" + text.encode(errors="replace"))
+        except Exception:  # (no room to grow): this ask gets no answer, the next may
+            pass
         finally:
             sys.setswitchinterval(interval)
-
-
-def _write_answer(answers: mmap.mmap, body: bytes) -> None:
-    """``body`` into the map, under a sequence that is odd while it is written (a reader
-    that sees an odd or a changed sequence reads again). A map too small doubles first."""
-    if _HEAD.size + len(body) > len(answers):
-        size = len(answers)
-        while _HEAD.size + len(body) > size:
-            size *= 2
-        answers.resize(size)
-    sequence = _HEAD.unpack_from(answers)[0]
-    _HEAD.pack_into(answers, 0, sequence | 1, 0)
-    answers[_HEAD.size : _HEAD.size + len(body)] = body
-    _HEAD.pack_into(answers, 0, (sequence | 1) + 1, len(body))
+            _Switch.before = None
 
 
 def format_threads() -> str:
@@ -362,16 +406,23 @@ def _ask(base: str) -> str | None:
 
 def _read_answer(base: str, token: str) -> str | None:
     """The stacks in the process's answer map, once they name ``token`` (None: not yet,
-    or being written)."""
+    or being written). Read with ``pread``, unbuffered: the second look at the sequence
+    must see the file, not a buffer filled by the first."""
     try:
-        with open(base + ".answer", "rb") as f:
-            sequence, length = _HEAD.unpack(f.read(_HEAD.size))
-            body = f.read(length)
-            f.seek(0)
-            again = _HEAD.unpack(f.read(_HEAD.size))[0]
-    except (OSError, struct.error):
+        fd = os.open(base + ".answer", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
         return None
-    if sequence % 2 or again != sequence or len(body) != length:
+    try:
+        sequence, length = _HEAD.unpack(os.pread(fd, _HEAD.size, 0))
+        if sequence % 2:
+            return None
+        body = os.pread(fd, length, _HEAD.size)
+        again = _HEAD.unpack(os.pread(fd, _HEAD.size, 0))[0]
+    except (OSError, struct.error, OverflowError):
+        return None
+    finally:
+        os.close(fd)
+    if again != sequence or len(body) != length:
         return None
     named, _, text = body.partition(b"\n")
     return text.decode(errors="replace") if token.encode() in named.split() else None
