@@ -32,8 +32,15 @@ def test_a_stop_or_an_error_inside_a_call_is_shown_short(inside, kind):
     assert "_errors.py" not in shown, shown  # nbrpc's do not
 
 
-class _StopInBackward(torch.autograd.Function):
-    """A backward the stop button lands in: torch's engine raises the KeyboardInterrupt."""
+def _failing_with_a_cause():
+    raise ValueError("the user's own") from KeyError("its cause")
+
+
+class _RaisingInBackward(torch.autograd.Function):
+    """A backward that calls ``raising``: the stop button landing there (torch's engine
+    raises the KeyboardInterrupt), or the user's own error."""
+
+    raising = staticmethod(_sending)
 
     @staticmethod
     def forward(ctx, x):
@@ -41,46 +48,36 @@ class _StopInBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        raise KeyboardInterrupt
+        _RaisingInBackward.raising()
+
+
+def _backward_raising(raising, monkeypatch):
+    """``loss.backward()`` through nbrpc's routed local backward, its backward raising."""
+    monkeypatch.setattr(torch.autograd, "backward", torch.autograd.backward)
+    monkeypatch.setattr(_RaisingInBackward, "raising", staticmethod(raising))
+    autograd.install()
+    loss = _RaisingInBackward.apply(torch.ones(2, requires_grad=True)).sum()
+    loss.backward()
 
 
 def test_a_stop_in_a_local_backward_shows_the_cells_lines_not_nbrpcs(monkeypatch):
     """nbrpc routes ``torch.autograd.backward`` (``loss.backward()`` on a graph that
     crossed workers says what to use instead): the stop button landing there shows the
     notebook's line, not nbrpc's frames, which torch's own backward does not have."""
-    import nbrpc._torch as seam
-
-    monkeypatch.setattr(torch.autograd, "backward", torch.autograd.backward)
-    autograd.install()
-    assert torch.autograd.backward is not seam.local_backward  # routed
-    loss = _StopInBackward.apply(torch.ones(2, requires_grad=True)).sum()
     with pytest.raises(KeyboardInterrupt) as raised:
-        loss.backward()
+        _backward_raising(_sending, monkeypatch)
     libraries = (os.path.dirname(nbrpc.__file__), os.path.dirname(torch.__file__))
     passed = [f.filename for f in traceback.extract_tb(raised.value.__traceback__)]
     assert any(f.startswith(libraries[0]) for f in passed)  # it went through nbrpc's routing
     shown = "".join(raised.value._render_traceback_())
-    assert "loss.backward()" in shown, shown
+    assert "_backward_raising" in shown, shown  # the line of loss.backward()
     assert not any(lib in shown for lib in libraries), shown
-
-
-class _FailInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise ValueError("the user's own") from KeyError("its cause")
 
 
 def test_an_error_in_a_local_backward_keeps_torchs_whole_display(monkeypatch):
     """Only the stop shows short there: an error keeps IPython's own traceback, its
     chained cause included, as without nbrpc."""
-    monkeypatch.setattr(torch.autograd, "backward", torch.autograd.backward)
-    autograd.install()
-    loss = _FailInBackward.apply(torch.ones(2, requires_grad=True)).sum()
     with pytest.raises(ValueError, match="the user's own") as raised:
-        loss.backward()
+        _backward_raising(_failing_with_a_cause, monkeypatch)
     assert isinstance(raised.value.__cause__, KeyError)
     assert getattr(raised.value, "_render_traceback_", None) is None
