@@ -28,7 +28,7 @@ import sys
 import threading
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import cloudpickle
 
@@ -40,8 +40,6 @@ from nbrpc._errors import (
     format_frames,
 )
 from nbrpc._torch import NOT_ON_CALLEE, RemoteException
-
-T = TypeVar("T")
 
 
 class _FailureText(str):

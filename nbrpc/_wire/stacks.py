@@ -117,7 +117,7 @@ _labels = _Labels()
 _dump: Any = None  # the file faulthandler writes to (kept open: it holds the descriptor)
 _asked: list[int] = []  # this process's .ask pipe's descriptor (a forked child's: its parent's)
 _installed: list[str] = []  # the files' base path, once installed in this process
-_answering: list[Any] = []  # this process's answer map (a forked child's: its parent's)
+_answering: list[_Answers] = []  # this process's answer map (a forked child's: its parent's)
 
 
 def install() -> None:
