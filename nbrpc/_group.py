@@ -425,7 +425,7 @@ def release_user_rrefs(timeout_s: float) -> None:
 
     torch's static-group shutdown does this in every process at once; its dynamic leave
     does not. nbrpc's graceful shutdown runs it in the kernel and every live worker at
-    once (``Cluster._release_rrefs``): an owner waits for its users' deletions, so run
+    once (``_lifecycle.leave``): an owner waits for its users' deletions, so run
     in one process alone it waited its whole bound for an RRef a worker still held
     (measured: 5 s). Without it the kernel's RRefs to departed workers would log C++
     errors when garbage-collected.

@@ -24,16 +24,15 @@ import atexit
 import enum
 import logging
 import os
+import sys
 import textwrap
-import time
 from dataclasses import dataclass
 from typing import Any, Unpack
 
-from nbrpc import _devices, _engines, _group, _ledger, _process, _setup, _states, _torch, _views
+from nbrpc import _devices, _engines, _group, _process, _setup, _states, _torch, _views
 from nbrpc._calls import cancel, facade as calls
 from nbrpc._debugger import prompts
-from nbrpc._departures import forget, forget_names, release_stale_token
-from nbrpc._engines import worker
+from nbrpc._departures import forget_names
 from nbrpc._engines.watchdog import process_alive, segment_prefix, sweep_segments
 from nbrpc._errors import (
     AlreadyInitializedError,
@@ -46,20 +45,11 @@ from nbrpc._options import Options, Settings, options_doc
 from nbrpc._rows import StackRow, StatusRow, WorkerRecord, WorkerState
 from nbrpc._wire import lanes, native_output, shm
 
-from . import aside, boot, collective, restart as restarts, scale as scales
+from . import aside, boot, collective, leave, restart as restarts, scale as scales
 
 log = logging.getLogger("nbrpc")
 
 LEAVE_TIMEOUT_S = 30.0
-DEAD_RELEASE_TIMEOUT_S = 2.0  # RRefs owned by a dead worker are never confirmed: do not wait
-# Releasing the kernel's RRefs takes milliseconds when every owner answers; one that died
-# in an earlier cluster leaves torch waiting for the whole timeout, so bound it.
-RELEASE_TIMEOUT_S = 5.0
-NOTHING_HELD_RELEASE_TIMEOUT_S = 0.2
-
-_stale_pending = [0]  # user RRefs unconfirmed after the last release: their owner died
-
-SAY_WAITING_AFTER_S = 1.0  # a graceful shutdown waiting on calls says so after this
 
 
 class ClusterState(enum.Enum):
@@ -179,6 +169,12 @@ class Cluster:
         except BaseException as exc:
             # an engine that failed to start: the others were started the same way
             self._abandon(release=isinstance(exc, BootError))
+            if isinstance(exc, KeyboardInterrupt):
+                print(
+                    "nbrpc: the stop button during %rpc_init: what it had started was "
+                    "stopped, and no cluster runs; %rpc_init starts one anew.",
+                    file=sys.stderr,
+                )
             raise
         self._enter(ClusterState.READY)
         return self
@@ -287,12 +283,6 @@ class Cluster:
             return ""
         return self.engines.source.last_output(record.pid)
 
-    def _live_engine_ids(self) -> list[int]:
-        if self.engines.client is None or not self.booted.engine_of:
-            return []
-        dead = set(self.dead_workers())
-        return [eid for name, eid in self.booted.engine_of.items() if name not in dead]
-
     def shutdown(
         self, graceful: bool = True, timeout: float = LEAVE_TIMEOUT_S, release: bool = False
     ) -> None:
@@ -317,9 +307,9 @@ class Cluster:
         with native_output.quiet_stderr_while_leaving(leaving):  # a script's, as a kernel's
             try:
                 try:
-                    self._leave(graceful, timeout)
+                    leave.leave(self, graceful, timeout)
                 except KeyboardInterrupt:  # the stop button: no more waiting, but no half-leave
-                    self._stopped_while_leaving()
+                    leave.stopped_while_leaving(self)
                     raise
             finally:
                 lanes.close()
@@ -330,105 +320,6 @@ class Cluster:
                 sweep_segments(segment_prefix(os.getpid()))
                 _states.stopped([r.name for r in self.records[1:] if r.state is WorkerState.READY])
                 self._enter(ClusterState.CLOSED)
-
-    def _stopped_while_leaving(self) -> None:
-        """The stop button during a graceful shutdown: every call still running is
-        cancelled and the workers are dropped from the group at once (a non-graceful
-        shutdown's end), so that the next ``init`` starts clean, under the same names."""
-        try:  # a second press here must not leave the leave half done either
-            self.aside.cancel_everything()
-        finally:
-            self._leave(graceful=False, timeout=0)
-
-    def _leave(self, graceful: bool, timeout: float) -> None:
-        """The workers leave the RPC group (the dead ones are removed on their behalf)."""
-        if graceful:  # a worker that died on another host is known by its heartbeats only
-            # after seconds: one that refuses a call now is dead, and must not be waited on
-            census.probe([r.name for r in self.records[1:] if r.state is WorkerState.READY])
-        dead = self.dead_workers()
-        if graceful:
-            self._wait_for_calls_in_flight(timeout)
-        else:  # nobody leaves by themselves: the kernel forgets them all
-            calls.cancel_calls_in_flight()
-            dead = [r.name for r in self.records[1:]]
-            _states.stopped(dead)
-        if dead:
-            live = [r.name for r in self.records[1:] if r.state is WorkerState.READY]
-            _states.left(dead, [r.rank for r in self.records[1:] if r.name in dead])
-            try:
-                forget(dead, live)
-            except Exception as exc:
-                log.warning("removing %s from the group: %s", ", ".join(dead), exc)
-        if graceful:
-            self._release_rrefs(self._release_timeout(timeout, bool(dead)))
-            if self.process_group:
-                live = [r.name for r in self.records[1:] if r.state is WorkerState.READY]
-                collective.destroy(self.process_group, live)
-            failed = self.engines.leave(self._live_engine_ids(), graceful, timeout)
-            if failed:
-                # torch keeps the group's join/leave token when a leave fails: the next
-                # %rpc_init's workers would wait 60 s for it (measured), so release it here
-                log.warning(
-                    "nbrpc: %s could not leave the RPC group cleanly (%s); the group was "
-                    "cleaned up for the next %%rpc_init",
-                    ", ".join(failed),
-                    next(iter(failed.values())),
-                )
-                dead = dead or list(failed)
-        if dead:
-            release_stale_token()
-
-    def _release_rrefs(self, timeout_s: float) -> None:
-        """Every live process deletes its user RRefs at once, the kernel among them, as
-        in torch's static shutdown (see ``_group.release_user_rrefs``)."""
-        asked = []
-        for eid in self._live_engine_ids():
-            try:  # an engine ipyparallel lost since (a job cancelled from outside)
-                asked.append(self.engines.apply(eid, worker.release_rrefs, timeout_s))
-            except Exception as exc:
-                log.warning("engine %s cannot release its RRefs: %s", eid, exc)
-        try:
-            _group.release_user_rrefs(timeout_s)
-        except Exception as exc:
-            log.warning("releasing the kernel's RRefs: %s", exc)
-        _stale_pending[0] = _torch.pending_user_rrefs()  # unconfirmed after the wait: for good
-        for ar in asked:
-            try:
-                ar.get(timeout=timeout_s + 5)
-            except Exception as exc:
-                log.warning("a worker releasing its RRefs: %s", _engines.remote_message(exc))
-
-    @staticmethod
-    def _release_timeout(timeout: float, dead: bool) -> float:
-        """How long torch may wait for owners to confirm the kernel's RRef deletions: the
-        whole bound for an owner that died (measured: 5 s added to every later shutdown),
-        so briefly when the kernel holds no RRef of another process and none newly waits
-        for its owner's confirmation (a loaded machine's last ``remote()``)."""
-        if dead:
-            return DEAD_RELEASE_TIMEOUT_S
-        if not _ledger.holds_user_rrefs() and _torch.pending_user_rrefs() <= _stale_pending[0]:
-            return NOTHING_HELD_RELEASE_TIMEOUT_S
-        return min(timeout, RELEASE_TIMEOUT_S)
-
-    def _wait_for_calls_in_flight(self, timeout: float) -> None:
-        """Graceful: the kernel's calls still running finish first (bounded by ``timeout``);
-        after :data:`SAY_WAITING_AFTER_S`, the cell says which, for how long at most, and
-        that the stop button cancels them."""
-        started = time.monotonic()
-        deadline, said = started + timeout, False
-        while time.monotonic() < deadline:
-            try:
-                if calls.calls_in_flight() == 0:
-                    return
-            except Exception:
-                return
-            if self.dead_workers():  # a dead worker's calls fail by themselves
-                return
-            if not said and time.monotonic() - started > SAY_WAITING_AFTER_S:
-                said = True
-                self.aside.say_waiting(deadline - time.monotonic())
-            time.sleep(0.05)
-        log.warning("shutdown: calls still running after %.0f s; leaving anyway", timeout)
 
     def __enter__(self) -> Cluster:
         if self.state is ClusterState.NOT_STARTED:
