@@ -7,10 +7,14 @@ boot shows widgets only in a notebook), kept at the bottom so that any of them m
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
+import threading
 import types
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -225,3 +229,26 @@ def raise_open_file_limit() -> None:
     want = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
     if soft != resource.RLIM_INFINITY and soft < want:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """The stop button's interrupt (SIGINT) held until the block ends, then delivered:
+    for a step that starts processes and records them, whose cleanup must know everything
+    it started (a press inside ``subprocess.Popen``, or while ipyparallel's thread starts
+    a controller, left processes that nothing stopped). Keep the block short: the stop
+    waits for it. Elsewhere than the main thread, which gets no signal, it holds nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pressed: list[tuple[int, Any]] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append((signum, frame)))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pressed:
+        if callable(previous):
+            previous(*pressed[0])
+        else:
+            raise KeyboardInterrupt

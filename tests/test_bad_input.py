@@ -78,6 +78,8 @@ def test_a_worker_on_another_host_with_the_local_store_is_told_the_fix():
         ({"gpus": "all"}, "only 'auto'"),
         ({"shm_threshold": 0}, "positive number of bytes"),
         ({"progress": "loud"}, "progress='loud'"),
+        ({"n": 100_000}, "100000 workers do not fit on this host: each needs at least"),
+        ({"names": [f"w{i}" for i in range(100_000)]}, "100000 workers do not fit"),
     ],
 )
 def test_bad_settings_are_config_errors_before_anything_starts(kwargs, match):

@@ -79,8 +79,12 @@ def source_for(settings: _options.Settings) -> type[EngineSource]:
 
 
 def resolve(settings: _options.Settings) -> _options.Settings:
-    """``settings`` completed by the source they ask for (before anything starts)."""
-    return source_for(settings).resolve(settings)
+    """``settings`` completed by the source they ask for, and the workers they ask for
+    checked against the room the source has for them (before anything starts)."""
+    source = source_for(settings)
+    if settings.n is not None:
+        source.check_room(settings.n)
+    return source.resolve(settings)
 
 
 def release_kept() -> None:

@@ -77,6 +77,12 @@ class EngineSource:
         return settings
 
     @classmethod
+    def check_room(cls, count: int) -> None:
+        """Refuse ``count`` more workers that cannot fit where this source puts them, before
+        anything starts (the local source checks this host's memory; a source that places
+        workers on other machines leaves that to them)."""
+
+    @classmethod
     def release_kept(cls) -> None:
         """Stop what this source keeps between clusters (``%rpc_shutdown --release``)."""
 

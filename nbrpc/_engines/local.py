@@ -45,8 +45,9 @@ import psutil
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
 from traitlets import Any as AnyTrait
 
-from nbrpc import _options
-from nbrpc._errors import BootError
+from nbrpc import _options, _process
+from nbrpc._errors import BootError, ConfigError
+from nbrpc._views import bytes_text
 from nbrpc._wire import stacks
 
 from . import controller, watchdog
@@ -62,6 +63,12 @@ MARKS_ENV = "NBRPC_ENGINE_MARKS"
 #: Set for every engine: the kernel's pid; the engine exits when that process is gone.
 KERNEL_ENV = "NBRPC_KERNEL_PID"
 ZYGOTE_TIMEOUT_S = 120.0  # its imports; minutes only on a machine far slower than this one
+#: The memory one more worker on this host needs at least, for a count that cannot fit to
+#: be refused before anything forks: an idle forked worker measured 32 MB of its own and
+#: 84 MB with its share of the zygote's pages (torch's, shared until written), and its
+#: first calls add to that. ``%rpc_init -n 100000`` forked ~720 engines, then the
+#: out-of-memory killer took the kernel.
+WORKER_MEMORY_BYTES = 100 * 2**20
 #: Spares :func:`prewarm` starts: ``%rpc_init``'s default ``-n``. A first cluster of more
 #: starts the rest at its boot; one of fewer leaves the others as spares for the next.
 PREWARM_SPARES = 2
@@ -201,21 +208,25 @@ class LocalController(Controller):
         """Start ``n`` engines now; they register in the background."""
         if n <= 0:
             return
-        try:
-            set_id = self._ipp.start_engines_sync(
-                n,
-                zygote=self.zygote,
-                engine_args=list(ENGINE_ARGS),
-                delay=0,
-                environment={MARKS_ENV: self._workdir, KERNEL_ENV: str(os.getpid())},
-            )
-        except OSError as exc:
-            raise BootError(f"could not start an engine: {exc}") from exc
-        for launcher in self._ipp.engines[set_id].launchers.values():
-            self._launchers[launcher.pid] = launcher
-            fd = os.open(launcher.output_file, os.O_RDONLY | os.O_CREAT, 0o600)
-            self._logs[launcher.pid] = (fd, os.fstat(fd).st_size)
-        self._watch()
+        # the stop button while ipyparallel starts them left a set half started (the next
+        # start finished it), or started but not recorded: engines nobody counted, and a
+        # cluster of 2 ran 4. Held until they are recorded here.
+        with _process.interrupts_deferred():
+            try:
+                set_id = self._ipp.start_engines_sync(
+                    n,
+                    zygote=self.zygote,
+                    engine_args=list(ENGINE_ARGS),
+                    delay=0,
+                    environment={MARKS_ENV: self._workdir, KERNEL_ENV: str(os.getpid())},
+                )
+            except OSError as exc:
+                raise BootError(f"could not start an engine: {exc}") from exc
+            for launcher in self._ipp.engines[set_id].launchers.values():
+                self._launchers[launcher.pid] = launcher
+                fd = os.open(launcher.output_file, os.O_RDONLY | os.O_CREAT, 0o600)
+                self._logs[launcher.pid] = (fd, os.fstat(fd).st_size)
+            self._watch()
 
     def last_output(self, pid: int) -> str:
         """What engine ``pid`` printed last (see :func:`last_words`); "" if nothing."""
@@ -503,6 +514,25 @@ class LocalSource(ControllerSource[LocalController]):
     def release_kept(cls) -> None:
         release()
 
+    @classmethod
+    def check_room(cls, count: int) -> None:
+        """Refuse ``count`` more workers than this host's available memory holds, at
+        :data:`WORKER_MEMORY_BYTES` each, with the machine's figures and what to do."""
+        memory = psutil.virtual_memory()
+        fits = memory.available // WORKER_MEMORY_BYTES
+        if count <= fits:
+            return
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        need = bytes_text(count * WORKER_MEMORY_BYTES)
+        raise ConfigError(
+            f"{count} workers do not fit on this host: each needs at least "
+            f"{bytes_text(WORKER_MEMORY_BYTES)} of memory ({need} in all), and it has "
+            f"{bytes_text(memory.available)} available of {bytes_text(memory.total)}"
+            + (f" and {cpus} cores" if cpus else "")
+            + f", room for at most {fits} more. Nothing was started. Ask for fewer, or place "
+            "workers on other machines (--hosts, --slurm)."
+        )
+
     def start(self) -> None:
         _wait_for_warming()  # a controller warming up is this one, or is released below
         key = (self.settings.listen, self.settings.python)
@@ -511,7 +541,8 @@ class LocalSource(ControllerSource[LocalController]):
         if ours is not None and not self.reused:
             release()  # another interpreter or address: what was kept cannot serve
         if _kept.controller is None:
-            _kept.controller = LocalController(*key)
+            with _process.interrupts_deferred():  # kept, so that a stop's cleanup finds it
+                _kept.controller = LocalController(*key)
         _kept.origin = KEPT  # for the next cluster, if this one keeps it
         self.controller = _kept.controller
 

@@ -42,7 +42,7 @@ from typing import Any
 
 from ipyparallel.cluster.launcher import MPIEngineSetLauncher, SlurmEngineSetLauncher
 
-from nbrpc import _fence, _options
+from nbrpc import _fence, _options, _process
 from nbrpc._errors import BootError, ConfigError
 from nbrpc._source_options import Slurm
 from nbrpc._wire import stacks
@@ -517,7 +517,8 @@ class SlurmSource(ControllerSource[SlurmController]):
     def start(self) -> None:
         s, plan = self.settings, self._plan()
         assert s.listen, "resolve() works out --listen"
-        self.controller = SlurmController(s.listen, plan, s.remote_python or s.python)
+        with _process.interrupts_deferred():  # kept, so that a stop's cleanup finds it
+            self.controller = SlurmController(s.listen, plan, s.remote_python or s.python)
 
     def _plan(self) -> Slurm:
         plan = self.settings.options_of(Slurm)

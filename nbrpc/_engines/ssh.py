@@ -44,7 +44,7 @@ from typing import Any
 
 from ipyparallel.cluster.launcher import SSHEngineLauncher, SSHEngineSetLauncher
 
-from nbrpc import _fence, _options
+from nbrpc import _fence, _options, _process
 from nbrpc._errors import BootError, ConfigError
 from nbrpc._source_options import Hosts
 from nbrpc._wire import stacks
@@ -469,7 +469,8 @@ class SshSource(ControllerSource[HostController]):
         s, asked = self.settings, self._asked()
         assert s.listen, "resolve() works out --listen"
         plan = hosts.HostPlan(asked.entries, asked.ssh_args, s.remote_python or "")
-        self.controller = HostController(s.listen, plan, s.python)
+        with _process.interrupts_deferred():  # kept, so that a stop's cleanup finds it
+            self.controller = HostController(s.listen, plan, s.python)
 
     def hosts(self) -> list[str]:
         asked = self._asked()

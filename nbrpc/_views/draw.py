@@ -13,7 +13,7 @@ def bytes_text(n: int | None) -> str:
         return "–"
     if n < 2**10:
         return f"{n} B"
-    for unit, size in (("GB", 2**30), ("MB", 2**20)):
+    for unit, size in (("TB", 2**40), ("GB", 2**30), ("MB", 2**20)):
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n / 2**10:.0f} KB"
