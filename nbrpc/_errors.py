@@ -62,8 +62,10 @@ def library_dirs() -> tuple[str, ...]:
 
 def raised_in_rpc_code(exc: BaseException) -> bool:
     """Whether ``exc`` was raised in nbrpc's code or torch's RPC code (``torch.distributed``,
-    ``torch.futures``): where the stop button's KeyboardInterrupt lands between nbrpc's
-    waits, in code the user did not write."""
+    ``torch.futures``), or in a library they called (``threading.py``'s wait, ipyparallel's,
+    in ``%rpc_init``): where the stop button's KeyboardInterrupt lands between nbrpc's
+    waits, in code the user did not write. Read from the innermost frame out: the first
+    frame of nbrpc's or torch's RPC says yes, the first of the user's own code says no."""
     import torch
 
     torch_dir = os.path.dirname(os.path.abspath(torch.__file__ or ""))
@@ -75,8 +77,14 @@ def raised_in_rpc_code(exc: BaseException) -> bool:
             os.path.join(torch_dir, "futures"),
         )
     )
-    frames = traceback.extract_tb(exc.__traceback__)
-    return bool(frames) and os.path.abspath(frames[-1].filename).startswith(dirs)
+    others = _installed_dirs()
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        path = os.path.abspath(frame.filename)
+        if path.startswith(dirs):
+            return True
+        if not path.startswith(others):
+            return False  # the user's code
+    return False
 
 
 def _users_frame(frame: traceback.FrameSummary, libraries: tuple[str, ...]) -> bool:
@@ -87,9 +95,20 @@ def _users_frame(frame: traceback.FrameSummary, libraries: tuple[str, ...]) -> b
     return not (frame.line or "").startswith("get_ipython().run_")
 
 
-def _stdlib_frame(frame: traceback.FrameSummary) -> bool:
-    """A frame of the standard library (``threading.py``'s waits, under nbrpc's)."""
-    return os.path.dirname(os.path.abspath(frame.filename)) == os.path.dirname(os.__file__)
+def _installed_frame(frame: traceback.FrameSummary) -> bool:
+    """A frame of the standard library or an installed package (``threading.py``'s waits,
+    ipyparallel's), not the user's own even where nbrpc called it."""
+    return os.path.abspath(frame.filename).startswith(_installed_dirs())
+
+
+@functools.cache
+def _installed_dirs() -> tuple[str, ...]:
+    """The standard library's folder and site-packages'."""
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    dirs = {os.path.dirname(os.__file__), paths["purelib"], paths["platlib"]}
+    return tuple(os.path.abspath(d) + os.sep for d in sorted(dirs))
 
 
 def cell_name(filename: str) -> str | None:
@@ -128,7 +147,7 @@ def short_traceback(exc: BaseException) -> list[str]:
     frames = []
     inside = False  # in a library's code: the standard library it calls is not the user's
     for f in traceback.extract_tb(exc.__traceback__):
-        if _users_frame(f, libraries) and not (inside and _stdlib_frame(f)):
+        if _users_frame(f, libraries) and not (inside and _installed_frame(f)):
             frames.append(f)
         inside = inside or os.path.abspath(f.filename).startswith(libraries)
     lines = []
@@ -321,12 +340,14 @@ class WorkerDiedError(NbrpcError, ConnectionError, RuntimeError):
                 f"{worker} answers calls: make what you need again there."
             )
             return
+        # ``detail``: why, as its writer words it ("torch said: ..." where torch said it)
         super().__init__(
-            f"{worker} is gone: its connection closed (the process died or was killed)"
-            + (f"; torch said: {detail}" if detail else "")
+            f"{worker} is gone: "
+            + (detail or "its connection closed (the process died or was killed)")
             + f". Calls to {worker} fail and the objects it owned (RRefs) are lost. "
-            "%rpc_status shows which workers are dead; %rpc_shutdown then %rpc_init "
-            "rebuilds the cluster in this kernel."
+            f"%rpc_restart {worker} starts a new {worker} where the cluster can (%rpc_status "
+            "shows which workers are dead); %rpc_shutdown then %rpc_init rebuilds the "
+            "cluster in this kernel."
             + (f"\nThe last output of {worker}'s process:\n{last_output}" if last_output else "")
         )
 

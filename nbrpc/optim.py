@@ -56,7 +56,7 @@ class DistributedOptimizer(_TorchDistributedOptimizer):
         if isinstance(exc, WorkerDiedError):
             detail = f"{exc.worker} is gone"
         elif is_connection_loss(exc):
-            detail = str(exc).splitlines()[0]
+            detail = f"torch said: {str(exc).splitlines()[0]}"
         else:
             return exc
         return WorkerDiedError(

@@ -468,7 +468,7 @@ def translate(exc: BaseException, what: str, dest: str, timeout: float | None) -
             )
         if dest in _calls.leaving:  # a forced scale's leaver, whose call could not stop
             return CallCancelledError(dest, what, True, _calls.leaving[dest])
-        detail = str(exc).splitlines()[0]
+        detail = f"its connection closed; torch said: {str(exc).splitlines()[0]}"
         _states.mark_dead(dest, detail)  # the owner of its state: calls to it now fail at once
         return WorkerDiedError(dest, detail, _last_output(dest))
     return exc

@@ -57,7 +57,7 @@ def _to_here(rref: Any, timeout: float = _torch.UNSET_RPC_TIMEOUT) -> Any:
             if replaced is not None:
                 raise replaced from None
             # it left the group (died, or belonged to a cluster since shut down)
-            raise WorkerDiedError("the worker that owned this RRef", str(exc)) from None
+            raise WorkerDiedError("the worker that owned this RRef", f"torch said: {exc}") from None
         limit = None if timeout == _torch.UNSET_RPC_TIMEOUT else timeout
         error = facade.translate(exc, "to_here() of an RRef", owner, limit)
         if error is exc:

@@ -44,7 +44,7 @@ def post_mortem() -> str | None:
 
     def lost(exc: BaseException) -> BaseException:
         if _torch.is_connection_loss(exc):
-            return WorkerDiedError(worker, str(exc).splitlines()[0])
+            return WorkerDiedError(worker, f"torch said: {str(exc).splitlines()[0]}")
         return exc
 
     value, error = failures.outcome(raw, lost)
