@@ -5,6 +5,7 @@ and a script's Ctrl-C."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import subprocess
 import sys
@@ -378,3 +379,57 @@ def test_the_stop_button_during_shutdown_leaves_a_kernel_that_inits_again(kernel
     assert kernel.value("nbrpc.workers()") == ["worker0", "worker1", "worker2"]
     assert kernel.value("nbrpc.rpc_sync('worker2', spin, args=(0,))") == 0
     assert kernel.value("[r['state'] for r in nbrpc.status()]") == ["ready"] * 3
+
+
+def _kernel_children(kernel) -> list[psutil.Process]:
+    return psutil.Process(kernel.value("os.getpid()")).children(recursive=True)
+
+
+def _described(processes: list[psutil.Process]) -> list[str]:
+    """Each process as a line: pid, parent, start, what it runs."""
+    lines = []
+    for p in processes:
+        with contextlib.suppress(psutil.Error):
+            started = time.strftime("%H:%M:%S", time.localtime(p.create_time()))
+            lines.append(f"{p.pid} (of {p.ppid()}, {started}): {' '.join(p.cmdline()[1:3])}")
+    return lines
+
+
+def test_the_stop_button_during_init_leaves_nothing_behind_and_the_next_init_works(kernel):
+    """From a released controller (%rpc_shutdown --release: the init starts the controller,
+    the zygote and the engines itself), the stop button at two moments of %rpc_init: the
+    cell shows its own line and says what happened, nothing it started outlives the next
+    %rpc_init's shutdown, and an impossible worker count is refused before any fork."""
+    kernel.run("import os")
+    kernel.run("%rpc_shutdown --release")
+    assert wait_until(lambda: not _kernel_children(kernel), 10.0), _described(
+        _kernel_children(kernel)
+    )
+    t0 = time.monotonic()
+    _, errors = kernel.execute("%rpc_init -n 100000")
+    assert errors[0].startswith("ConfigError: 100000 workers do not fit on this host"), errors
+    assert "available of" in errors[0], errors
+    assert time.monotonic() - t0 < 30  # the refusal itself; a round trip on a busy machine
+    assert _kernel_children(kernel) == []  # nothing forked
+
+    kernel.run("%rpc_init -n 2 --quiet")
+    whole = len(_kernel_children(kernel))  # a cluster of 2 and what runs it
+    kernel.run("%rpc_shutdown --release")
+    for moment in (0.3, 1.5):
+        ran_on, errors = kernel.stop_after("%rpc_init -n 2", moment)
+        assert errors[0].startswith("KeyboardInterrupt"), (moment, errors)
+        assert ran_on < 5.0, (moment, ran_on)
+        shown = kernel.shown_error()
+        assert "nbrpc" not in shown, shown  # the cell's own lines
+        assert "threading" not in shown, shown
+        assert "the stop button during %rpc_init" in kernel.stderr, kernel.stderr
+        kernel.run("%rpc_init -n 2 --quiet")
+        assert kernel.value("nbrpc.workers()") == ["worker0", "worker1", "worker2"]
+        assert kernel.value("nbrpc.rpc_sync('worker2', spin, args=(0,))") == 0
+        now = _kernel_children(kernel)
+        assert len(now) == whole, (moment, _described(now))
+        kernel.run("%rpc_shutdown --release")
+        assert wait_until(lambda: not _kernel_children(kernel), 10.0), _described(
+            _kernel_children(kernel)
+        )
+    kernel.run("%rpc_init -n 2 --quiet")  # as the module's kernel was

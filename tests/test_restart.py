@@ -136,6 +136,62 @@ def test_a_new_process_that_dies_as_it_starts_is_a_boot_error_and_a_second_try_w
     assert k.value("nbrpc.rpc_sync('worker2', lambda: 6 * 7)") == 42
 
 
+#: The kernel's wait for a restart's join, made long (its first 30 s a plain sleep) so that
+#: the stop button's press lands in it; the worker's own join goes on meanwhile.
+SLOW_JOINS = (
+    "import nbrpc._lifecycle.boot as boot_steps\n"
+    "real_wait = boot_steps.wait_for_joins\n"
+    "def slow_wait(*args, **kw):\n"
+    "    time.sleep(30)\n"
+    "    return real_wait(*args, **kw)\n"
+)
+
+
+def _stop_a_restart(k, name: str) -> tuple[list[str], str]:
+    """``%rpc_restart name`` with the stop button pressed while the kernel waits for the
+    new process's join: the errors, and what the cell wrote to stderr."""
+    k.run(SLOW_JOINS + "boot_steps.wait_for_joins = slow_wait")
+    try:
+        ran_on, errors = k.stop_after(f"%rpc_restart {name}", 2.0)
+        said = k.stderr
+    finally:
+        k.run("boot_steps.wait_for_joins = real_wait")
+    assert ran_on < 5, ran_on
+    return errors, said
+
+
+def test_the_stop_button_during_a_restart_leaves_the_worker_dead_and_says_what_next(kernel):
+    """The stop button while the new process starts left the worker "restarting" for good,
+    a call quoted nbrpc's words as torch's, and the shutdown named a gone engine. Now it
+    is dead, the cell says so and what to run, a call says why, and a second restart or a
+    shutdown works."""
+    k = kernel
+    errors, said = _stop_a_restart(k, "worker1")
+    assert first_error(errors).startswith("KeyboardInterrupt"), errors
+    assert "the stop button during a restart: worker1 is dead now" in said, said
+    assert "%rpc_restart worker1 starts it anew" in said, said
+    states = dict(k.value("[(r['name'], r['state']) for r in nbrpc.status()]"))
+    assert states["worker1"] == "dead", states
+    assert states["worker2"] == "ready", states
+    _, errors = k.execute("nbrpc.rpc_sync('worker1', whoami)")
+    assert first_error(errors).startswith("WorkerDiedError"), errors
+    assert "its restart was stopped (the stop button)" in errors[0], errors
+    assert "torch said" not in errors[0], errors
+    assert "%rpc_restart worker1" in errors[0], errors
+    assert k.value("nbrpc.rpc_sync('worker2', lambda: 6 * 7)") == 42  # the rest works
+    out = k.run("%rpc_restart worker1")  # the fix it names
+    assert "worker1 restarted" in out, out
+    assert k.value("nbrpc.rpc_sync('worker1', lambda: 6 * 7)") == 42
+
+    # stopped again, then a shutdown: it asks no gone engine for its RRefs
+    assert first_error(_stop_a_restart(k, "worker2")[0]).startswith("KeyboardInterrupt")
+    k.run("%rpc_shutdown")
+    assert "cannot release its RRefs" not in k.stderr, k.stderr
+    assert "No such engine" not in k.stderr, k.stderr
+    k.run("%rpc_init -n 2 --quiet")  # the next cluster is whole
+    assert k.value("[nbrpc.rpc_sync(n, lambda: 1) for n in ('worker1', 'worker2')]") == [1, 1]
+
+
 def test_a_process_group_is_rebuilt_and_restart_dead_replaces_a_dead_worker():
     k = Kernel()
     try:

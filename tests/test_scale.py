@@ -11,8 +11,12 @@ and the stop button in the middle of one.
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
-from conftest import MEMBER_CODE, TRAIN_ON, first_error, running_kernel
+from conftest import MEMBER_CODE, TRAIN_ON, first_error, running_kernel, wait_for_exit
 
 SETUP = (
     """%load_ext nbrpc
@@ -284,3 +288,30 @@ def test_calls_in_flight_finish_or_are_cancelled_and_the_stop_button_in_a_shrink
     _, errors = k.execute("going.wait()")
     assert first_error(errors).startswith("CallCancelledError"), errors
     assert "the cluster has 4 workers now" in k.run("%rpc_scale 4")
+
+
+def test_a_grow_beside_a_dead_worker_is_refused_at_once_naming_it_and_the_fix(kernel):
+    """A new worker joins by reaching every member: beside a dead one it waited 90 s, then
+    failed naming neither. Now the grow is refused at once, and the fixes it names work."""
+    k = kernel
+    k.run("%rpc_scale 3")
+    pid = k.value("pids()['worker2']")
+    os.kill(pid, signal.SIGKILL)
+    assert wait_for_exit([pid]) == []
+    t0 = time.monotonic()
+    _, errors = k.execute("%rpc_scale 4")
+    took = time.monotonic() - t0
+    assert first_error(errors).startswith("ConfigError"), errors
+    assert "worker2 is dead" in errors[0], errors
+    assert "%rpc_restart worker2" in errors[0], errors
+    assert "%rpc_scale --remove worker2" in errors[0], errors
+    assert took < 30, took  # the refusal itself; the kernel's round trip on a busy machine
+    assert "worker4" not in k.value("nbrpc.workers()")  # nothing changed
+
+    out = k.run("%rpc_scale --remove worker2")  # the fix it names: go on without it
+    assert "worker2 left the cluster" in out, out
+    out = k.run("%rpc_scale 3")  # and now a grow works, filling the gap
+    assert "worker2 (nbrpc.rank() 2" in out, out
+    assert k.value("nbrpc.rpc_sync('worker2', lambda: 6 * 7)") == 42
+    out, errors = k.execute(REDUCE)
+    assert out.count("world 3 3.0") == 3, (out, errors, k.shown_error(), k.stderr)

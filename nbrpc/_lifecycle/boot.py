@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbrpc import _devices, _fence, _group, _kernel_devices, _setup
+from nbrpc import _departures, _devices, _fence, _group, _kernel_devices, _setup, _states
 from nbrpc._engines import JOIN_TIMEOUT_S, Engines, remote_message, worker
 from nbrpc._engines.watchdog import hold_store, segment_prefix, sweep_dead_kernels_stores
 from nbrpc._errors import BootError
@@ -40,7 +40,7 @@ from nbrpc._gather import timeline
 from nbrpc._group import KernelMembership
 from nbrpc._options import Settings
 from nbrpc._placement import validate_names
-from nbrpc._rows import WorkerRecord
+from nbrpc._rows import WorkerRecord, WorkerState
 
 from . import collective
 from .progress import BootProgress
@@ -240,7 +240,9 @@ class Joining:
 
     :meth:`places` hands out ranks (never reused: torch caches connections by rank),
     :meth:`join` asks every engine at once and waits for them, :meth:`record` is a joined
-    worker's row, then :meth:`set_up_fast_path` and :meth:`start_process_group`. What they
+    worker's row, then :meth:`set_up_fast_path` and :meth:`start_process_group`. A grow
+    or a restart that fails or is stopped in its join cleans up with
+    :meth:`clean_up_unjoined` (the engines' pids from :meth:`describe`). What they
     make goes into ``booted``. ``members``: who may connect, across hosts (None: loopback).
     """
 
@@ -329,6 +331,41 @@ class Joining:
             booted.shm_peers = done.shm_peers
         if done.lanes is not None:
             booted.lanes = done.lanes
+
+    def describe(self, engine_ids: list[int]) -> dict[int, dict]:
+        """Each new engine's pid and host, before it joins (a stop button during the join
+        then knows what to stop)."""
+        asked = {eid: self.engines.apply(eid, worker.describe_process) for eid in engine_ids}
+        return {eid: ar.get(timeout=JOIN_TIMEOUT_S) for eid, ar in asked.items()}
+
+    def clean_up_unjoined(
+        self,
+        taken: dict[str, tuple[int | None, int]],
+        described: dict[int, dict],
+        infos: dict[str, dict],
+    ) -> None:
+        """After a grow or a restart that failed or was stopped: the workers that did not
+        join (not in ``infos``) are out of the group, whether they joined half way or not at
+        all, and the engines taken for them stop (``taken``: name -> (its torch rank, if
+        handed out; its engine id); ``described``: their pids, where known)."""
+        booted, engines = self.booted, self.engines
+        missing = [name for name in taken if name not in infos]
+        if not missing:
+            return
+        _states.leaving(missing)
+        ids = [taken[name][1] for name in missing]
+        try:
+            engines.shrink(ids, [described[eid]["pid"] for eid in ids if eid in described])
+        finally:
+            stayers = [r.name for r in booted.records[1:] if r.state is WorkerState.READY]
+            stayers += list(infos)  # those that joined (adopted next) heard of the others too
+            ranked = {name: rank for name in missing if (rank := taken[name][0]) is not None}
+            try:  # a join that got as far as telling the members: they forget it
+                _departures.tell_peers_left(ranked, stayers)
+            finally:
+                _departures.forget_names(missing)
+                for name in missing:
+                    booted.engine_of.pop(name, None)
 
     def start_process_group(self, backend: str, members: list[str], devices: dict) -> None:
         """The workers' torch.distributed group among ``members`` (a boot's, or a restart's

@@ -26,6 +26,7 @@ next cell runs, with a line naming it and why it died (:func:`watch_for_dead`).
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -87,16 +88,40 @@ class Restarted:
 
 def run(cluster: Cluster, names: list[str]) -> Restarted:
     """Restart ``names`` of ``cluster`` (a :class:`nbrpc.Cluster` that is ready); a new
-    process that cannot start or join is a :class:`BootError` that says the rest works."""
+    process that cannot start or join is a :class:`BootError` that says the rest works.
+    The stop button meanwhile leaves those not yet back dead, never restarting: its
+    KeyboardInterrupt says so, and that a second restart starts them."""
     try:
         return _run(cluster, names)
-    except BootError as exc:
+    except (BootError, KeyboardInterrupt) as exc:
         failed = [n for n in names if _states.state_of(n) is WorkerState.RESTARTING]
-        _states.failed(failed, f"its restart failed: {str(exc).splitlines()[0]}")
+        stopped = isinstance(exc, KeyboardInterrupt)
+        why = (
+            "its restart was stopped (the stop button) before a new process joined"
+            if stopped
+            else f"its restart failed: {str(exc).splitlines()[0]}"
+        )
+        _states.failed(failed, why)
+        them, are = ("them", "are") if len(failed) > 1 else ("it", "is")
+        again = f"%rpc_restart {' '.join(failed or names)}"
+        group = (  # left destroyed: made again with them
+            f" The workers' process group is made again once {them} {are} back."
+            if cluster.booted.process_group
+            else ""
+        )
+        if stopped:
+            if failed:
+                print(
+                    f"nbrpc: the stop button during a restart: {', '.join(failed)} {are} "
+                    "dead now (the old process is gone, "
+                    f"no new one joined); the rest of the cluster works. {again} starts "
+                    f"{them} anew.{group}",
+                    file=sys.stderr,
+                )
+            raise
         raise BootError(
             f"{', '.join(failed or names)} could not be restarted: {exc}\nThe rest of the "
-            f"cluster works without {'them' if len(failed) > 1 else 'it'}; "
-            f"%rpc_restart {' '.join(failed or names)} tries again."
+            f"cluster works without {them}; {again} tries again.{group}"
         ) from None
 
 
@@ -114,9 +139,9 @@ def _run(cluster: Cluster, names: list[str]) -> Restarted:
 
     # calls to them fail at once meanwhile, naming why; torch's "EOF" lines are expected
     _states.restarting(names, "it is being restarted (nbrpc.restart)")
-    if pg:  # every member leaves it: it is rebuilt among all of them below
+    if pg:  # every member leaves it: it is rebuilt among all of them below (its record
+        # stays: after a restart that fails or is stopped, the next one rebuilds it)
         collective.destroy(pg, others)
-        booted.process_group = None
     old_ids = [eid for n in names if (eid := records[n].engine_id) is not None]
     assert len(old_ids) == len(names), "every worker runs in an engine"
     try:
@@ -132,11 +157,21 @@ def _run(cluster: Cluster, names: list[str]) -> Restarted:
     admitted = _fence.members()  # across hosts: who may connect to the new process
     fenced = sorted(admitted) if admitted is not None else None
     joining = Joining(settings, engines, booted, member, fenced, BootProgress(names, "off"))
+    places: dict[str, tuple[int, int]] = {}
+    described: dict[int, dict] = {}
     try:
-        infos = joining.join(joining.places(names, new_ids), booted.device_maps, {})
-    except BootError:
-        _departures.forget_names(names)  # half joined: neither its name nor torch's token stay
-        _give_devices_back(cluster)  # to the workers that stay
+        described = joining.describe(new_ids)
+        places = joining.places(names, new_ids)
+        infos = joining.join(places, booted.device_maps, {})
+    except (BootError, KeyboardInterrupt):
+        # joined half way or not at all: out of the group, their new engines stopped
+        taken = {
+            n: (places.get(n, (None, eid))[0], eid) for n, eid in zip(names, new_ids, strict=True)
+        }
+        try:
+            joining.clean_up_unjoined(taken, described, {})
+        finally:
+            _give_devices_back(cluster)  # to the workers that stay
         raise
     _states.rejoined([joining.record(name, infos[name]) for name in names])
     _give_devices_back(cluster)

@@ -70,6 +70,8 @@ class Cluster(Protocol):
     @property
     def records(self) -> list[WorkerRecord]: ...
 
+    def dead_workers(self, ask_ipyparallel: bool = True) -> list[str]: ...
+
 
 class How(TypedDict, total=False):
     """:func:`nbrpc.scale`'s options besides the size."""
@@ -196,6 +198,8 @@ def check(
         validate_names(names, settings.self_name)
     if count:
         source.check_hosts(hosts)
+        source.check_room(count)
+        _refuse_beside_dead(cluster)
     pg = cluster.booted.process_group
     if pg and pg["backend"] not in collective.REBUILDABLE:
         raise ConfigError(
@@ -203,6 +207,21 @@ def check(
             "at a new size. Nothing changed; run %rpc_shutdown then %rpc_init."
         )
     return leavers, count
+
+
+def _refuse_beside_dead(cluster: Cluster) -> None:
+    """A new worker joins by reaching every member, and a dead one never answers (its
+    join waited 90 s for it, then failed): a grow beside a dead worker that stays is
+    refused at once, naming it and the fixes."""
+    dead = cluster.dead_workers()
+    if dead:
+        names, one = ", ".join(dead), len(dead) == 1
+        raise ConfigError(
+            f"cannot add workers: {names} {'is' if one else 'are'} dead (the process is "
+            "gone), and a new worker joins by reaching every member. Nothing changed. Run "
+            f"%rpc_restart {' '.join(dead)} first, or %rpc_scale --remove {','.join(dead)} "
+            "to go on without " + ("it." if one else "them.")
+        )
 
 
 # -- shrink ------------------------------------------------------------------------------
@@ -218,24 +237,27 @@ def _shrink(cluster: Cluster, leavers: list[WorkerRecord], force: bool, result: 
         _destroy_group(cluster, pg)
     _states.leaving(names, LEFT_MID_CALL)
     _expect_leaving(stayers, names)
+    stopped = False
     try:
         if force:
             _cancel(cluster.aside, live)
         else:
             _wait_for_calls(cluster.aside, live)
     except KeyboardInterrupt:  # the stop button: no more waiting, but no half-leave
+        stopped = True
         _cancel(cluster.aside, live)
-        _leave(cluster, leavers, stayers, live, result)
-        print(
-            f"nbrpc: the stop button during a scale: the calls of {', '.join(names)} were "
-            "cancelled and they left the cluster",
-            file=sys.stderr,
-        )
         raise
-    _leave(cluster, leavers, stayers, live, result)
-    if pg:
-        _rebuild_process_group(cluster, pg, result)
-    _tell_ranks(cluster)
+    finally:  # the stayers' process group too: a stopped shrink lost it for good
+        _leave(cluster, leavers, stayers, live, result)
+        if pg:
+            _rebuild_process_group(cluster, pg, result)
+        _tell_ranks(cluster)
+        if stopped:
+            print(
+                f"nbrpc: the stop button during a scale: the calls of {', '.join(names)} "
+                "were cancelled and they left the cluster",
+                file=sys.stderr,
+            )
 
 
 def _expect_leaving(stayers: list[str], names: list[str]) -> None:
@@ -364,7 +386,7 @@ def _grow(
     places: dict[str, tuple[int, int]] = {}  # name -> (torch rank, engine id)
     try:
         engine_ids = engines.grow(count, hosts, registered)
-        described = _describe(engines, engine_ids)
+        described = joining.describe(engine_ids)
         joining.members = _admit(cluster, engine_ids)
         places = joining.places(new, engine_ids)
         joining.join(places, booted.device_maps, {}, infos)
@@ -372,7 +394,7 @@ def _grow(
         taken = {  # name -> (its torch rank, if handed out; its engine), if one was taken
             n: (places.get(n, (None, eid))[0], eid) for n, eid in zip(new, engine_ids, strict=False)
         }
-        _clean_up_unjoined(cluster, taken, described, infos)
+        joining.clean_up_unjoined(taken, described, infos)
         if infos:  # full members, as after a scale that ended: the group and ranks too
             _adopt(cluster, joining, infos, ordered, result)
             _complete(cluster, pg, infos, joining, result)
@@ -427,13 +449,6 @@ def free_orders(used: set[int], count: int) -> list[int]:
     return found
 
 
-def _describe(engines: Engines, engine_ids: list[int]) -> dict[int, dict]:
-    """Each new engine's pid and host, before it joins (a stop button during the join
-    then knows what to stop)."""
-    asked = {eid: engines.apply(eid, worker.describe_process) for eid in engine_ids}
-    return {eid: ar.get(timeout=JOIN_TIMEOUT_S) for eid, ar in asked.items()}
-
-
 def _admit(cluster: Cluster, engine_ids: list[int]) -> list[str] | None:
     """Across hosts: the addresses the new engines reach the kernel from join the
     members, in the kernel, its controller and every worker that stays, before any of
@@ -477,36 +492,6 @@ def _adopt(
     # from then on
     timeline.measure_clocks(joined)
     result.joined.update({r.name: (r.pid, r.order) for r in records})
-
-
-def _clean_up_unjoined(
-    cluster: Cluster,
-    taken: dict[str, tuple[int | None, int]],
-    described: dict[int, dict],
-    infos: dict[str, dict],
-) -> None:
-    """After a grow that failed or was stopped: the workers that did not join are out of
-    the group (joined half way or not at all) and the engines taken for them stop
-    (``taken``: name -> (its torch rank, if handed out; its engine id); ``described``:
-    their pids, where known)."""
-    booted, engines = cluster.booted, cluster.engines
-    missing = [name for name in taken if name not in infos]
-    if not missing:
-        return
-    _states.leaving(missing)
-    ids = [taken[name][1] for name in missing]
-    try:
-        engines.shrink(ids, [described[eid]["pid"] for eid in ids if eid in described])
-    finally:
-        stayers = [r.name for r in cluster.records[1:] if r.state is WorkerState.READY]
-        stayers += list(infos)  # those that joined (adopted next) heard of the others too
-        ranked = {name: rank for name in missing if (rank := taken[name][0]) is not None}
-        try:  # a join that got as far as telling the members: they forget it
-            _departures.tell_peers_left(ranked, stayers)
-        finally:
-            _departures.forget_names(missing)
-            for name in missing:
-                booted.engine_of.pop(name, None)
 
 
 # -- after either ------------------------------------------------------------------------

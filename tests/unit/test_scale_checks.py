@@ -8,10 +8,11 @@ from types import SimpleNamespace
 import pytest
 
 from nbrpc._engines.base import EngineSource
+from nbrpc._engines.local import LocalSource
 from nbrpc._errors import ConfigError
 from nbrpc._lifecycle import scale
 from nbrpc._options import Settings
-from nbrpc._rows import WorkerRecord
+from nbrpc._rows import WorkerRecord, WorkerState
 
 
 class _Local(EngineSource):
@@ -23,20 +24,28 @@ class _Local(EngineSource):
         pass
 
 
-def _cluster(n: int = 3, *, devices: bool = False, backend: str | None = None, source=None):
+def _cluster(
+    n: int = 3, *, devices: bool = False, backend: str | None = None, source=None, dead=()
+):
     settings = Settings.make(n, device_maps={"worker1": {"cuda:0": "cuda:0"}} if devices else None)
     records = [WorkerRecord("worker0", 0, 1, "h", "kernel")] + [
         WorkerRecord(f"worker{i}", i, 100 + i, "h", f"engine {i}", order=i) for i in range(1, n + 1)
     ]
+    for record in records:
+        if record.name in dead:
+            record.state = WorkerState.DEAD
     pg = {"backend": backend, "ranks": {}} if backend else None
     return SimpleNamespace(
+        dead_workers=lambda: [r.name for r in records if r.state is WorkerState.DEAD],
         settings=settings,
         records=records,
         booted=SimpleNamespace(process_group=pg),
         engines=SimpleNamespace(
             source=source
             or SimpleNamespace(
-                cannot_scale="", check_hosts=EngineSource.check_hosts.__get__(SimpleNamespace())
+                cannot_scale="",
+                check_hosts=EngineSource.check_hosts.__get__(SimpleNamespace()),
+                check_room=LocalSource.check_room,
             )
         ),
     )
@@ -73,6 +82,27 @@ def test_the_highest_ranks_leave_first_or_the_named_ones():
 def test_bad_input_is_refused_before_anything_changes(kw, says):
     with pytest.raises(ConfigError, match=says):
         _check(_cluster(3), **kw)
+
+
+def test_a_grow_beside_a_dead_worker_is_refused_naming_it_and_the_fixes():
+    c = _cluster(3, dead=("worker2",))
+    with pytest.raises(ConfigError) as refused:
+        _check(c, 4)
+    said = str(refused.value)
+    assert "worker2 is dead" in said
+    assert "%rpc_restart worker2" in said
+    assert "%rpc_scale --remove worker2" in said
+    assert [r.name for r in _check(c, remove=["worker2"])[0]] == ["worker2"]  # a shrink goes on
+
+
+def test_a_grow_this_host_cannot_hold_is_refused_with_its_figures():
+    with pytest.raises(ConfigError) as refused:
+        _check(_cluster(2), 100_000)
+    said = str(refused.value)
+    assert said.startswith("99998 workers do not fit on this host")
+    assert "available of" in said
+    assert "room for at most" in said
+    assert "--hosts" in said
 
 
 def test_device_maps_refuse_a_grow_but_not_a_shrink():
