@@ -464,6 +464,16 @@ def pytest_sessionfinish(session):
         _notebook_hosts.pop().down()
 
 
+def pytest_configure(config):
+    """Keep each tutorial as nbval ran it, outputs included, for the documentation site
+    (tests/notebook_outputs.py writes build/executed-notebooks; tools/docs_site.py renders
+    them)."""
+    from notebook_outputs import NotebookOutputs
+
+    out = config.rootpath / "build" / "executed-notebooks"
+    config.pluginmanager.register(NotebookOutputs(out), "nbrpc-notebook-outputs")
+
+
 def pytest_unconfigure(config):
     watchdog = getattr(config, "_nbrpc_hang_watchdog", None)
     if watchdog is not None:
