@@ -1,5 +1,7 @@
 """Distributed autograd from a notebook: torch's engine, with errors that say what to do.
 
+A training step::
+
     with nbrpc.autograd.context() as context_id:
         loss = model(x).sum()
         nbrpc.autograd.backward(context_id, [loss])      # or seed 001's backward([loss])
