@@ -464,6 +464,10 @@ def pytest_sessionfinish(session):
         _notebook_hosts.pop().down()
 
 
+#: the plugin's name: ``-p no:nbrpc-notebook-outputs`` leaves build/executed-notebooks alone
+NOTEBOOK_OUTPUTS = "nbrpc-notebook-outputs"
+
+
 def pytest_configure(config):
     """Keep each tutorial as nbval ran it, outputs included, for the documentation site
     (tests/notebook_outputs.py writes build/executed-notebooks; tools/docs_site.py renders
@@ -471,7 +475,8 @@ def pytest_configure(config):
     from notebook_outputs import NotebookOutputs
 
     out = config.rootpath / "build" / "executed-notebooks"
-    config.pluginmanager.register(NotebookOutputs(out), "nbrpc-notebook-outputs")
+    if not config.pluginmanager.has_plugin(NOTEBOOK_OUTPUTS):  # once, loaded as -p conftest too
+        config.pluginmanager.register(NotebookOutputs(out), NOTEBOOK_OUTPUTS)
 
 
 def pytest_unconfigure(config):
