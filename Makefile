@@ -17,7 +17,7 @@ TORCH   ?= $(TORCH_NEWEST)
 CHROMIUM := /usr/bin/chromium
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: venv demo test test-torch lint notebooks package-check bench compat clean
+.PHONY: venv demo docs test test-torch lint notebooks package-check bench compat clean
 
 venv: $(STAMP)
 
@@ -32,10 +32,20 @@ demo: $(STAMP)
 	$(PY) tools/run_notebook.py notebooks/01_quickstart.ipynb
 
 lint: $(STAMP)
-	$(PY) -m ruff check nbrpc tests tools benchmarks notebooks
-	$(PY) -m ruff format --check nbrpc tests tools benchmarks notebooks
+	$(PY) -m ruff check nbrpc tests tools benchmarks notebooks docs/conf.py
+	$(PY) -m ruff format --check nbrpc tests tools benchmarks notebooks docs/conf.py
 	$(PY) tools/check_notebooks.py
 	$(PY) -m mypy nbrpc
+
+# The documentation site (docs/site.md says how and why): build/docs, from docs/*.md, the
+# docstrings of nbrpc.__all__ and its sub-packages, each magic's argument parser, and the
+# tutorials with the outputs of their nbval run. make test's pytest run keeps those in
+# build/executed-notebooks (tests/notebook_outputs.py) and builds the site after it. Run
+# alone, `make docs` first runs the tutorials whose executed copy is missing or holds other
+# code than notebooks/, the same way (pytest --nbval-lax, tests/conftest.py as a plugin; all
+# ten: about 3.5 minutes here); then Sphinx, warnings as errors (tools/docs_site.py).
+docs: $(STAMP)
+	$(PY) tools/docs_site.py
 
 # The tutorials' source is notebooks/*.py (jupytext percent format); sync each .ipynb with
 # it after editing either one (the newer file wins).
@@ -88,8 +98,12 @@ package-check: $(STAMP)
 	$(PKG)/venv/bin/python -m pip install -q --no-compile $(PKG)/nbrpc-*.whl
 	cd $(PKG) && venv/bin/python $(CURDIR)/tools/package_check.py
 
+# The site is built after the suite, whose nbval run writes the tutorials' outputs, and its
+# browser test runs after the build (so it is left out of the first run).
 test: $(STAMP) $(CHROMIUM) $(FAKEHOSTS) lint package-check
-	$(PY) -m pytest tests --nbval-lax notebooks -v -rs --durations=10
+	$(PY) -m pytest tests --nbval-lax notebooks --ignore=tests/test_docs_site.py -v -rs --durations=10
+	$(MAKE) --no-print-directory docs
+	$(PY) -m pytest tests/test_docs_site.py -v -rs
 	$(MAKE) --no-print-directory test-torch TORCH=$(TORCH_NEWEST)
 
 # Another torch of the supported range, as a user who has it installs nbrpc beside it: a
@@ -104,7 +118,8 @@ TORCH_TESTS := tests/unit tests/test_torch_seam.py tests/test_smoke.py tests/tes
 TORCH_NOTEBOOK := notebooks/02_distributed_autograd.ipynb
 test-torch: $(STAMP)
 	$(PY) tools/torch_venv.py $(TORCH_VENV) $(TORCH)
-	$(TORCH_VENV)/bin/python -m pytest $(TORCH_TESTS) --nbval-lax $(TORCH_NOTEBOOK) -q -rs
+	$(TORCH_VENV)/bin/python -m pytest $(TORCH_TESTS) --nbval-lax $(TORCH_NOTEBOOK) -q -rs \
+	  -p no:nbrpc-notebook-outputs  # the site shows .venv's run of the tutorials
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py

@@ -142,7 +142,9 @@ if TYPE_CHECKING:  # loaded on first use at run time (see __getattr__), seen by 
 def panel(*, interval: float = 1.0) -> None:
     """Open the cluster panel beside the notebook (``%rpc_panel``): the card of every
     process, the ownership view and the last timeline, live, with buttons that restart a
-    worker, show stacks or shut the cluster down (:class:`nbrpc.widgets.ClusterPanel`)."""
+    worker, show stacks or shut the cluster down (:class:`nbrpc.widgets.ClusterPanel`).
+    ``interval``: seconds between redraws. Raises nothing: without a cluster the panel
+    says there is none (see :func:`nbrpc.widgets.panel`)."""
     from .widgets import panel as open_panel
 
     open_panel(interval=interval)
@@ -166,7 +168,10 @@ def __getattr__(name: str) -> Any:
 def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext nbrpc``: register the magics (the only place they are registered), and
     route the notebook's torch-style RPC calls through nbrpc (``rpc.rpc_sync`` before
-    ``%rpc_init`` then says to run it)."""
+    ``%rpc_init`` then says to run it). ``ipython``: the shell, which IPython passes.
+    Starts the warm-up for the first ``%rpc_init`` in the background unless switched off
+    (``NBRPC_PREWARM=0``). Raises nothing of its own: a warm-up that fails leaves the first
+    ``%rpc_init`` to start afresh, which reports its own errors."""
     from ._calls.spelling import route_torch_calls
     from ._magics import RpcMagics, show_interrupts_short
 

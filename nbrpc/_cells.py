@@ -41,7 +41,8 @@ def worker_namespace() -> dict[str, Any]:
     """This worker's persistent namespace (its ``__main__``), which ``%%rpc`` cells use.
 
     Notebook functions sent with ``rpc_sync`` run with it as their globals too, so their
-    ``global`` assignments land here (:mod:`nbrpc._wire.namespace`).
+    ``global`` assignments land here (:mod:`nbrpc._wire.namespace`). Called in the
+    kernel, it is the kernel's ``__main__`` (the notebook's names). Raises nothing.
     """
     return namespace.namespace()
 
@@ -206,7 +207,14 @@ def _collect(futures: dict[str, Any]) -> CellResults:
 
 def push(values: dict[str, Any], workers: str | Iterable[str] | None = "all") -> None:
     """Set names in each worker's namespace (what ``%%rpc`` cells and
-    :func:`worker_namespace` see): ``nbrpc.push({"lr": 0.1, "data": tensor})``."""
+    :func:`worker_namespace` see): ``nbrpc.push({"lr": 0.1, "data": tensor})``.
+
+    ``values``: ``{name: value}``, sent to every worker at once. ``workers``: ``"all"``
+    (every worker, not the kernel; also ``None``), names separated by commas, or a list
+    of names. Raises :class:`~nbrpc.NotInitializedError` before a cluster runs,
+    :class:`~nbrpc.ConfigError` for a name that is not a worker, and the errors of
+    :func:`nbrpc.rpc_sync` (a value that cannot travel: a
+    :class:`~nbrpc.SerializationError`)."""
     names = _targets(workers, "nbrpc.push")
     futures = [calls.rpc_async(w, push_values, args=(dict(values),)) for w in names]
     for fut in futures:
@@ -214,7 +222,13 @@ def push(values: dict[str, Any], workers: str | Iterable[str] | None = "all") ->
 
 
 def pull(name: str, workers: str | Iterable[str] | None = "all") -> dict[str, Any]:
-    """``{worker: value}`` of ``name`` in each worker's namespace."""
+    """``{worker: value}`` of ``name`` in each worker's namespace.
+
+    ``workers``: ``"all"`` (every worker, not the kernel; also ``None``), names separated
+    by commas, or a list of names. Raises :class:`~nbrpc.NotInitializedError` before a
+    cluster runs, :class:`~nbrpc.ConfigError` for a name that is not a worker,
+    ``NameError`` for a ``name`` a worker does not have, and the errors of
+    :func:`nbrpc.rpc_sync`."""
     names = _targets(workers, "nbrpc.pull")
     futures = {w: calls.rpc_async(w, pull_value, args=(name,)) for w in names}
     return {w: fut.wait() for w, fut in futures.items()}

@@ -252,6 +252,10 @@ class NbrpcError(Exception):
 
 
 class NotInitializedError(NbrpcError, RuntimeError):
+    """A call, a magic or a view that needs a cluster, before ``%rpc_init`` or
+    :func:`nbrpc.init` started one (or after :func:`nbrpc.shutdown`). ``what`` names the
+    call in the message, which says to start a cluster first."""
+
     def __init__(self, what: str = "this call") -> None:
         self._init_args = (what,)
         super().__init__(
@@ -261,15 +265,21 @@ class NotInitializedError(NbrpcError, RuntimeError):
 
 
 class AlreadyInitializedError(NbrpcError, RuntimeError):
-    pass
+    """``%rpc_init`` or :func:`nbrpc.init` while a cluster is running in this process:
+    one cluster at a time. ``%rpc_shutdown`` (:func:`nbrpc.shutdown`) first, then start
+    the new one; a second init after a shutdown is supported."""
 
 
 class ClusterClosedError(NbrpcError, RuntimeError):
-    pass
+    """A :class:`~nbrpc.Cluster` handle, or something it made, used after that cluster
+    shut down (or a cluster started twice). Start a new cluster with :func:`nbrpc.init`;
+    handles of the old one stay closed."""
 
 
 class BootError(NbrpcError, RuntimeError):
-    pass
+    """Workers did not start or join the RPC group in time (an interpreter that cannot
+    start, an engine that never registers, a store that cannot listen, a restart that
+    failed). The message names the worker or the step, and what to check."""
 
 
 class AutogradContextError(NbrpcError, RuntimeError):
@@ -281,6 +291,11 @@ class ConfigError(NbrpcError, ValueError):
 
 
 class UnknownWorkerError(NbrpcError, ValueError, RuntimeError):
+    """A destination (a name or a rank) that is not a member of the RPC group: a typo, or
+    a worker that left at ``%rpc_scale`` (``left_at`` says when). ``name`` is what was
+    asked for, ``known`` the members' names then. A ``ValueError`` and, as torch's own
+    error for it, a ``RuntimeError``."""
+
     def __init__(self, name: object, known: list[str], left_at: str = "") -> None:
         self.name = name
         self.known = list(known)
@@ -301,11 +316,16 @@ class UnknownWorkerError(NbrpcError, ValueError, RuntimeError):
 
 
 class RpcTimeoutError(NbrpcError, TimeoutError, RuntimeError):
-    pass
+    """A call outlived its timeout (the call's ``timeout``, else the cluster's
+    ``rpc_timeout``, 60 s by default). Its message keeps torch's words ("RPC ran for more
+    than"), so code written for torch still matches it; a ``TimeoutError`` too."""
 
 
 class SerializationError(NbrpcError, TypeError, RuntimeError):
-    pass
+    """An argument or a result that cannot travel: it cannot be pickled (an open file, a
+    lock, a generator), or it cannot be unpickled on the other side (a module the other
+    process cannot import). The message names the object and the side; a ``TypeError``
+    and, as torch's own error for it, a ``RuntimeError``."""
 
 
 class DeviceMapError(NbrpcError, ValueError):

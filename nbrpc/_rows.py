@@ -168,8 +168,16 @@ WORKER_NEXT: dict[WorkerState, frozenset[WorkerState]] = {
 
 @dataclass
 class WorkerRecord:
-    """One process of the group, as the notebook shows it. Its ``state`` changes only
-    through :meth:`move`, which refuses a transition :data:`WORKER_NEXT` lacks."""
+    """One process of the group, as the notebook shows it (``cluster.records``). Its
+    ``state`` changes only through :meth:`move`, which refuses a transition that the
+    table of a worker's states (``WORKER_NEXT``) lacks.
+
+    ``name`` and ``rank`` (torch's id) in the RPC group, ``pid`` and ``host`` of its
+    process, ``role`` (``"kernel"`` or ``"engine N"``), its ``devices``, its ipyparallel
+    ``engine_id`` (None for the kernel), ``local`` (on the kernel's host: its pid is this
+    host's) and ``order``: its ``nbrpc.rank()``, 0 for the kernel and 1..N for the
+    workers as a script numbers them, kept for the worker's life.
+    """
 
     name: str
     rank: int
@@ -186,17 +194,22 @@ class WorkerRecord:
     order: int = 0
 
     def as_dict(self) -> dict[str, Any]:
+        """The record as a plain dict, a key per field. Raises nothing."""
         return dict(self.__dict__)
 
     def rejoin(self, fresh: WorkerRecord) -> None:
         """A fresh process under this name (a restart): ``fresh``'s rank, process, host,
-        role, devices and engine, and ready again."""
+        role, devices and engine, and ready again. Raises
+        :class:`~nbrpc.ClusterClosedError` for a record whose worker can no longer be
+        ready (stopped, or left the cluster)."""
         self.rank, self.pid, self.host, self.role = fresh.rank, fresh.pid, fresh.host, fresh.role
         self.devices, self.engine_id = fresh.devices, fresh.engine_id
         self.move(WorkerState.READY)
 
     def move(self, state: WorkerState) -> None:
-        """Change the state (staying where it is is no change)."""
+        """Change the state to ``state`` (staying where it is is no change). Raises
+        :class:`~nbrpc.ClusterClosedError` for a transition a worker cannot make (a
+        stopped worker cannot become ready)."""
         if state is not self.state and state not in WORKER_NEXT[self.state]:
             raise ClusterClosedError(
                 f"{self.name} is {self.state.value} and cannot become {state.value}"

@@ -1,5 +1,7 @@
 """Distributed autograd from a notebook: torch's engine, with errors that say what to do.
 
+A training step::
+
     with nbrpc.autograd.context() as context_id:
         loss = model(x).sum()
         nbrpc.autograd.backward(context_id, [loss])      # or seed 001's backward([loss])
@@ -36,7 +38,8 @@ EVERY_PASS = "every pass"
 
 
 def current_context_id() -> int:
-    """The id of the innermost ``with context()`` block on this thread."""
+    """The id of the innermost ``with context()`` block on this thread. Raises
+    :class:`~nbrpc.AutogradContextError` outside of one."""
     try:
         return _torch.current_autograd_context_id()
     except RuntimeError:
@@ -83,7 +86,14 @@ def backward(
     follows from what this process sent it, as in a training loop; a worker whose part
     changes from pass to pass on its own (a branch on its own state that leaves a
     result unused) is checked on every pass with ``check="every pass"``. ``check=False``
-    checks nothing.
+    checks nothing. ``retain_graph``: keep the graph for another backward pass, as in
+    torch.
+
+    ``context_id``: the context's id, or the roots themselves (then the innermost
+    context on this thread is used). Raises :class:`~nbrpc.AutogradContextError` outside
+    of (or after) its context and for a pass the check refuses (it says why),
+    ``ValueError`` for another ``check``, and torch's errors of the pass itself (a
+    worker's, rebuilt here as from :func:`nbrpc.rpc_sync`).
     """
     if roots is None:
         roots, context_id = context_id, current_context_id()  # type: ignore[assignment]
@@ -160,7 +170,10 @@ def trace_backward(context_id: int | None = None) -> Trace:
     """The backward pass of ``context_id`` as it crossed the workers (see ``nbrpc._trace``).
 
     Call it inside the ``with context()`` block, after ``backward``: leaving the block
-    frees the graph on every worker.
+    frees the graph on every worker. ``context_id``: the context (default: the innermost
+    one on this thread). Returns a :class:`~nbrpc.Trace` (``context_id``, ``workers``,
+    ``nodes``, ``edges``). Raises :class:`~nbrpc.AutogradContextError` outside of (or
+    after) the context.
     """
     if context_id is None:
         context_id = current_context_id()
@@ -200,6 +213,8 @@ def install() -> None:
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
-    """Gradients accumulated in this process for ``context_id``: {tensor: grad}."""
+    """Gradients accumulated in this process for ``context_id``: {tensor: grad}.
+    Raises :class:`~nbrpc.AutogradContextError` when the context has ended (read them
+    inside the ``with context()`` block)."""
     check_context(context_id, "get_gradients")
     return dist_autograd.get_gradients(context_id)

@@ -24,7 +24,11 @@ class DistributedOptimizer(_TorchDistributedOptimizer):
     """``DistributedOptimizer(optimizer_class, params_rref, *args, **kwargs)``.
 
     Runs ``optimizer_class`` (torch's or one defined in the notebook) on each worker that
-    owns parameters. ``step(context_id)``; or ``step()`` inside a ``with context()``.
+    owns parameters. ``params_rref``: RRefs to the parameters to optimize, on any
+    workers; ``args`` and ``kwargs``: the arguments of ``optimizer_class`` besides the
+    parameters (``lr=0.05``). ``step(context_id)``; or ``step()`` inside a
+    ``with context()``. Raises :class:`~nbrpc.WorkerDiedError`, naming the owners, when a
+    worker that owns parameters is gone.
     """
 
     def __init__(self, optimizer_class: Any, params_rref: list, *args: Any, **kwargs: Any):
@@ -35,6 +39,12 @@ class DistributedOptimizer(_TorchDistributedOptimizer):
             raise self._dead_owner(exc) from None
 
     def step(self, context_id: int | None = None) -> None:
+        """Apply the gradients of ``context_id`` (default: the innermost ``with
+        context()`` block's) on every worker that owns parameters, at once.
+
+        Raises :class:`~nbrpc.AutogradContextError` outside of (or after) the context,
+        and :class:`~nbrpc.WorkerDiedError`, naming the owners, when one of them is gone.
+        """
         if context_id is None:
             context_id = current_context_id()
         check_context(context_id, "DistributedOptimizer.step")

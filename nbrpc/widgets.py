@@ -186,7 +186,8 @@ class ClusterView(_LiveView):
 class OwnershipView(_LiveView):
     """Every live RRef drawn inside its owner's lane, with an edge to each holder.
 
-    Redraws when RRefs are created or released (``live=True``), from ``nbrpc.ownership()``.
+    Redraws when RRefs are created or released (``live=True``: it asks every ``interval``
+    seconds), from ``nbrpc.ownership()``.
     """
 
     def _compute(self) -> dict[str, Any]:
@@ -243,6 +244,9 @@ class TimelineView(_View):
             self._start(interval)
 
     def refresh(self) -> bool:
+        """Collect the recording's new rows (while it records) and redraw if they changed;
+        returns whether they did. Raises nothing a redraw's caller must handle: the live
+        redraws log what fails and try again."""
         if self.rec.recording:
             self.rec.refresh()
         elif self._thread is not None:
@@ -271,7 +275,8 @@ class ClusterPanel(_View):
     when there is none. Each button asks first in the panel, then sends its action to
     the kernel, which runs the same code as the magic (:mod:`nbrpc._lifecycle.actions`)
     when it reads the message: a kernel reads no widget message while a cell runs, so an
-    action waits for the cell to end, and the panel says so. ``status`` is what the last
+    action waits for the cell to end, and the panel says so. ``live=False``: drawn once,
+    no redraws. ``status`` is what the last
     action said, ``output`` the stacks it showed; ``rendered`` turns true once a front end
     drew the panel. A panel whose front end closed stops asking the workers.
     """
@@ -315,8 +320,11 @@ class ClusterPanel(_View):
         return _views.panel_text(data)
 
     def act(self, action: str, target: str = "") -> str:
-        """Run one of the panel's actions (``restart`` a worker, ``stacks`` of one or of
-        all, ``shutdown``) as its button does, and say what came of it in the panel."""
+        """Run one of the panel's actions as its button does, and say what came of it in
+        the panel (``status``); returns that text. ``action``: ``"restart"`` (the worker
+        ``target``), ``"stacks"`` (of ``target``, or of every process when it is ``""``) or
+        ``"shutdown"``. Raises nothing: an action's error is said in the panel, as the
+        magic's cell would show it."""
         started = time.monotonic()
         try:
             if action == "restart":
@@ -335,7 +343,8 @@ class ClusterPanel(_View):
         return said
 
     def close(self) -> None:
-        """Stop asking the workers, and close the side bar's panel it is shown in."""
+        """Stop asking the workers, and close the side bar's panel it is shown in. Raises
+        nothing."""
         super().close()
         if self.side is not None:
             self.side.close()
@@ -362,8 +371,10 @@ _open: list[ClusterPanel] = []
 def panel(*, interval: float = 1.0) -> None:
     """Open the cluster panel (:class:`ClusterPanel`) in JupyterLab's side bar
     (``%rpc_panel``). Always prints where it works; in a front end that does not draw it
-    within :data:`CONFIRM_S` seconds (classic Notebook, VS Code), the card is shown in
-    the cell; in a script, the cluster's table is printed. A panel opened before closes."""
+    within ``CONFIRM_S`` seconds (2; classic Notebook, VS Code), the card is shown in
+    the cell; in a script, the cluster's table is printed. A panel opened before closes.
+    ``interval``: seconds between the panel's redraws. Raises nothing: without a cluster
+    the panel says there is none, and follows the next one."""
     print(PANEL_WHERE)
     for old in _open:
         old.close()

@@ -116,9 +116,6 @@ if CUDA:
     assert abs(cuda_total - reference) <= 1e-2 * max(1.0, abs(reference))
 
 # %%
-import matplotlib
-
-matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import display
 

@@ -135,9 +135,6 @@ print("both workers' weights equal the one-process twin (float64, 1e-10)")
 # ## Each worker's loss
 
 # %%
-import matplotlib
-
-matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import display
 

@@ -464,6 +464,21 @@ def pytest_sessionfinish(session):
         _notebook_hosts.pop().down()
 
 
+#: the plugin's name: ``-p no:nbrpc-notebook-outputs`` leaves build/executed-notebooks alone
+NOTEBOOK_OUTPUTS = "nbrpc-notebook-outputs"
+
+
+def pytest_configure(config):
+    """Keep each tutorial as nbval ran it, outputs included, for the documentation site
+    (tests/notebook_outputs.py writes build/executed-notebooks; tools/docs_site.py renders
+    them)."""
+    from notebook_outputs import NotebookOutputs
+
+    out = config.rootpath / "build" / "executed-notebooks"
+    if not config.pluginmanager.has_plugin(NOTEBOOK_OUTPUTS):  # once, loaded as -p conftest too
+        config.pluginmanager.register(NotebookOutputs(out), NOTEBOOK_OUTPUTS)
+
+
 def pytest_unconfigure(config):
     watchdog = getattr(config, "_nbrpc_hang_watchdog", None)
     if watchdog is not None:

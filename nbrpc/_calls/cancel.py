@@ -193,7 +193,8 @@ def _frames(stacks: Any, worker: str, threads: set[int]) -> str:
 def cancel(*futures: Any) -> int:
     """Cancel the calls behind ``futures`` (futures nbrpc's ``rpc_async`` returned) where
     they run, with the calls they made, from any thread; how many had not finished.
-    Their ``wait()`` then raises :class:`~nbrpc.CallCancelledError`."""
+    Their ``wait()`` then raises :class:`~nbrpc.CallCancelledError`. ``futures`` that are
+    done, or that nbrpc did not start, are left alone; ``cancel`` itself raises nothing."""
     pending = [f for f in futures if not f.done() and getattr(f, "origin", None) is not None]
     if not pending or _cancel.broadcast is None:
         return 0

@@ -171,7 +171,10 @@ def calls_in_flight() -> int:
 
 
 def workers() -> list[str]:
-    """Names of the live processes in the group, the kernel first."""
+    """Names of the live processes in the group, the kernel first.
+
+    Raises :class:`~nbrpc.NotInitializedError` before a cluster runs.
+    """
     _group.require_active("nbrpc.workers()")
     return _group.member_names()
 
@@ -217,7 +220,13 @@ def _destination(to: str | WorkerInfo | int, what: str) -> WorkerInfo:
 
 
 def get_worker_info(worker_name: str | int | None = None) -> WorkerInfo:
-    """torch's ``WorkerInfo`` (name and id) of a worker, or of this process."""
+    """torch's ``WorkerInfo`` (name and id) of a worker, or of this process.
+
+    ``worker_name``: a worker's name or rank; ``None``: this process. Raises
+    :class:`~nbrpc.NotInitializedError` before a cluster runs,
+    :class:`~nbrpc.UnknownWorkerError` for a name or rank not in the group and
+    :class:`~nbrpc.WorkerDiedError` for a worker whose process is gone.
+    """
     if worker_name is None:
         _group.require_active("nbrpc.get_worker_info()")
         return rpc.get_worker_info()
@@ -256,7 +265,21 @@ def rpc_sync(
 ) -> T:
     """Run ``func(*args, **kwargs)`` on worker ``to`` and return its result.
 
-    An exception raised there is raised here with its own type (see :mod:`nbrpc._wire.failures`).
+    ``to``: the worker, by name (``"worker1"``), rank or torch's ``WorkerInfo``.
+    ``func``: any callable; one defined in the notebook (function, lambda, closure,
+    class) travels by value. ``args`` and ``kwargs``: its arguments
+    (tensors travel beside the pickle, large CPU ones through shared memory on one host).
+    ``timeout``: seconds to wait for the result (``0``: no limit; ``None``: the cluster's
+    ``rpc_timeout``, 60 s by default).
+
+    Raises the exception ``func`` raised on the worker, with its own type and the
+    worker's traceback (:class:`~nbrpc.RemoteError` when that type cannot be rebuilt
+    here); :class:`~nbrpc.NotInitializedError` before a cluster runs;
+    :class:`~nbrpc.UnknownWorkerError` for a ``to`` that is not in the group;
+    :class:`~nbrpc.WorkerDiedError` when the worker's process is gone;
+    :class:`~nbrpc.RpcTimeoutError` after ``timeout``; :class:`~nbrpc.SerializationError`
+    for an argument or a result that cannot travel; :class:`~nbrpc.CallCancelledError`
+    when the stop button (or :func:`nbrpc.cancel`) cancels the call.
     """
     if threading.get_ident() != _main:
         return start_call("rpc_sync", to, func, args, kwargs, timeout).wait()
@@ -323,7 +346,22 @@ def rpc_async(
     kwargs: dict | None = None,
     timeout: float | None = None,
 ) -> torch.futures.Future[T]:
-    """Start ``func(*args, **kwargs)`` on worker ``to``; return a ``torch.futures.Future``."""
+    """Start ``func(*args, **kwargs)`` on worker ``to``; return a ``torch.futures.Future``.
+
+    Takes what :func:`rpc_sync` takes:
+
+    ``to``: the worker, by name (``"worker1"``), rank or torch's ``WorkerInfo``.
+    ``func``: any callable; one defined in the notebook (function, lambda, closure,
+    class) travels by value. ``args`` and ``kwargs``: its arguments
+    (tensors travel beside the pickle, large CPU ones through shared memory on one host).
+    ``timeout``: seconds to wait for the result (``0``: no limit; ``None``: the cluster's
+    ``rpc_timeout``, 60 s by default).
+
+    ``NotInitializedError`` and ``UnknownWorkerError`` are raised here, before anything is
+    sent; every other error of :func:`rpc_sync` is raised by the future's ``wait()``
+    (``.value()`` too). The stop button interrupts a ``wait()`` and cancels the call on
+    the worker (``fut.cancel()`` or :func:`nbrpc.cancel` do so from code).
+    """
     fut = start_call("rpc_async", to, func, args, kwargs, timeout)
     _torch.list_future(fut)  # inside torch's _wait_all() block: waited for at its end
     return fut
@@ -522,10 +560,15 @@ def remote(
 ) -> RRef[T]:
     """Run ``func`` on ``to`` and keep the result there; return an ``RRef`` to it.
 
+    ``to``, ``func``, ``args`` and ``kwargs`` as for :func:`rpc_sync`. The worker owns the
+    value; the RRef is torch's (``to_here()``, ``owner()``, ``local_value()`` on the
+    owner, the ``rpc_sync()``/``rpc_async()``/``remote()`` proxies).
+
     Errors come as from :func:`rpc_sync`: ``to_here()`` on an RRef whose call failed
     raises the worker's exception, a timeout is an :class:`~nbrpc.RpcTimeoutError`.
-    Without ``timeout`` the creation has none: ``to_here()`` keeps the clock (paused while
-    a debugger is open); with one, torch enforces it on the creation.
+    ``NotInitializedError`` and ``UnknownWorkerError`` are raised here, before anything is
+    sent. Without ``timeout`` the creation has none: ``to_here()`` keeps the clock (paused
+    while a debugger is open); with one, torch enforces it on the creation.
     """
     dest = _destination(to, "remote")
     _trace.note_call(dest.id, func, tuple(args), kwargs)

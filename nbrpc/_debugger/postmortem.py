@@ -22,7 +22,8 @@ def post_mortem() -> str | None:
     """Open pdb on the worker frame that raised the last remote exception.
 
     Returns that exception's summary (``"ZeroDivisionError: division by zero"``), or None
-    when there is nothing to debug or nobody can type (the reason is printed).
+    when there is nothing to debug or nobody can type (the reason is printed). Raises
+    :class:`~nbrpc.NotInitializedError` when no cluster runs.
     """
     _group.require_active("%rpc_debug")
     seen = failures.last_seen_failure()

@@ -168,7 +168,9 @@ def ownership(timeout: float = SNAPSHOT_TIMEOUT_S) -> list[OwnershipRow]:
     Keys: ``id`` (torch's RRef id, ``"creator_rank:n"``), ``owner``, ``holders`` (processes
     holding a user reference), ``owner_holds``, ``type`` (of the value), ``created_by``
     (e.g. ``"remote(worker1, ParameterServer)"``) and ``handles`` (Python handles in all).
-    An RRef dropped everywhere and garbage-collected is gone from the list.
+    An RRef dropped everywhere and garbage-collected is gone from the list. A process
+    that does not answer within ``timeout`` seconds is left out (its RRefs are unknown,
+    not absent). Raises :class:`~nbrpc.NotInitializedError` when no cluster runs.
     """
     return _ledger.merge(list(snapshots(timeout).values()))
 

@@ -101,6 +101,8 @@ class Recording:
     # -- on and off -------------------------------------------------------------------
 
     def start(self) -> Recording:
+        """Start recording in every process of the cluster (``with`` does it); returns
+        the recording. Raises :class:`~nbrpc.NotInitializedError` when no cluster runs."""
         _group.require_active("nbrpc.record()")
         me = _process.name()
         others = [n for n in _group.member_names() if n != me]
@@ -114,6 +116,9 @@ class Recording:
         return self
 
     def stop(self) -> Recording:
+        """Stop recording everywhere and collect the rows (the ``with`` block's end does
+        it); returns the recording. Raises nothing: a worker that does not answer is left
+        out, and stopping a stopped recording does nothing."""
         if not self.recording:
             return self
         self.recording = False
@@ -122,7 +127,8 @@ class Recording:
         return self
 
     def refresh(self) -> bool:
-        """Collect the rows finished so far (a live view calls this); whether any came."""
+        """Collect the rows finished so far (a live view calls this); whether any came.
+        Raises nothing: a worker that does not answer is left out until the next time."""
         if not self.recording:
             return False
         before = len(self._rows)
@@ -187,12 +193,14 @@ class Recording:
     # -- export -----------------------------------------------------------------------
 
     def trace_events(self) -> dict[str, Any]:
-        """The recording in Chrome's trace event format (see :meth:`save`)."""
+        """The recording in Chrome's trace event format (see :meth:`save`). Raises
+        nothing."""
         return chrome_trace(self.calls, self.processes)
 
     def save(self, path: str | os.PathLike) -> str:
         """Write the recording as a Chrome trace (JSON) that Perfetto and
-        chrome://tracing open; returns the path."""
+        chrome://tracing open, to ``path``; returns the path. Raises ``OSError`` when the
+        file cannot be written."""
         path = os.fspath(path)
         with open(path, "w") as f:
             json.dump(self.trace_events(), f)
@@ -284,6 +292,8 @@ def record() -> Recording:
 
     ``rec.calls`` lists them (caller, callee, function, times on one clock, bytes each
     way, the tensors' path, the exception's type, the parent call), ``rec.save(path)``
-    writes a Chrome trace, ``nbrpc.widgets.TimelineView(rec)`` draws it.
+    writes a Chrome trace, ``nbrpc.widgets.TimelineView(rec)`` draws it. Returns the
+    :class:`Recording`, not started: entering the ``with`` block raises
+    :class:`~nbrpc.NotInitializedError` when no cluster runs.
     """
     return Recording()

@@ -4,18 +4,8 @@ A cluster is the kernel plus worker processes that joined its torch RPC group. I
 live in their own modules: what was asked for in :mod:`nbrpc._options` (frozen, checked
 before anything starts), where engines come from in :mod:`nbrpc._engines` (the control
 plane: start, run bootstrap code, stop), the boot's steps in :mod:`nbrpc._lifecycle.boot`, the RPC
-group in :mod:`nbrpc._group` (the data plane). This module holds the state machine.
-
-Lifecycle (``Cluster.state``), the one record of whether a cluster is up::
-
-    NOT_STARTED ──> BOOTING ──> READY ──> SHUTTING_DOWN ──> CLOSED
-                       └──(failure: what started is stopped)──> CLOSED
-
-A cluster becomes *current* when it starts booting (``nbrpc.current()``), whether made by
-``nbrpc.init`` or as ``nbrpc.Cluster(...).start()``, and stops being current when it is
-closed. Starting a second one while one is current is refused. After ``shutdown`` a new
-``init`` in the same process is a supported transition (see :mod:`nbrpc._group` for how).
-A cluster still running at interpreter exit is shut down by an ``atexit`` hook.
+group in :mod:`nbrpc._group` (the data plane). This module holds the state machine
+(:class:`ClusterState`: the one record of whether a cluster is up) and the current one.
 """
 
 from __future__ import annotations
@@ -53,6 +43,9 @@ LEAVE_TIMEOUT_S = 30.0
 
 
 class ClusterState(enum.Enum):
+    """A :class:`Cluster`'s life (``cluster.state``), one way: NOT_STARTED, BOOTING, READY,
+    SHUTTING_DOWN, CLOSED; a failed boot stops what started (BOOTING to SHUTTING_DOWN)."""
+
     NOT_STARTED = "not started"
     BOOTING = "booting"
     READY = "ready"
@@ -87,10 +80,14 @@ _states.listen(prompts.on_worker_change)
 class Cluster:
     """A group: the kernel plus its workers. :func:`nbrpc.init` makes and starts one;
     ``nbrpc.Cluster(n=2).start()`` does the same, also as ``with ... as cluster:``.
-
-    ``nbrpc.Cluster(n, **options)`` takes :func:`nbrpc.init`'s options; nothing starts
-    before :meth:`start`, but bad options are refused here.
-    """
+    ``nbrpc.Cluster(n, **options)`` takes :func:`nbrpc.init`'s ``n`` and ``options`` (or
+    ``settings``, already checked); nothing starts before :meth:`start`, but bad options
+    raise :class:`~nbrpc.ConfigError` here. Read-only: ``n``, ``names``, ``self_name``,
+    ``attached``, ``shm_threshold``; ``records`` and ``workers`` (a
+    :class:`~nbrpc.WorkerRecord` each), ``boot_seconds``, ``device_maps``, ``fast_path``,
+    ``shm_peers``, ``process_group``; ``state``, a :class:`ClusterState`. It is *current*
+    (``nbrpc.current()``) from its boot until closed: a second one meanwhile is refused, a
+    new one after ``shutdown`` works, and interpreter exit shuts a running one down."""
 
     def __init__(
         self,
@@ -388,9 +385,11 @@ def init(n: int | None = None, /, **options: Unpack[Options]) -> Cluster:
 
     The calling process joins as ``self_name`` (rank 0); workers are named ``worker1`` ...
     ``workerN`` unless ``names`` is given. Without ``n``, ``names``, ``hosts`` or an
-    ipyparallel cluster to attach to: 2 workers. Every option is checked before anything
-    starts (:class:`~nbrpc.ConfigError`). Returns the started :class:`Cluster`.
-    """
+    ipyparallel cluster to attach to: 2 workers. Every one of ``options`` (below) is checked
+    before anything starts (:class:`~nbrpc.ConfigError`). Returns the started
+    :class:`Cluster`. Raises :class:`~nbrpc.AlreadyInitializedError` while one runs,
+    :class:`~nbrpc.BootError` when workers do not start or join (what started is stopped),
+    :class:`~nbrpc.DeviceMapError` for device maps the processes cannot serve."""
     return Cluster(n, **options).start()
 
 
@@ -412,11 +411,10 @@ def running() -> Cluster | None:
 def shutdown(
     graceful: bool = True, timeout: float = LEAVE_TIMEOUT_S, release: bool = False
 ) -> None:
-    """Shut the current cluster down (no-op when none runs).
-
-    ``release=True`` also stops the controller and the warm spare engines kept for a fast
-    next ``init`` (``%rpc_shutdown --release``).
-    """
+    """Shut the current cluster down (no-op when none runs); raises nothing of its own.
+    ``graceful``: workers finish their calls in flight (``timeout`` seconds at most), then
+    leave; ``False``: dropped at once. ``release=True`` also stops the controller and the
+    warm spare engines kept for a fast next ``init`` (``%rpc_shutdown --release``)."""
     if _current.cluster is not None:
         _current.cluster.shutdown(graceful=graceful, timeout=timeout, release=release)
     elif release:
@@ -440,21 +438,24 @@ def scale(n: int | None = None, /, **how: Unpack[scales.How]) -> scales.Scaled:
     """Grow or shrink the running cluster to ``n`` workers, from the source it started
     from (``%rpc_scale N``); the workers that stay keep everything. ``remove``: the
     workers to leave (default: the highest ranks); ``names``, ``hosts``: the new workers'
-    names and hosts; ``force``: cancel the leavers' calls instead of waiting. See
-    docs/architecture.md, "Scaling a running cluster". Returns what it did."""
+    names and hosts; ``force``: cancel the leavers' calls instead of waiting (``how``).
+    Returns what it did. Raises :class:`~nbrpc.NotInitializedError` without a cluster,
+    ``ConfigError`` for what it cannot take, ``BootError`` when a new worker fails."""
     if _current.cluster is None:
         raise NotInitializedError("nbrpc.scale() (%rpc_scale)")
     return _current.cluster.scale(n, **how)
 
 
 def status(timeout: float = census.SNAPSHOT_TIMEOUT_S) -> list[StatusRow]:
-    """Live figures for each process of the current cluster (see :meth:`Cluster.status`)."""
+    """Live figures for each process of the current cluster, ``timeout`` seconds at most
+    (:meth:`Cluster.status`). Raises :class:`~nbrpc.NotInitializedError` without one."""
     return current().status(timeout)
 
 
 def stacks(*names: str, timeout: float = gathered_stacks.TIMEOUT_S) -> list[StackRow]:
     """``nbrpc.stacks()``: every thread's Python stack in each process of the current
-    cluster (or of ``names``), read from outside each worker (see :mod:`nbrpc._gather.stacks`)."""
+    cluster (or of ``names``), read from outside each worker, ``timeout`` seconds at most.
+    Raises ``NotInitializedError`` without a cluster, ``UnknownWorkerError`` for a name."""
     cluster = current()
     return gathered_stacks.of_processes(
         cluster.records, cluster.engines.source, *names, timeout=timeout

@@ -19,7 +19,9 @@ def rank(name: str | None = None) -> int:
     """The rank a script would give process ``name`` (default: this one): 0 for the
     kernel, 1..N for the workers in the order they were named, in every cluster. Code that
     computes with ranks (``get_worker_info().id - 1``) uses ``nbrpc.rank()`` instead; on a
-    worker it asks the kernel for the order once."""
+    worker it asks the kernel for the order once. Raises
+    :class:`~nbrpc.NotInitializedError` when no cluster runs and
+    :class:`~nbrpc.UnknownWorkerError` for a ``name`` that is not a process of it."""
     me = _process.name()
     name = me if name is None else name
     order = _order()

@@ -41,7 +41,7 @@ class Slurm(SourceOptions):
     queue_timeout: float | None = None
 
     def sbatch_options(self, n: int) -> list[str]:
-        """The ``sbatch`` (and ``srun``) options for ``n`` tasks."""
+        """The ``sbatch`` (and ``srun``) options for ``n`` tasks. Raises nothing."""
         opts = [f"--ntasks={n}"]
         if self.nodes is not None:
             opts.append(f"--nodes={self.nodes}")
@@ -55,11 +55,18 @@ class Slurm(SourceOptions):
 
     @classmethod
     def from_parts(cls, parts: dict[str, Any]) -> Slurm:
-        """The job of ``slurm=True`` and its flat options (``--sbatch-args`` as one text)."""
+        """The job of ``slurm=True`` and its flat options (``--sbatch-args`` as one text):
+        ``parts`` maps this class's fields to the values given. Raises ``TypeError`` for a
+        name that is not a field."""
         args = split_args(parts.get("args"))
         return cls(**{**parts, "args": args})
 
     def check(self, v: dict[str, Any]) -> None:
+        """Refuse, before anything starts, what Slurm cannot be asked for: ``v`` holds the
+        cluster's other options by name (``hosts``, ``profile``, ``listen``, ...). Raises
+        :class:`~nbrpc.ConfigError` for ``--hosts`` or ``--profile`` beside ``--slurm``,
+        a ``nodes`` under 1, a negative ``gpus_per_node``, a ``queue_timeout`` that is not
+        positive, a ``time`` Slurm cannot read, and a loopback ``--listen``."""
         if v["hosts"] is not None or v["profile"] is not None or v["cluster_id"] is not None:
             raise ConfigError(
                 "--slurm takes its workers from Slurm; --hosts starts them over ssh and "
@@ -84,5 +91,6 @@ class Slurm(SourceOptions):
             )
 
     def implies(self) -> dict[str, Any]:
-        """GPUs per node: a GPU per worker, by its rank on the node, maps for all pairs."""
+        """GPUs per node: a GPU per worker, by its rank on the node, maps for all pairs
+        (the options a ``gpus_per_node`` implies: ``gpus="auto"``). Raises nothing."""
         return {"gpus": "auto"} if self.gpus_per_node else {}

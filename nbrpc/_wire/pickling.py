@@ -454,7 +454,10 @@ def serialize(obj: Any) -> tuple[bytes, list]:
 def register_by_value(module: ModuleType) -> None:
     """Ship a local helper module's code by value, for workers that cannot import it.
 
-    Thin wrapper over ``cloudpickle.register_pickle_by_value``; call it in the kernel.
+    Thin wrapper over ``cloudpickle.register_pickle_by_value``; call it in the kernel,
+    before the calls that use ``module`` (an imported module object, e.g. a helper file
+    next to the notebook). Raises ``ValueError`` (cloudpickle's) for an object that is not
+    an imported module.
     """
     cloudpickle.register_pickle_by_value(module)  # RpcPickler.dump then forgets its memo
 
