@@ -12,10 +12,11 @@ import os
 import signal
 import sys
 import threading
+import time
 import types
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed.rpc as rpc
@@ -164,31 +165,63 @@ def cell_running() -> bool:
     return _cells.running
 
 
+#: A CPU figure over a window longer than this says little of now (88 % just after a
+#: cancelled spin, the process idle): :func:`cpu_percent` samples anew instead.
+CPU_RECENT_S = 2.0
+CPU_SAMPLE_S = 0.2
+
+
 @dataclass
 class _Meter:
-    """psutil's handle on this process, kept: its CPU figure is "since the previous call"."""
+    """This process's CPU reading, one for every caller (the live views' thread and a
+    cell's ``%rpc_status`` read it at once: psutil's own "since the previous call", read
+    from two threads, gave the kernel 323 % of one core on a 2-core host)."""
 
-    proc: Any = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    mark: tuple[float, float] = (0.0, 0.0)  # (CPU seconds, wall seconds) at the last reading
 
 
 _meter = _Meter()
 
 
+def _cpu_mark() -> tuple[float, float]:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime, time.monotonic()
+
+
+def cpu_percent(sample: bool = True) -> float | None:
+    """This process's CPU use, in % of one core: since the last reading, or, where that
+    was over :data:`CPU_RECENT_S` ago (or never), over a fresh :data:`CPU_SAMPLE_S` of
+    sleep. ``sample=False`` never sleeps nor waits for the reading of another thread (a
+    side door answering past busy threads keeps the GIL): the figure since the last
+    reading, or None."""
+    if not _meter.lock.acquire(blocking=sample):
+        return None
+    try:
+        cpu, wall = _cpu_mark()
+        last_cpu, last_wall = _meter.mark
+        if sample and (not last_wall or wall - last_wall > CPU_RECENT_S):
+            time.sleep(CPU_SAMPLE_S)
+            (last_cpu, last_wall), (cpu, wall) = (cpu, wall), _cpu_mark()
+        _meter.mark = (cpu, wall)
+    finally:
+        _meter.lock.release()
+    if not last_wall or wall <= last_wall:
+        return None
+    return max(0.0, 100.0 * (cpu - last_cpu) / (wall - last_wall))
+
+
 def resources() -> dict[str, Any]:
     """What this process uses now (``%rpc_status``'s card, ``nbrpc.status()``'s rows):
-    ``cpu_percent`` of one core since the previous call (the first call, at the join,
-    starts the interval), ``memory_rss`` in bytes, and ``cuda``: per device, the memory
-    torch's allocator holds and the device's utilisation (see :func:`cuda_memory`)."""
+    ``cpu_percent`` of one core, of late (:func:`cpu_percent`), ``memory_rss`` in bytes,
+    and ``cuda``: per device, the memory torch's allocator holds and the device's
+    utilisation (see :func:`cuda_memory`)."""
     import psutil
 
-    if _meter.proc is None:
-        _meter.proc = psutil.Process()
-        _meter.proc.cpu_percent(None)
-    proc = _meter.proc
-    with proc.oneshot():
-        cpu = proc.cpu_percent(None)
-        rss = proc.memory_info().rss
-    return {"cpu_percent": cpu, "memory_rss": rss, "cuda": cuda_memory()}
+    rss = psutil.Process().memory_info().rss
+    return {"cpu_percent": cpu_percent(), "memory_rss": rss, "cuda": cuda_memory()}
 
 
 def cuda_memory() -> list[dict[str, Any]]:

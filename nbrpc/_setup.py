@@ -90,7 +90,6 @@ def worker(
     )
     _fence.admit(members)  # before the first call reaches this worker's listeners
     facade.set_active(True)  # code running here may call nbrpc.rpc_sync & co. too
-    _process.resources()  # the first %rpc_status's CPU figure counts from the join
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """nbrpc.ownership() and nbrpc.status(): who owns which RRef, who holds it, live figures."""
 
 import gc
+import os
 import threading
 import time
 
@@ -182,6 +183,35 @@ def test_status_says_what_each_process_uses():
     assert "CPU " in text
     assert " MB" in text
     print("status:", {n: (r["cpu_percent"], r["memory_rss"] >> 20) for n, r in rows.items()})
+
+
+def test_cpu_is_of_late_and_never_past_the_cores_when_read_at_once():
+    """After a spin ended, a status read seconds later says the process is idle (it said
+    88-90 %: the figure covered the time since the last status, spin included); two
+    threads reading at once (the live views and a cell) never make a figure past the
+    host's cores (the kernel showed 323 % on 2 cores)."""
+    nb = notebook_code(SPIN)
+    nbrpc.status()
+    assert nbrpc.rpc_sync("worker1", nb.spin, args=(3.0,)) == 3.0
+    time.sleep(2.5)  # idle since, longer than a figure's window
+    rows = {r["name"]: r for r in nbrpc.status()}
+    assert rows["worker1"]["cpu_percent"] < 25, rows["worker1"]  # it was 3 / 5.5: 55 %
+
+    cores = len(os.sched_getaffinity(0))
+    seen: list = []
+
+    def read() -> None:
+        for _ in range(20):
+            seen.extend(r["cpu_percent"] for r in nbrpc.status())
+
+    readers = [threading.Thread(target=read) for _ in range(2)]
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join()
+    figures = [f for f in seen if f is not None]
+    assert figures, seen
+    assert max(figures) <= 100 * cores + 5, max(figures)
 
 
 def test_cuda_figures_come_from_torchs_allocator(monkeypatch):
