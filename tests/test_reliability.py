@@ -1,6 +1,7 @@
 """Load, re-runs and shutdown with work in flight: nothing lost, nothing hung, nothing leaked."""
 
 import gc
+import glob
 import os
 import re
 import time
@@ -132,12 +133,25 @@ def _resources() -> dict[str, int]:
         c for c in psutil.net_connections("inet") if c.status == "LISTEN" and c.pid == ME.pid
     ]
     return {
+        "ipyparallel logs": _controller_logs(),
         "threads": ME.num_threads(),
         "open files": sum(1 for f in fds if not f.startswith("socket:")),
         "sockets": sum(1 for f in fds if f.startswith("socket:")),
         "listening ports": len(listening),
         "child processes": len(ME.children(recursive=True)),
     }
+
+
+def _controller_logs() -> int:
+    """ipyparallel's files in the profile's log folder of this process's kept controller
+    (one per engine it started, never removed: 5,000 on one machine)."""
+    from nbrpc._engines import local
+
+    kept = local.kept()
+    if kept is None:
+        return 0
+    cluster_id = os.path.basename(kept.cluster_file)[len("cluster-") : -len(".json")]
+    return len(glob.glob(os.path.join(kept.log_dir, f"*{cluster_id}*")))
 
 
 def _kinds(files: list[str]) -> Counter:
@@ -176,7 +190,7 @@ def test_twenty_init_shutdown_cycles_do_not_grow_resources():
     # their way out (a spare engine starting, a reader thread ending), so the last row is
     # read again until it settles.
     first, last = rows[1], rows[-1]
-    for key in ("threads", "open files", "listening ports", "child processes"):
+    for key in ("ipyparallel logs", "threads", "open files", "listening ports", "child processes"):
         if last[key] > first[key]:
             wait_until(lambda key=key: _resources()[key] <= first[key], timeout=10)
             last[key] = _resources()[key]
@@ -186,4 +200,15 @@ def test_twenty_init_shutdown_cycles_do_not_grow_resources():
         )
     sockets = last["sockets"] - first["sockets"]
     assert sockets <= 18 * SOCKETS_PER_DEPARTED_WORKER, f"{sockets} more sockets after 18 cycles"
+
+    # a release takes ipyparallel's files of its controller with it
+    from nbrpc._engines import local
+
+    kept = local.kept()
+    assert kept is not None
+    cluster_id = os.path.basename(kept.cluster_file)[len("cluster-") : -len(".json")]
+    profile = os.path.dirname(kept.log_dir)
+    nbrpc.shutdown(release=True)
+    left = glob.glob(os.path.join(profile, "*", f"*{cluster_id}*"))
+    assert left == [], left
     ensure_cluster()

@@ -318,6 +318,9 @@ class LocalController(Controller):
         for pid in pids:
             self._forget_log(pid)
             launcher = self._launchers.pop(pid, None)
+            if launcher is not None:  # its log goes with it (a kept controller's piled up)
+                with contextlib.suppress(OSError):
+                    os.unlink(launcher.output_file)
             if process_alive(pid) and launcher is not None:
                 watchdog.reap([pid])
         self._forget_stopped_sets()

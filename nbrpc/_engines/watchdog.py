@@ -209,19 +209,27 @@ def started_with(marker: str) -> list[int]:
 
 
 def remove_cluster_files(cluster_file: str) -> None:
-    """Remove ipyparallel's ``cluster-ID.json`` and the controller's connection files
-    beside it (``ipcontroller-ID-client.json``, ``-engine.json``): at the death of the
-    kernel here, and at a release (:meth:`.controller.Controller.release`), which stops the
+    """Remove ipyparallel's ``cluster-ID.json``, the controller's connection files beside
+    it (``ipcontroller-ID-client.json``, ``-engine.json``) and its files in the profile's
+    ``log`` folder (the controller's and engines' logs, ``enginesID.json``; one per
+    process, never removed, they were 5,000 on one machine): at the death of the kernel
+    here, and at a release (:meth:`.controller.Controller.release`), which stops the
     processes itself and so leaves ipyparallel's files as they were."""
+    import glob
+
     name = os.path.basename(cluster_file)
     if not (name.startswith("cluster-") and name.endswith(".json")):
         return
     cluster_id = name[len("cluster-") : -len(".json")]
     security = os.path.dirname(cluster_file)
+    logs = os.path.join(os.path.dirname(security), "log")
     for path in (
         cluster_file,
         os.path.join(security, f"ipcontroller-{cluster_id}-client.json"),
         os.path.join(security, f"ipcontroller-{cluster_id}-engine.json"),
+        os.path.join(logs, f"engines{cluster_id}.json"),
+        *glob.glob(os.path.join(glob.escape(logs), f"ipcontroller-{cluster_id}-*.log")),
+        *glob.glob(os.path.join(glob.escape(logs), f"ipengine-{cluster_id}-*.log")),
     ):
         with contextlib.suppress(OSError):
             os.unlink(path)
