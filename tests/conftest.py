@@ -466,6 +466,14 @@ def pytest_sessionfinish(session):
 
 #: the plugin's name: ``-p no:nbrpc-notebook-outputs`` leaves build/executed-notebooks alone
 NOTEBOOK_OUTPUTS = "nbrpc-notebook-outputs"
+#: the check that a session leaves nothing behind (tests/leftovers.py; --leftovers=warn)
+LEFTOVERS = "nbrpc-leftovers"
+
+
+def pytest_addoption(parser):
+    from leftovers import add_option
+
+    add_option(parser)
 
 
 def pytest_configure(config):
@@ -477,6 +485,10 @@ def pytest_configure(config):
     out = config.rootpath / "build" / "executed-notebooks"
     if not config.pluginmanager.has_plugin(NOTEBOOK_OUTPUTS):  # once, loaded as -p conftest too
         config.pluginmanager.register(NotebookOutputs(out), NOTEBOOK_OUTPUTS)
+    from leftovers import Leftovers
+
+    if not config.pluginmanager.has_plugin(LEFTOVERS):
+        config.pluginmanager.register(Leftovers(), LEFTOVERS)
 
 
 def pytest_unconfigure(config):

@@ -325,6 +325,7 @@ class LocalController(Controller):
                 watchdog.reap([pid])
         self._forget_stopped_sets()
         self._watch()
+        stacks.sweep()  # a killed engine leaves its stack files
 
     def warm(self, n: int) -> None:
         """Keep up to ``n`` spare engines (at most :data:`SPARES_MAX`), started now."""
@@ -377,6 +378,7 @@ class LocalController(Controller):
         # what ipyparallel's stop leaves when it fails (at interpreter exit its event loop
         # may be gone): the cluster file and connection files, one set per such exit
         watchdog.remove_cluster_files(self.cluster_file)
+        stacks.sweep()  # the stopped engines' stack files
 
 
 #: faulthandler's first line when a process gets a fatal signal (a segfault; an abort,

@@ -337,9 +337,9 @@ class Cluster:
     ) -> list[StatusRow]:
         """Live figures per process: the record (state, pid, host, devices, role) plus
         ``calls_in_flight``, ``calls_done`` (Python calls it served), ``rrefs_owned`` and
-        ``rrefs_held`` (Python RRef handles it holds), ``cpu_percent`` (of one core, of late:
-        since the previous status, or over a fresh 0.2 s), ``memory_rss`` (bytes) and ``cuda`` (per device
-        it uses: allocated and reserved bytes, utilisation).
+        ``rrefs_held`` (Python RRef handles it holds), ``cpu_percent`` (of one core, of
+        late: since the previous status, or over a fresh 0.2 s), ``memory_rss`` (bytes) and
+        ``cuda`` (per device it uses: allocated and reserved bytes, utilisation).
 
         Figures are ``None`` for a process that is not ready or did not answer in time.
         """

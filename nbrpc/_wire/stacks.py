@@ -45,6 +45,7 @@ same as JSON. This file imports only the standard library at the top, for that r
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import json
@@ -129,7 +130,9 @@ def install() -> None:
     base = _base(os.getpid())
     if base is None or _installed == [base]:
         return
-    _sweep()
+    sweep()
+    if not _installed:  # a process that exits normally takes its files (a worker's
+        atexit.register(sweep, True)  # os._exit does not: its kernel sweeps them)
     fd = os.open(base + ".calls", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.ftruncate(fd, SLOT_BYTES * SLOTS)
@@ -286,9 +289,12 @@ def format_threads() -> str:
     return "\n".join(lines)
 
 
-def _sweep() -> None:
-    """Remove the files of this host's processes that are gone."""
+def sweep(own: bool = False) -> None:
+    """Remove the files of this host's processes that are gone (at each install, and
+    after engines are stopped: one that is killed leaves its files); ``own``: this
+    process's too (at its exit)."""
     host = socket.gethostname() + "."
+    me = f"{os.getpid()}-{_started(os.getpid())}"
     with contextlib.suppress(OSError):
         for entry in os.listdir(directory()):
             if not entry.startswith(host):
@@ -296,7 +302,8 @@ def _sweep() -> None:
             pid, _, rest = entry[len(host) :].partition("-")
             if not pid.isdigit():
                 continue
-            if _started(int(pid)) != rest.split(".", 1)[0]:
+            gone = _started(int(pid)) != rest.split(".", 1)[0]
+            if gone or (own and entry[len(host) :].split(".", 1)[0] == me):
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(directory(), entry))
 
