@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Protocol
 
 from nbrpc import _engines, _group, _ledger, _states, _torch
 from nbrpc._calls import facade as calls
 from nbrpc._departures import forget, release_stale_token
-from nbrpc._engines import Engines, worker
+from nbrpc._engines import worker
 from nbrpc._gather import census
-from nbrpc._rows import WorkerRecord, WorkerState
+from nbrpc._rows import WorkerState
 
-from .aside import Aside
-from .boot import Booted
 from .collective import destroy as destroy_process_group
+from .running import Cluster
 
 log = logging.getLogger("nbrpc")
 
@@ -38,19 +36,6 @@ NOTHING_HELD_RELEASE_TIMEOUT_S = 0.2
 _stale_pending = [0]  # user RRefs unconfirmed after the last release: their owner died
 
 SAY_WAITING_AFTER_S = 1.0  # a graceful shutdown waiting on calls says so after this
-
-
-class Cluster(Protocol):
-    """What a leave reads of the cluster (``nbrpc.Cluster``, which imports this module)."""
-
-    booted: Booted
-    engines: Engines
-    aside: Aside
-
-    @property
-    def records(self) -> list[WorkerRecord]: ...
-
-    def dead_workers(self, ask_ipyparallel: bool = True) -> list[str]: ...
 
 
 def stopped_while_leaving(cluster: Cluster) -> None:

@@ -30,31 +30,18 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 from nbrpc import _departures, _fence, _group, _process, _setup, _states
-from nbrpc._engines import JOIN_TIMEOUT_S, Engines
+from nbrpc._engines import JOIN_TIMEOUT_S
 from nbrpc._errors import BootError, ConfigError
-from nbrpc._options import Settings
 from nbrpc._placement import check_named
 from nbrpc._rows import WorkerRecord, WorkerState
 from nbrpc._wire import native_output
 
 from . import collective
-from .boot import Booted, Joining
+from .boot import Joining
 from .progress import BootProgress
-
-
-class Cluster(Protocol):
-    """What a restart reads and changes of the cluster (``nbrpc.Cluster``, which imports
-    this module)."""
-
-    settings: Settings
-    booted: Booted
-    engines: Engines
-
-    @property
-    def records(self) -> list[WorkerRecord]: ...
+from .running import Cluster
 
 
 @dataclass

@@ -32,10 +32,10 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypedDict
+from typing import Any, TypedDict
 
 from nbrpc import _departures, _fence, _group, _setup, _states, _torch
-from nbrpc._engines import JOIN_TIMEOUT_S, Engines, worker
+from nbrpc._engines import JOIN_TIMEOUT_S, worker
 from nbrpc._errors import ConfigError
 from nbrpc._gather import timeline
 from nbrpc._options import Settings
@@ -45,9 +45,10 @@ from nbrpc._wire import cancelling, native_output
 
 from . import collective
 from .aside import Aside
-from .boot import Booted, Joining
+from .boot import Joining
 from .progress import BootProgress
 from .ranks import set_order
+from .running import Cluster
 
 LEAVE_TIMEOUT_S = 30.0  # a leaver's calls in flight, then its leave, at most this each
 ORDER_TIMEOUT_S = 10.0
@@ -57,20 +58,6 @@ LEFT_MID_CALL = (
     "--force, or the stop button during %rpc_scale), and the call could not be stopped "
     "where it ran (inside C code, such as time.sleep)"
 )
-
-
-class Cluster(Protocol):
-    """What a scale reads and changes of the cluster (``nbrpc.Cluster``)."""
-
-    settings: Settings
-    booted: Booted
-    engines: Engines
-    aside: Aside
-
-    @property
-    def records(self) -> list[WorkerRecord]: ...
-
-    def dead_workers(self, ask_ipyparallel: bool = True) -> list[str]: ...
 
 
 class How(TypedDict, total=False):
