@@ -348,14 +348,8 @@ def rpc_async(
 ) -> torch.futures.Future[T]:
     """Start ``func(*args, **kwargs)`` on worker ``to``; return a ``torch.futures.Future``.
 
-    Takes what :func:`rpc_sync` takes:
-
-    ``to``: the worker, by name (``"worker1"``), rank or torch's ``WorkerInfo``.
-    ``func``: any callable; one defined in the notebook (function, lambda, closure,
-    class) travels by value. ``args`` and ``kwargs``: its arguments
-    (tensors travel beside the pickle, large CPU ones through shared memory on one host).
-    ``timeout``: seconds to wait for the result (``0``: no limit; ``None``: the cluster's
-    ``rpc_timeout``, 60 s by default).
+    Takes what :func:`rpc_sync` takes, meaning the same: ``to``, ``func``, ``args``,
+    ``kwargs`` and ``timeout``.
 
     ``NotInitializedError`` and ``UnknownWorkerError`` are raised here, before anything is
     sent; every other error of :func:`rpc_sync` is raised by the future's ``wait()``
