@@ -51,6 +51,7 @@ def test_restart_keeps_the_rest_and_every_path_to_the_new_process_works(kernel):
     out = k.run("%rpc_restart worker2")
     took = time.monotonic() - t0
     assert "worker2 restarted" in out, out
+    assert "nbrpc.rank() 2; torch's id" in out, out  # the rank a script has stays 2
     assert "%%rpc namespace are gone" in out, out
     print(f"local restart, no spare: {took:.2f} s")
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nbrpc import _departures, _fence, _group, _process, _setup, _states
 from nbrpc._engines import JOIN_TIMEOUT_S
@@ -49,8 +49,9 @@ class Restarted:
     """What one restart did, as the notebook shows it."""
 
     names: list[str]
-    old: dict[str, tuple[int, int]]  # name -> (pid, rank) before
-    new: dict[str, tuple[int, int]]  # name -> (pid, rank) after
+    old: dict[str, tuple[int, int]]  # name -> (pid, torch's id) before
+    new: dict[str, tuple[int, int]]  # name -> (pid, torch's id) after
+    orders: dict[str, int] = field(default_factory=dict)  # name -> nbrpc.rank(), kept
     process_group: bool = False  # rebuilt: its collective state is gone
     seconds: float = 0.0
 
@@ -60,10 +61,11 @@ class Restarted:
     def summary(self) -> str:
         lines = []
         for name in self.names:
-            (old_pid, old_rank), (pid, rank) = self.old[name], self.new[name]
+            (old_pid, old_id), (pid, new_id) = self.old[name], self.new[name]
             lines.append(
-                f"nbrpc: {name} restarted (pid {old_pid} -> {pid}, rank {old_rank} -> {rank}) "
-                f"in {self.seconds:.1f} s: its RRefs and %%rpc namespace are gone"
+                f"nbrpc: {name} restarted (pid {old_pid} -> {pid}, nbrpc.rank() "
+                f"{self.orders.get(name, '?')}; torch's id {old_id} -> {new_id}) in "
+                f"{self.seconds:.1f} s: its RRefs and %%rpc namespace are gone"
             )
         if self.process_group:
             lines.append(
@@ -165,7 +167,12 @@ def _run(cluster: Cluster, names: list[str]) -> Restarted:
     if booted.fast_path or booted.lanes:  # across hosts: every worker's peers, again
         remote = engines.source.remote
         joining.set_up_fast_path([r.name for r in cluster.records[1:]] if remote else names)
-    result = Restarted(list(names), old, {n: (records[n].pid, records[n].rank) for n in names})
+    result = Restarted(
+        list(names),
+        old,
+        {n: (records[n].pid, records[n].rank) for n in names},
+        {n: records[n].order for n in names},
+    )
     if pg:
         devices = {r.name: r.devices for r in cluster.records[1:]}
         joining.start_process_group(pg["backend"], list(pg["ranks"]), devices)
