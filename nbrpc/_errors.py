@@ -239,6 +239,10 @@ class NbrpcError(Exception):
     """Base class of every error nbrpc raises itself."""
 
     _init_args: tuple = ()  # set by subclasses whose __init__ builds the message
+    #: the message names the worker and the call, and nbrpc raised it there, not the
+    #: user's code: the kernel shows it without the worker's traceback, which would only
+    #: repeat it (a cancelled call's, once per process it passed back through)
+    says_where: bool = False
 
     def _render_traceback_(self) -> list[str]:
         """IPython shows this instead of its traceback (see :func:`short_traceback`)."""
@@ -380,6 +384,8 @@ class ThreadsExhaustedError(NbrpcError, RuntimeError):
 class DebuggerQuitError(NbrpcError, RuntimeError):
     """The debugger on a worker was left with ``q`` (or the stop button): the call ends."""
 
+    says_where = True
+
     def __init__(self, worker: str, call: str = "?") -> None:
         self.worker = worker
         self._init_args = (worker, call)
@@ -391,7 +397,10 @@ class DebuggerQuitError(NbrpcError, RuntimeError):
 
 class CallCancelledError(NbrpcError, RuntimeError):
     """The call was cancelled where it ran: the stop button was pressed in the cell that
-    started it (or ``nbrpc.cancel``, or a script's Ctrl-C), before it returned."""
+    started it (or ``nbrpc.cancel``, or a script's Ctrl-C), before it returned. Shown in
+    one line: its message names the call and the worker."""
+
+    says_where = True
 
     def __init__(self, worker: str, call: str = "?", started: bool = True, why: str = "") -> None:
         self.worker = worker
