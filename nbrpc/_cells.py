@@ -28,8 +28,10 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from . import _group
 from ._calls import facade as calls
 from ._errors import ConfigError, NbrpcError, short_traceback
+from ._lifecycle import ranks
 from ._wire import cancelling, namespace
 
 INTERRUPT_GRACE_S = 2.0  # how long the kernel waits for interrupted cells to stop
@@ -133,8 +135,8 @@ _cell_ids = itertools.count(1)
 def _targets(spec: str | Iterable[str] | None, what: str = "%%rpc") -> list[str]:
     """The workers ``spec`` names ("all", "worker1,worker2" or a list); ``what`` names the
     caller in the error for a name that is not a worker."""
-    live = calls.workers()  # NotInitializedError before %rpc_init
-    workers = live[1:]
+    _group.require_active(what)  # NotInitializedError before %rpc_init
+    workers = ranks.members()[1:]  # a dead one too: its call says so, and how to restart it
     if spec is None or spec == "all" or spec == ["all"]:
         return workers
     names = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else list(spec)

@@ -315,3 +315,18 @@ def test_a_grow_beside_a_dead_worker_is_refused_at_once_naming_it_and_the_fix(ke
     assert k.value("nbrpc.rpc_sync('worker2', lambda: 6 * 7)") == 42
     out, errors = k.execute(REDUCE)
     assert out.count("world 3 3.0") == 3, (out, errors, k.shown_error(), k.stderr)
+
+
+def test_workers_are_the_live_ones_in_rank_order(kernel):
+    """``nbrpc.workers()`` listed torch's members in join order, a dead one too: the grow
+    before filled worker2's gap last, and a killed worker stayed listed."""
+    k = kernel
+    assert k.value("nbrpc.workers()") == ["worker0", "worker1", "worker2", "worker3"]
+    assert k.value("[nbrpc.rank(n) for n in nbrpc.workers()]") == [0, 1, 2, 3]
+    pid = k.value("pids()['worker3']")
+    os.kill(pid, signal.SIGKILL)
+    assert wait_for_exit([pid]) == []
+    assert k.value("nbrpc.workers()") == ["worker0", "worker1", "worker2"]  # nothing asked it
+    # %%rpc all still names it: its cell says it died, and how to restart it
+    _, errors = k.execute("%%rpc\n1")
+    assert "worker3" in first_error(errors), errors

@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import textwrap
+import threading
 from dataclasses import dataclass
 from typing import Any, Unpack
 
@@ -35,7 +36,7 @@ from nbrpc._options import Options, Settings, options_doc
 from nbrpc._rows import StackRow, StatusRow, WorkerRecord, WorkerState
 from nbrpc._wire import lanes, native_output, shm
 
-from . import aside, boot, collective, leave, restart as restarts, scale as scales
+from . import aside, boot, collective, leave, ranks, restart as restarts, scale as scales
 
 log = logging.getLogger("nbrpc")
 
@@ -450,6 +451,21 @@ def status(timeout: float = census.SNAPSHOT_TIMEOUT_S) -> list[StatusRow]:
     """Live figures for each process of the current cluster, ``timeout`` seconds at most
     (:meth:`Cluster.status`). Raises :class:`~nbrpc.NotInitializedError` without one."""
     return current().status(timeout)
+
+
+def workers() -> list[str]:
+    """Names of the live processes of the cluster, in :func:`nbrpc.rank` order: the kernel
+    first, then its workers. A worker whose process is gone (killed, crashed) or that is
+    being restarted is left out; ``%rpc_restart`` brings it back under its name. Works on
+    a worker too. Raises :class:`~nbrpc.NotInitializedError` before a cluster runs.
+    (torch's own ``get_worker_infos()`` keeps torch's answer: every member its agent
+    knows, dead or not, by torch's ids.)"""
+    _group.require_active("nbrpc.workers()")
+    cluster = _current.cluster
+    if cluster is not None:  # its dead found now, not at their first call (pids; the
+        # ipyparallel client only from the main thread: it is not thread-safe)
+        cluster.dead_workers(ask_ipyparallel=threading.current_thread() is threading.main_thread())
+    return [name for name in ranks.members() if name not in _states.unreachable]
 
 
 def stacks(*names: str, timeout: float = gathered_stacks.TIMEOUT_S) -> list[StackRow]:
