@@ -51,6 +51,12 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
+def counted(n: int, noun: str, plural: str = "") -> str:
+    """``"1 worker"``, ``"2 workers"``, ``"0 processes"`` (``plural``: where it is not
+    ``noun + "s"``): a count in a message, its noun agreeing with it."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 def library_dirs() -> tuple[str, ...]:
     """Where nbrpc's, IPython's and torch's own code lives (their frames are not shown)."""
     import IPython

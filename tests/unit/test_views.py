@@ -70,7 +70,7 @@ def test_backward_svg_draws_lanes_nodes_and_highlighted_hops():
     assert "2.00 ms busy" in svg
     assert "0.50 ms" in svg
     text = _views.backward_text(TRACE)
-    assert "1 cross-process hops" in text
+    assert "on 2 processes, 1 cross-process hop\n" in text, text  # (it said "1 ... hops")
     assert "hop worker0/1 -> worker1/0" in text
 
 
