@@ -196,7 +196,9 @@ def check(
         taken = [name for name in names if name in current]
         if taken:
             are = "is already a worker" if len(taken) == 1 else "are already workers"
-            raise ConfigError(f"--names {','.join(names)}: {', '.join(taken)} {are} of this cluster")
+            raise ConfigError(
+                f"--names {','.join(names)}: {', '.join(taken)} {are} of this cluster"
+            )
         validate_names(names, settings.self_name)
     if count:
         source.check_hosts(hosts)
