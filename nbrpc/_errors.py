@@ -117,6 +117,34 @@ def _installed_dirs() -> tuple[str, ...]:
     return tuple(os.path.abspath(d) + os.sep for d in sorted(dirs))
 
 
+#: where an installed Python keeps the standard library and packages, on any host
+_INSTALLED = re.compile(r"/lib/(?:python\d+\.\d+|pypy[\d.]*)/|/(?:site|dist)-packages/")
+
+
+def library_file(filename: str) -> bool:
+    """Whether ``filename`` (a frame's, read in this process or on another host) is code
+    of nbrpc's, IPython's, torch's, the standard library's or an installed package's: not
+    the user's. Another host's paths are told by their shape (``.../lib/python3.11/``,
+    ``site-packages``) and nbrpc's by its modules' names; the notebook's cells
+    (``/tmp/ipykernel_PID/NNN.py``) and ``%%rpc`` cells (``<rpc-cell-N>``) are the user's,
+    other ``<...>`` names (``<frozen ...>``, ``<string>``) not."""
+    if filename.startswith("<"):
+        return not filename.startswith("<rpc-cell-")
+    path = os.path.abspath(filename)
+    if path.startswith(library_dirs() + _installed_dirs()) or _INSTALLED.search(path):
+        return True
+    return _nbrpc_module(path)
+
+
+@functools.cache
+def _nbrpc_module(path: str) -> bool:
+    """``path`` is a module of nbrpc installed elsewhere (a worker's own checkout): one
+    whose path below a ``nbrpc`` folder names a module of this nbrpc."""
+    own = os.path.dirname(os.path.abspath(__file__))
+    _, sep, inside = path.rpartition(os.sep + "nbrpc" + os.sep)
+    return bool(sep) and os.path.isfile(os.path.join(own, inside))
+
+
 def cell_name(filename: str) -> str | None:
     """``"Cell In[5]"`` for the file a notebook cell was compiled as (ipykernel names it
     ``/tmp/ipykernel_PID/NNN.py``), as IPython's own tracebacks say; None for other files."""
