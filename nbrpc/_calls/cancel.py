@@ -218,7 +218,7 @@ def cancel(*futures: Any) -> int:
 def _kind(value: Any) -> str:
     """``"42 (an int)"``, ``"a list"``: what was given, in a few words."""
     kind = type(value).__name__
-    article = "an" if kind[:1].lower() in "aeiou" else "a"
+    article = "an" if kind[:1].lower() in "aeiou" or kind == "RRef" else "a"
     if isinstance(value, (int, float, str, bytes)) and len(repr(value)) <= 20:
         return f"{value!r} ({article} {kind})"
     return f"{article} {kind}"
