@@ -27,7 +27,7 @@ from torch.distributed.rpc import RRef, WorkerInfo
 
 from . import autograd
 from ._calls.cancel import cancel
-from ._calls.facade import get_worker_info, remote, rpc_async, rpc_sync, workers
+from ._calls.facade import get_worker_info, remote, rpc_async, rpc_sync
 from ._cells import CellResults, RpcCellError, pull, push, worker_namespace
 from ._debugger.postmortem import post_mortem
 from ._errors import (
@@ -61,6 +61,7 @@ from ._lifecycle.cluster import (
     shutdown,
     stacks,
     status,
+    workers,
 )
 from ._lifecycle.ranks import rank
 from ._rows import CallRow, OwnershipRow, StackRow, StatusRow, Trace, WorkerRecord

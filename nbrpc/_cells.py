@@ -28,8 +28,11 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from . import _group
 from ._calls import facade as calls
 from ._errors import ConfigError, NbrpcError, short_traceback
+from ._lifecycle import ranks
+from ._placement import not_workers
 from ._wire import cancelling, namespace
 
 INTERRUPT_GRACE_S = 2.0  # how long the kernel waits for interrupted cells to stop
@@ -133,16 +136,17 @@ _cell_ids = itertools.count(1)
 def _targets(spec: str | Iterable[str] | None, what: str = "%%rpc") -> list[str]:
     """The workers ``spec`` names ("all", "worker1,worker2" or a list); ``what`` names the
     caller in the error for a name that is not a worker."""
-    live = calls.workers()  # NotInitializedError before %rpc_init
-    workers = live[1:]
+    _group.require_active(what)  # NotInitializedError before %rpc_init
+    kernel, *workers = ranks.members()  # a dead one too: its call says so, and how to restart it
     if spec is None or spec == "all" or spec == ["all"]:
         return workers
     names = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else list(spec)
     names = [n for n in names if n]
     unknown = [n for n in names if n not in workers]
     if unknown or not names:
+        said = not_workers(unknown, kernel) if unknown else "no worker is named"
         raise ConfigError(
-            f"{what} targets {', '.join(unknown) or '(none)'}: not workers of this cluster. "
+            f"{what} targets {', '.join(unknown) or '(none)'}: {said}. "
             f"Its workers: {', '.join(workers)} (or 'all'; the kernel is not a target)."
         )
     return names

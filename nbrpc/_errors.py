@@ -51,6 +51,12 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
+def counted(n: int, noun: str, plural: str = "") -> str:
+    """``"1 worker"``, ``"2 workers"``, ``"0 processes"`` (``plural``: where it is not
+    ``noun + "s"``): a count in a message, its noun agreeing with it."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 def library_dirs() -> tuple[str, ...]:
     """Where nbrpc's, IPython's and torch's own code lives (their frames are not shown)."""
     import IPython
@@ -109,6 +115,34 @@ def _installed_dirs() -> tuple[str, ...]:
     paths = sysconfig.get_paths()
     dirs = {os.path.dirname(os.__file__), paths["purelib"], paths["platlib"]}
     return tuple(os.path.abspath(d) + os.sep for d in sorted(dirs))
+
+
+#: where an installed Python keeps the standard library and packages, on any host
+_INSTALLED = re.compile(r"/lib/(?:python\d+\.\d+|pypy[\d.]*)/|/(?:site|dist)-packages/")
+
+
+def library_file(filename: str) -> bool:
+    """Whether ``filename`` (a frame's, read in this process or on another host) is code
+    of nbrpc's, IPython's, torch's, the standard library's or an installed package's: not
+    the user's. Another host's paths are told by their shape (``.../lib/python3.11/``,
+    ``site-packages``) and nbrpc's by its modules' names; the notebook's cells
+    (``/tmp/ipykernel_PID/NNN.py``) and ``%%rpc`` cells (``<rpc-cell-N>``) are the user's,
+    other ``<...>`` names (``<frozen ...>``, ``<string>``) not."""
+    if filename.startswith("<"):
+        return not filename.startswith("<rpc-cell-")
+    path = os.path.abspath(filename)
+    if path.startswith(library_dirs() + _installed_dirs()) or _INSTALLED.search(path):
+        return True
+    return _nbrpc_module(path)
+
+
+@functools.cache
+def _nbrpc_module(path: str) -> bool:
+    """``path`` is a module of nbrpc installed elsewhere (a worker's own checkout): one
+    whose path below a ``nbrpc`` folder names a module of this nbrpc."""
+    own = os.path.dirname(os.path.abspath(__file__))
+    _, sep, inside = path.rpartition(os.sep + "nbrpc" + os.sep)
+    return bool(sep) and os.path.isfile(os.path.join(own, inside))
 
 
 def cell_name(filename: str) -> str | None:
@@ -239,6 +273,10 @@ class NbrpcError(Exception):
     """Base class of every error nbrpc raises itself."""
 
     _init_args: tuple = ()  # set by subclasses whose __init__ builds the message
+    #: the message names the worker and the call, and nbrpc raised it there, not the
+    #: user's code: the kernel shows it without the worker's traceback, which would only
+    #: repeat it (a cancelled call's, once per process it passed back through)
+    says_where: bool = False
 
     def _render_traceback_(self) -> list[str]:
         """IPython shows this instead of its traceback (see :func:`short_traceback`)."""
@@ -380,6 +418,8 @@ class ThreadsExhaustedError(NbrpcError, RuntimeError):
 class DebuggerQuitError(NbrpcError, RuntimeError):
     """The debugger on a worker was left with ``q`` (or the stop button): the call ends."""
 
+    says_where = True
+
     def __init__(self, worker: str, call: str = "?") -> None:
         self.worker = worker
         self._init_args = (worker, call)
@@ -391,7 +431,10 @@ class DebuggerQuitError(NbrpcError, RuntimeError):
 
 class CallCancelledError(NbrpcError, RuntimeError):
     """The call was cancelled where it ran: the stop button was pressed in the cell that
-    started it (or ``nbrpc.cancel``, or a script's Ctrl-C), before it returned."""
+    started it (or ``nbrpc.cancel``, or a script's Ctrl-C), before it returned. Shown in
+    one line: its message names the call and the worker."""
+
+    says_where = True
 
     def __init__(self, worker: str, call: str = "?", started: bool = True, why: str = "") -> None:
         self.worker = worker

@@ -186,12 +186,20 @@ class RpcMagics(Magics):
         help="the processes (the kernel's name, worker names; default: all), separated by "
         "spaces or commas",
     )
+    @argument(
+        "--all",
+        action="store_true",
+        dest="all_threads",
+        help="every thread, also nbrpc's and the libraries' own that serve no call and run "
+        "none of your code (left out by default, and counted)",
+    )
     @line_magic
     def rpc_stacks(self, line: str) -> None:
-        """Print every thread's Python stack in each process, with the call it serves and
-        its caller; read from outside each worker, so busy workers answer too."""
+        """Print the Python stack of each thread that serves a call or runs your code, in
+        each process, with the call it serves and its caller (--all: every thread); read
+        from outside each worker, so busy workers answer too."""
         args = _parse(self.rpc_stacks, line)
-        print(actions.stacks(*args.names))
+        print(actions.stacks(*args.names, all_threads=args.all_threads))
 
     @line_magic
     def rpc_panel(self, line: str) -> None:

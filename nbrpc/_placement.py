@@ -23,8 +23,8 @@ import re
 import shlex
 from typing import Any, ClassVar, TypeVar
 
-from . import _group
-from ._errors import ConfigError
+from . import _group, _process
+from ._errors import ConfigError, counted
 
 DEFAULT_WORKERS = 2  # a local cluster's size when neither n nor names say otherwise
 
@@ -151,11 +151,24 @@ def check_named(names: list[str], workers: list[str], doing: str, kernel_note: s
     unknown = [n for n in names if n not in workers]
     if unknown:
         raise ConfigError(
-            f"cannot {doing} {', '.join(unknown)}: not workers of this cluster. Its workers: "
-            f"{', '.join(workers)} ({kernel_note})."
+            f"cannot {doing} {', '.join(unknown)}: {not_workers(unknown, _process.name())}. "
+            f"Its workers: {', '.join(workers)} ({kernel_note})."
         )
     if len(set(names)) != len(names):
         raise ConfigError(f"{doing} {', '.join(names)}: a name is given twice")
+
+
+def not_workers(unknown: list[str], kernel: str) -> str:
+    """What ``unknown``, names given where workers of this cluster are wanted, are: the
+    kernel by its name (``%rpc_restart worker0``), the rest not workers of this cluster."""
+    said = []
+    if kernel in unknown:
+        said.append(f"{kernel} is the kernel (this notebook's own process), not a worker")
+    others = [n for n in unknown if n != kernel]
+    if others:
+        are = "is not a worker" if len(others) == 1 else "are not workers"
+        said.append(f"{', '.join(others)} {are} of this cluster")
+    return ", and ".join(said)
 
 
 def validate_names(names: list[str] | tuple[str, ...], self_name: str) -> None:
@@ -208,7 +221,7 @@ def where(v: dict[str, Any], asked: SourceOptions | None) -> tuple:
         listen = _group.listen_of_init_method(v["init_method"])
     if names is not None:
         if n is not None and n != len(names):
-            raise ConfigError(f"-n {n} does not match {len(names)} names: {list(names)}")
+            raise ConfigError(f"-n {n} does not match {counted(len(names), 'name')}: {list(names)}")
         n = len(names)
     if n is None and not (asked is not None and asked.sized_later):
         n = DEFAULT_WORKERS

@@ -25,7 +25,6 @@ import anywidget
 import traitlets
 
 from . import _process, _states, _views
-from ._calls import facade as calls
 from ._errors import NbrpcError
 from ._gather import census, timeline
 from ._lifecycle import actions, cluster as lifecycle
@@ -155,7 +154,7 @@ def _ownership_now() -> dict[str, Any]:
     """The group's members and every live RRef, as :class:`OwnershipView` and
     :class:`ClusterPanel` draw them."""
     try:
-        return {"workers": calls.workers(), "rrefs": census.ownership(POLL_TIMEOUT_S)}
+        return {"workers": lifecycle.workers(), "rrefs": census.ownership(POLL_TIMEOUT_S)}
     except NbrpcError:
         return {"workers": [], "rrefs": []}
 

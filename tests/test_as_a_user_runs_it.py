@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import Kernel, run_script, running_kernel, wait_until
+from conftest import Kernel, first_error, run_script, running_kernel, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -268,6 +268,19 @@ def test_push_to_an_unknown_worker_names_push(kernel):
     assert "nbrpc.push targets worker9" in errors[0]
 
 
+def test_the_kernel_named_where_a_worker_is_wanted_is_called_the_kernel(kernel):
+    """``%rpc_restart worker0`` said the kernel was "not workers of this cluster"."""
+    for cell, says in (
+        ("%rpc_restart worker0", "cannot restart worker0: worker0 is the kernel"),
+        ("%%rpc worker0\n1", "%%rpc targets worker0: worker0 is the kernel"),
+        ("%rpc_restart worker9", "cannot restart worker9: worker9 is not a worker of this"),
+    ):
+        _, errors = kernel.execute(cell)
+        assert errors[0].startswith("ConfigError"), (cell, errors)
+        assert says in errors[0], (cell, errors)
+        assert "not workers" not in errors[0], (cell, errors)
+
+
 def test_a_crashed_worker_s_last_words_reach_the_cell_and_it_stays_quiet_after(kernel):
     """The death is reported once, by nbrpc: torch's lines about the crashed worker's
     closed connections (the kernel's, and worker1's, which had one to worker2 too) are
@@ -332,6 +345,12 @@ def test_before_rpc_init_a_torch_call_says_to_run_it_and_bad_input_is_one_line()
         )
         assert errors[0].startswith("NotInitializedError")
         assert "%rpc_init -n 2" in errors[0]
+        for magic in ("%rpc_restart worker1", "%rpc_stacks"):  # they said "nbrpc.current()"
+            _, errors = k.execute(magic)
+            said = first_error(errors)
+            assert said.startswith("NotInitializedError"), errors
+            assert f"so nbrpc.{magic[5:].split()[0]}() ({magic.split()[0]}) has" in said, said
+            assert "%rpc_init -n 2" in said, said
         _, errors = k.execute("%rpc_init -n 0   # none")
         assert k.tracebacks == [["ConfigError: -n must be at least 1, got 0"]]
     finally:

@@ -268,6 +268,38 @@ def test_cancel_of_one_future_from_any_thread(cluster, nb):
         again.wait()
 
 
+def test_cancel_of_what_is_not_a_future_says_what_it_takes(kernel):
+    """It raised AttributeError from inside nbrpc's cancel module."""
+    for given, said in (
+        ("42", "not 42 (an int)"),
+        ("[nbrpc.rpc_async('worker1', spin, (0,))]", "not a list"),
+    ):
+        _, errors = kernel.execute(f"nbrpc.cancel({given})")
+        assert errors, given
+        assert errors[0].startswith("TypeError: nbrpc.cancel takes the futures"), errors
+        assert said in errors[0], errors
+        assert "nbrpc.cancel(*futs)" in errors[0], errors
+        shown = kernel.shown_error()
+        assert "cancel.py" not in shown, shown  # the cell's line and the error, short
+        assert f"nbrpc.cancel({given})" in shown, shown
+
+
+def test_a_cancelled_calls_error_is_shown_once_without_nbrpcs_module_paths(kernel):
+    """It showed three times, the last ones as ``nbrpc._errors.CallCancelledError``."""
+    for func in ("spin", "chain"):  # chain: passed back through a call on worker1
+        _, errors = kernel.execute(
+            f"f = nbrpc.rpc_async('worker1', {func}, args=(30,))\n"
+            "time.sleep(0.5)\nnbrpc.cancel(f)\nf.wait()"
+        )
+        assert errors, func
+        assert errors[0].startswith("CallCancelledError: the call of"), errors
+        shown = kernel.shown_error()
+        assert shown.count("was cancelled") == 1, shown
+        assert "nbrpc._" not in shown, shown
+        assert "Remote traceback" not in shown, shown
+    assert wait_until(lambda: kernel.value("running()") == [0, 0], 3.0)  # nothing left running
+
+
 def test_cancels_that_land_as_calls_end_lose_no_worker_and_no_result(cluster, nb):
     """The race %%rpc guards: an interrupt landing just after the function returned never
     fires inside the reply's pickling (the worker would lose the RPC thread)."""

@@ -93,7 +93,7 @@ def test_a_dead_worker_is_restarted_and_a_bad_name_stops_nothing(kernel):
     before = k.value("[r.pid for r in nbrpc.current().records]")
     out, errors = k.execute("%rpc_restart worker9")
     assert first_error(errors).startswith("ConfigError"), errors
-    assert "worker9: not workers of this cluster" in errors[0]
+    assert "worker9: worker9 is not a worker of this cluster" in errors[0]
     assert k.value("[r.pid for r in nbrpc.current().records]") == before  # nothing stopped
 
     pid = k.value("nbrpc.rpc_sync('worker1', whoami)")

@@ -179,10 +179,11 @@ def test_bad_input_changes_nothing(kernel):
     before = k.value("[(r.name, r.pid) for r in nbrpc.current().records]")
     for line, says in (
         ("%rpc_scale 0", "keeps at least 1 worker"),
-        ("%rpc_scale --remove worker9", "worker9: not workers of this cluster"),
+        ("%rpc_scale --remove worker9", "worker9 is not a worker of this cluster"),
+        ("%rpc_scale --remove worker0", "worker0 is the kernel (this notebook's own process)"),
         ("%rpc_scale --remove worker1,worker2,worker3", "keeps at least 1 worker"),
-        ("%rpc_scale 5 --names a", "1 names for 2 new workers"),
-        ("%rpc_scale 4 --names worker1", "already workers of this cluster"),
+        ("%rpc_scale 5 --names a", "1 name for 2 new workers"),
+        ("%rpc_scale 4 --names worker1", "worker1 is already a worker of this cluster"),
         ("%rpc_scale 4 --hosts fakeh1", "only a cluster started with --hosts"),
         ("%rpc_scale 1 --remove worker3", "leaves 2, not 1"),
         ("%rpc_scale", "say the new size"),
@@ -190,6 +191,8 @@ def test_bad_input_changes_nothing(kernel):
         _, errors = k.execute(line)
         assert first_error(errors).startswith("ConfigError"), (line, errors)
         assert says in errors[0], (line, errors)
+    _, errors = k.execute("%rpc_scale 4 --names a,b")
+    assert first_error(errors).endswith(": 2 names for 1 new worker"), errors  # not "workers"
     # a scale while another one runs, and a restart meanwhile
     k.run(
         "done = []\n"
@@ -315,3 +318,18 @@ def test_a_grow_beside_a_dead_worker_is_refused_at_once_naming_it_and_the_fix(ke
     assert k.value("nbrpc.rpc_sync('worker2', lambda: 6 * 7)") == 42
     out, errors = k.execute(REDUCE)
     assert out.count("world 3 3.0") == 3, (out, errors, k.shown_error(), k.stderr)
+
+
+def test_workers_are_the_live_ones_in_rank_order(kernel):
+    """``nbrpc.workers()`` listed torch's members in join order, a dead one too: the grow
+    before filled worker2's gap last, and a killed worker stayed listed."""
+    k = kernel
+    assert k.value("nbrpc.workers()") == ["worker0", "worker1", "worker2", "worker3"]
+    assert k.value("[nbrpc.rank(n) for n in nbrpc.workers()]") == [0, 1, 2, 3]
+    pid = k.value("pids()['worker3']")
+    os.kill(pid, signal.SIGKILL)
+    assert wait_for_exit([pid]) == []
+    assert k.value("nbrpc.workers()") == ["worker0", "worker1", "worker2"]  # nothing asked it
+    # %%rpc all still names it: its cell says it died, and how to restart it
+    _, errors = k.execute("%%rpc\n1")
+    assert "worker3" in first_error(errors), errors

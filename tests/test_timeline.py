@@ -240,3 +240,17 @@ def test_rpc_timeline_records_its_cell_and_rpc_stacks_prints_the_threads(tmp_pat
         assert "serving spin from" in out, out
         assert "in spin" in out, out
         assert k.value("fut.wait()") == 3.0
+
+        # idle now: only the threads that serve a call or run the user's code (it printed
+        # every thread, 25,000-34,000 characters), the others counted; --all shows them
+        out = k.run("%rpc_stacks")
+        every = k.run("%rpc_stacks --all")
+        print(f"%rpc_stacks of an idle cluster: {len(out)} characters; --all {len(every)}")
+        assert len(out) < 5000, out
+        for name in ("worker0", "worker1", "worker2"):
+            assert f"== {name}" in out, out
+        assert out.count("-- ") == 1, out  # the kernel's MainThread: it runs this cell
+        assert "-- MainThread" in out, out
+        assert "%rpc_stacks --all shows every thread" in out, out
+        assert every.count("-- MainThread") == 3, every
+        assert "left out" not in every, every

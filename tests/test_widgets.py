@@ -97,8 +97,10 @@ def test_the_cluster_panel_draws_the_cluster_and_runs_the_magics_actions(capsys)
         said = panel.act("stacks", "worker1")
         assert "worker1" in said
         assert "worker1" in panel.output
-        assert "-- MainThread\n" in panel.output  # a thread's stack, as %rpc_stacks prints it
+        assert "your code; %rpc_stacks --all shows every thread" in panel.output  # idle
         assert panel.status.startswith(said)
+        panel.act("stacks", "")  # every process: this one's main thread runs the test's code
+        assert "-- MainThread\n" in panel.output  # a thread's stack, as %rpc_stacks prints it
         said = panel.act("restart", "worker9")
         assert "ConfigError: cannot restart worker9" in said, said
         assert "worker2" in repr(panel)

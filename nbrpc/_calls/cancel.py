@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nbrpc import _process
-from nbrpc._errors import library_dirs
+from nbrpc._errors import library_dirs, show_short
 from nbrpc._wire import cancelling
 
 #: seconds after the stop at which calls still running are shown with their stacks
@@ -194,7 +194,17 @@ def cancel(*futures: Any) -> int:
     """Cancel the calls behind ``futures`` (futures nbrpc's ``rpc_async`` returned) where
     they run, with the calls they made, from any thread; how many had not finished.
     Their ``wait()`` then raises :class:`~nbrpc.CallCancelledError`. ``futures`` that are
-    done, or that nbrpc did not start, are left alone; ``cancel`` itself raises nothing."""
+    done, or that nbrpc did not start (torch's own), are left alone. Raises ``TypeError``
+    for anything that is not a future, before it cancels any."""
+    wrong = [f for f in futures if not callable(getattr(f, "done", None))]  # torch's too
+    if wrong:
+        error = TypeError(
+            f"nbrpc.cancel takes the futures nbrpc.rpc_async returned, not {_kind(wrong[0])}: "
+            "nbrpc.cancel(fut) or nbrpc.cancel(*futs). A cell's own calls are cancelled by "
+            "the stop button."
+        )
+        show_short(error)  # the cell's line and the error, not this module's frames
+        raise error
     pending = [f for f in futures if not f.done() and getattr(f, "origin", None) is not None]
     if not pending or _cancel.broadcast is None:
         return 0
@@ -203,6 +213,15 @@ def cancel(*futures: Any) -> int:
     while not all(f.done() for f in pending) and time.monotonic() < deadline:
         time.sleep(0.005)
     return len(pending)
+
+
+def _kind(value: Any) -> str:
+    """``"42 (an int)"``, ``"a list"``: what was given, in a few words."""
+    kind = type(value).__name__
+    article = "an" if kind[:1].lower() in "aeiou" or kind == "RRef" else "a"
+    if isinstance(value, (int, float, str, bytes)) and len(repr(value)) <= 20:
+        return f"{value!r} ({article} {kind})"
+    return f"{article} {kind}"
 
 
 cancelling.on_stop(stop_pressed)

@@ -170,15 +170,6 @@ def calls_in_flight() -> int:
     return int(metrics.get("agent.client_active_calls", 0)) + lanes.in_flight()
 
 
-def workers() -> list[str]:
-    """Names of the live processes in the group, the kernel first.
-
-    Raises :class:`~nbrpc.NotInitializedError` before a cluster runs.
-    """
-    _group.require_active("nbrpc.workers()")
-    return _group.member_names()
-
-
 def _destination(to: str | WorkerInfo | int, what: str) -> WorkerInfo:
     """The worker ``to`` names, as torch takes it: a name, a rank or a ``WorkerInfo``."""
     kind = type(to)

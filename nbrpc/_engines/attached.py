@@ -24,7 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 from nbrpc import _options
-from nbrpc._errors import BootError
+from nbrpc._errors import BootError, counted
 from nbrpc._source_options import Attached
 
 from .base import EngineSource
@@ -124,9 +124,9 @@ class AttachedSource(EngineSource):
                 seen, since = len(ids), time.monotonic()
             elif n is None and ids and time.monotonic() - since >= SETTLE_S:
                 warnings.warn(
-                    f"took the {len(ids)} engines registered in the attached ipyparallel "
-                    "cluster: it has no cluster file saying how many it was started with. "
-                    "Pass -n N (n=N) to wait for N engines.",
+                    f"took the {counted(len(ids), 'engine')} registered in the attached "
+                    "ipyparallel cluster: it has no cluster file saying how many it was "
+                    "started with. Pass -n N (n=N) to wait for N engines.",
                     stacklevel=2,
                 )
                 self._used.update(ids)

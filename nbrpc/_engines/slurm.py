@@ -43,7 +43,7 @@ from typing import Any
 from ipyparallel.cluster.launcher import MPIEngineSetLauncher, SlurmEngineSetLauncher
 
 from nbrpc import _fence, _options, _process
-from nbrpc._errors import BootError, ConfigError
+from nbrpc._errors import BootError, ConfigError, counted
 from nbrpc._source_options import Slurm
 from nbrpc._wire import stacks
 
@@ -333,7 +333,8 @@ class SlurmController(Controller):
                 and time.monotonic() - running_since > START_AFTER_RUNNING_S
             ):
                 raise BootError(
-                    f"only {len(ids)} of {n} engines of Slurm job {self.job} registered with "
+                    f"only {len(ids)} of {counted(n, 'engine')} of Slurm job {self.job} "
+                    "registered with "
                     f"the controller at {self.listen} within {START_AFTER_RUNNING_S:.0f} s of "
                     "the job's start. The nodes connect back to this host: check that they "
                     f"reach {self.listen}, and the job's output: {self._output_file()}"

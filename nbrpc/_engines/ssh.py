@@ -45,7 +45,7 @@ from typing import Any
 from ipyparallel.cluster.launcher import SSHEngineLauncher, SSHEngineSetLauncher
 
 from nbrpc import _fence, _options, _process
-from nbrpc._errors import BootError, ConfigError
+from nbrpc._errors import BootError, ConfigError, counted
 from nbrpc._source_options import Hosts
 from nbrpc._wire import stacks
 
@@ -257,7 +257,7 @@ class HostController(Controller):
                     )
             if time.monotonic() > deadline:
                 raise BootError(
-                    f"only {len(ids)} of {n} engines on other hosts registered with the "
+                    f"only {len(ids)} of {counted(n, 'engine')} on other hosts registered with the "
                     f"controller at {self.listen} within {timeout:.0f} s. Engines connect "
                     f"back to this host: check that the hosts reach {self.listen} "
                     f"(docs/multi-host.md), and the logs in {self.log_dir}"

@@ -37,6 +37,8 @@ def scale(n: int | None = None, **how: object) -> str:
     return f"{done.summary()}\n{lifecycle.current().summary()}"
 
 
-def stacks(*names: str) -> str:
-    """Every thread's stack in each process (or in ``names``), as text."""
-    return _views.stacks_text(lifecycle.stacks(*names))
+def stacks(*names: str, all_threads: bool = False) -> str:
+    """The stacks of each process (or of ``names``), as text: the threads that serve a
+    call or run the user's code, and how many others there are; ``all_threads``: every
+    thread (``%rpc_stacks --all``)."""
+    return _views.stacks_text(lifecycle.stacks(*names), all_threads=all_threads)

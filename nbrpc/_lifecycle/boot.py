@@ -116,7 +116,9 @@ class _Boot:
         validate_names(names, settings.self_name)
         self.admit_engines(engine_ids)
         if settings.process_group:  # refuse unknown members before any join
-            members = collective.members_of(settings.process_group_workers, names)
+            members = collective.members_of(
+                settings.process_group_workers, names, settings.self_name
+            )
         maps: dict = {}
         chosen: dict = {}
         if settings.wants_devices:

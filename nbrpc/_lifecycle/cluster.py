@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import textwrap
+import threading
 from dataclasses import dataclass
 from typing import Any, Unpack
 
@@ -29,13 +30,14 @@ from nbrpc._errors import (
     BootError,
     ClusterClosedError,
     NotInitializedError,
+    counted,
 )
 from nbrpc._gather import census, stacks as gathered_stacks
 from nbrpc._options import Options, Settings, options_doc
 from nbrpc._rows import StackRow, StatusRow, WorkerRecord, WorkerState
 from nbrpc._wire import lanes, native_output, shm
 
-from . import aside, boot, collective, leave, restart as restarts, scale as scales
+from . import aside, boot, collective, leave, ranks, restart as restarts, scale as scales
 
 log = logging.getLogger("nbrpc")
 
@@ -247,7 +249,7 @@ class Cluster:
                 f"this cluster is {self.state.value}: scale works on a running cluster. "
                 "Start one with %rpc_init."
             )
-        what = f"a scale to {n} workers" if n is not None else "a scale"
+        what = f"a scale to {counted(n, 'worker')}" if n is not None else "a scale"
         try:
             with _states.changing(what):
                 return scales.run(self, n, **how)
@@ -398,8 +400,14 @@ init.__doc__ = (init.__doc__ or "") + "\n    Options:\n\n" + textwrap.indent(opt
 
 def current() -> Cluster:
     """The running cluster; raises :class:`NotInitializedError` when there is none."""
+    return required("nbrpc.current()")
+
+
+def required(what: str) -> Cluster:
+    """The running cluster, for ``what`` (the call a user made, as they typed it: its
+    :class:`NotInitializedError` names it, not the function nbrpc asked)."""
     if _current.cluster is None:
-        raise NotInitializedError("nbrpc.current()")
+        raise NotInitializedError(what)
     return _current.cluster
 
 
@@ -431,7 +439,7 @@ def restart(*names: str) -> restarts.Restarted:
     :class:`~nbrpc.ConfigError` before anything stops; a new process that cannot start or
     join is a :class:`~nbrpc.BootError`, and the rest of the cluster keeps working.
     Returns what it did (its repr says it)."""
-    return current().restart(*names)
+    return required("nbrpc.restart() (%rpc_restart)").restart(*names)
 
 
 def scale(n: int | None = None, /, **how: Unpack[scales.How]) -> scales.Scaled:
@@ -449,14 +457,29 @@ def scale(n: int | None = None, /, **how: Unpack[scales.How]) -> scales.Scaled:
 def status(timeout: float = census.SNAPSHOT_TIMEOUT_S) -> list[StatusRow]:
     """Live figures for each process of the current cluster, ``timeout`` seconds at most
     (:meth:`Cluster.status`). Raises :class:`~nbrpc.NotInitializedError` without one."""
-    return current().status(timeout)
+    return required("nbrpc.status()").status(timeout)
+
+
+def workers() -> list[str]:
+    """Names of the live processes of the cluster, in :func:`nbrpc.rank` order: the kernel
+    first, then its workers. A worker whose process is gone (killed, crashed) or that is
+    being restarted is left out; ``%rpc_restart`` brings it back under its name. Works on
+    a worker too. Raises :class:`~nbrpc.NotInitializedError` before a cluster runs.
+    (torch's own ``get_worker_infos()`` keeps torch's answer: every member its agent
+    knows, dead or not, by torch's ids.)"""
+    _group.require_active("nbrpc.workers()")
+    cluster = _current.cluster
+    if cluster is not None:  # its dead found now, not at their first call (pids; the
+        # ipyparallel client only from the main thread: it is not thread-safe)
+        cluster.dead_workers(ask_ipyparallel=threading.current_thread() is threading.main_thread())
+    return [name for name in ranks.members() if name not in _states.unreachable]
 
 
 def stacks(*names: str, timeout: float = gathered_stacks.TIMEOUT_S) -> list[StackRow]:
     """``nbrpc.stacks()``: every thread's Python stack in each process of the current
     cluster (or of ``names``), read from outside each worker, ``timeout`` seconds at most.
     Raises ``NotInitializedError`` without a cluster, ``UnknownWorkerError`` for a name."""
-    cluster = current()
+    cluster = required("nbrpc.stacks() (%rpc_stacks)")
     return gathered_stacks.of_processes(
         cluster.records, cluster.engines.source, *names, timeout=timeout
     )

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from nbrpc import _fence, _group, _torch
 from nbrpc._errors import ConfigError
+from nbrpc._placement import not_workers
 from nbrpc._wire import failures
 
 log = logging.getLogger("nbrpc")
@@ -46,13 +47,16 @@ class ProcessGroupInfo(dict):
     """``{"backend": "gloo", "ranks": {"worker1": 0, ...}, "prefix": ...}``."""
 
 
-def members_of(requested: tuple[str, ...] | None, workers: list[str]) -> list[str]:
-    """The members in rank order; every one must be a worker (never the kernel)."""
+def members_of(
+    requested: tuple[str, ...] | None, workers: list[str], kernel: str = ""
+) -> list[str]:
+    """The members in rank order; every one must be a worker (never the kernel, named
+    ``kernel``)."""
     members = list(requested) if requested else list(workers)
     unknown = [m for m in members if m not in workers]
     if unknown:
         raise ConfigError(
-            f"--process-group-workers {', '.join(unknown)}: not workers of this cluster. "
+            f"--process-group-workers {', '.join(unknown)}: {not_workers(unknown, kernel)}. "
             f"Its workers: {', '.join(workers)} (the kernel is never a member)."
         )
     return members

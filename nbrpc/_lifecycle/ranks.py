@@ -10,6 +10,8 @@ the workers that stay the new ranks (:func:`set_order`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from nbrpc import _group, _process, _states, _torch
 from nbrpc._errors import UnknownWorkerError
 from nbrpc._wire import output
@@ -28,6 +30,19 @@ def rank(name: str | None = None) -> int:
     if name not in order:
         raise UnknownWorkerError(name, list(order))
     return order[name]
+
+
+def in_rank_order(names: Iterable[str]) -> list[str]:
+    """``names`` (processes of the running cluster) sorted by :func:`rank`, the kernel
+    first; a name without a rank (none should be) goes last, in the order given."""
+    order = _order()
+    return sorted(names, key=lambda name: (name not in order, order.get(name, 0)))
+
+
+def members() -> list[str]:
+    """Every process in the cluster's RPC group, live or not, in :func:`rank` order (the
+    kernel first): torch's members, which it lists by its own ids, in join order."""
+    return in_rank_order(_group.member_names())
 
 
 def ranks_of_names() -> dict[str, int]:

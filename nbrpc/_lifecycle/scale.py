@@ -36,7 +36,7 @@ from typing import Any, TypedDict
 
 from nbrpc import _departures, _fence, _group, _setup, _states, _torch
 from nbrpc._engines import JOIN_TIMEOUT_S, worker
-from nbrpc._errors import ConfigError
+from nbrpc._errors import ConfigError, counted
 from nbrpc._gather import timeline
 from nbrpc._options import Settings
 from nbrpc._placement import check_named, validate_names
@@ -152,7 +152,7 @@ def check(
     if remove and n is not None and n != len(current) - len(remove):
         raise ConfigError(
             f"%rpc_scale {n} --remove {','.join(remove)}: removing {len(remove)} of "
-            f"{len(current)} workers leaves {len(current) - len(remove)}, not {n}"
+            f"{counted(len(current), 'worker')} leaves {len(current) - len(remove)}, not {n}"
         )
     target = n if n is not None else len(current) - len(remove)
     if target < 1:
@@ -177,11 +177,15 @@ def check(
     if names is not None:
         if len(names) != count:
             raise ConfigError(
-                f"--names {','.join(names)}: {len(names)} names for {count} new workers"
+                f"--names {','.join(names)}: {counted(len(names), 'name')} for "
+                f"{counted(count, 'new worker')}"
             )
         taken = [name for name in names if name in current]
         if taken:
-            raise ConfigError(f"--names {', '.join(taken)}: already workers of this cluster")
+            are = "is already a worker" if len(taken) == 1 else "are already workers"
+            raise ConfigError(
+                f"--names {','.join(names)}: {', '.join(taken)} {are} of this cluster"
+            )
         validate_names(names, settings.self_name)
     if count:
         source.check_hosts(hosts)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nbrpc import _group
-from nbrpc._errors import ConfigError
+from nbrpc._errors import ConfigError, counted
 from nbrpc._placement import SourceOptions, parse_hosts, split_args
 
 
@@ -53,14 +53,15 @@ class Hosts(SourceOptions):
                 "someone else started. Use one or the other."
             )
         n, names = v["n"], v["names"] or None
+        entries = counted(len(self.entries), "--hosts entry", "--hosts entries")
         if n is not None and n != len(self.entries):
             raise ConfigError(
-                f"-n {n} does not match the {len(self.entries)} --hosts entries: a host "
+                f"-n {n} does not match the {entries}: a host "
                 "listed N times gets N workers, so leave -n out"
             )
         if names is not None and len(names) != len(self.entries):
             raise ConfigError(
-                f"{len(names)} names for {len(self.entries)} --hosts entries: give one name "
+                f"{counted(len(names), 'name')} for {entries}: give one name "
                 "per entry (a host listed twice gets two workers)"
             )
         listen = v["listen"]

@@ -7,6 +7,8 @@ from collections import defaultdict
 from html import escape
 from typing import Any
 
+from nbrpc._errors import counted
+
 from .draw import FONT
 
 _KIND_FILL = {
@@ -151,8 +153,10 @@ def backward_svg(trace: dict[str, Any]) -> str:
 def backward_text(trace: dict[str, Any]) -> str:
     hops = [e for e in trace["edges"] if e["kind"] == "rpc"]
     lines = [
-        f"backward pass, context {trace.get('context_id')}: {len(trace['nodes'])} autograd "
-        f"functions on {len(trace['workers'])} processes, {len(hops)} cross-process hops"
+        f"backward pass, context {trace.get('context_id')}: "
+        f"{counted(len(trace['nodes']), 'autograd function')} on "
+        f"{counted(len(trace['workers']), 'process', 'processes')}, "
+        f"{counted(len(hops), 'cross-process hop')}"
     ]
     per_worker: dict[str, int] = defaultdict(int)
     for n in trace["nodes"]:

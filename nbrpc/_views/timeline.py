@@ -10,6 +10,8 @@ from collections.abc import Mapping, Sequence
 from html import escape
 from typing import Any
 
+from nbrpc._errors import counted
+
 from .draw import FONT, bytes_text, columns
 
 
@@ -35,7 +37,8 @@ def timeline_text(calls: Sequence[Mapping[str, Any]], processes: list[str], reco
     state = "recording" if recording else "recorded"
     failed = sum(1 for c in calls if not c["ok"])
     lines = [
-        f"timeline ({state}): {len(calls)} calls between {len(processes)} processes"
+        f"timeline ({state}): {counted(len(calls), 'call')} between "
+        f"{counted(len(processes), 'process', 'processes')}"
         + (f", {failed} failed" if failed else "")
     ]
     depth: dict[int, int] = {}

@@ -141,12 +141,22 @@ def failure(exc: BaseException, keep: bool = False) -> RemoteException:
         exc_bytes: bytes | None = cloudpickle.dumps(exc)
     except Exception:
         exc_bytes = None
-    ename = f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins.")
+    ename = type_name(type(exc))
     evalue = str(exc)
     worker = _process.name()
     text = f"On {worker}:\n{ename}: {evalue}\n" + "".join(traceback.format_list(frames))
     text_ = _FailureText(text, worker, ename, evalue, frames, exc_bytes, failure_id)
     return RemoteException(text_, type(exc))
+
+
+def type_name(kind: type) -> str:
+    """An exception type's name as a traceback shows it: ``ZeroDivisionError``,
+    ``numpy.linalg.LinAlgError``; nbrpc's own by the name ``nbrpc`` exports
+    (``CallCancelledError``), never by the private module that defines it."""
+    module = kind.__module__
+    if module in ("builtins", "__main__") or module.split(".")[0] == "nbrpc":
+        return kind.__qualname__
+    return f"{module}.{kind.__qualname__}"
 
 
 _TORCH_RPC = sys.modules[RemoteException.__module__].__file__ or ""
@@ -243,7 +253,8 @@ def rebuild(result: RemoteException) -> BaseException:
         exc._nbrpc_arrived = _Arrived(result)  # type: ignore[attr-defined]
     except Exception:
         pass  # an exception type with __slots__: the note below still carries it
-    _add_hop(exc, "\n" + remote_tb.rstrip("\n"))
+    if not getattr(exc, "says_where", False):  # (its own message names worker and call)
+        _add_hop(exc, "\n" + remote_tb.rstrip("\n"))
     return exc
 
 

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from nbrpc import _process
 from nbrpc._engines.base import EngineSource
 from nbrpc._engines.local import LocalSource
 from nbrpc._errors import ConfigError
@@ -70,11 +71,13 @@ def test_the_highest_ranks_leave_first_or_the_named_ones():
     [
         ({"n": 0}, "keeps at least 1 worker"),
         ({}, "say the new size"),
-        ({"remove": ["worker9"]}, "worker9: not workers of this cluster"),
+        ({"remove": ["worker9"]}, "worker9: worker9 is not a worker of this cluster"),
+        ({"remove": ["worker8", "worker9"]}, "worker8, worker9 are not workers of this cluster"),
         ({"remove": ["worker1", "worker1"]}, "a name is given twice"),
         ({"n": 1, "remove": ["worker1"]}, "leaves 2, not 1"),
-        ({"n": 5, "names": ["a"]}, "1 names for 2 new workers"),
-        ({"n": 4, "names": ["worker2"]}, "already workers of this cluster"),
+        ({"n": 5, "names": ["a"]}, "1 name for 2 new workers"),
+        ({"n": 4, "names": ["a", "b"]}, "2 names for 1 new worker$"),
+        ({"n": 4, "names": ["worker2"]}, "worker2 is already a worker of this cluster"),
         ({"n": 3, "names": ["a"]}, "adds none"),
         ({"n": 4, "hosts": ("h3",)}, "only a cluster started with --hosts"),
     ],
@@ -82,6 +85,17 @@ def test_the_highest_ranks_leave_first_or_the_named_ones():
 def test_bad_input_is_refused_before_anything_changes(kw, says):
     with pytest.raises(ConfigError, match=says):
         _check(_cluster(3), **kw)
+
+
+def test_the_kernel_named_as_a_worker_is_called_the_kernel(monkeypatch):
+    """``%rpc_scale --remove worker0`` said the kernel was "not workers of this cluster"."""
+    monkeypatch.setattr(_process, "name", lambda: "worker0")
+    with pytest.raises(ConfigError) as refused:
+        _check(_cluster(3), remove=["worker0", "worker9"])
+    said = str(refused.value)
+    assert "worker0 is the kernel (this notebook's own process), not a worker" in said, said
+    assert "worker9 is not a worker of this cluster" in said, said
+    assert "the kernel cannot leave its own cluster" in said, said
 
 
 def test_a_grow_beside_a_dead_worker_is_refused_naming_it_and_the_fixes():

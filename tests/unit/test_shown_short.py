@@ -81,3 +81,33 @@ def test_an_error_in_a_local_backward_keeps_torchs_whole_display(monkeypatch):
         _backward_raising(_failing_with_a_cause, monkeypatch)
     assert isinstance(raised.value.__cause__, KeyError)
     assert getattr(raised.value, "_render_traceback_", None) is None
+
+
+def _passes_on(error):
+    raise error  # a worker's function that called another and got its error back
+
+
+def test_a_cancelled_call_passed_back_through_a_nested_call_is_shown_once():
+    """A call cancelled on worker2 that reached the kernel through worker1's function
+    (a chain) showed its text three times, twice as ``nbrpc._errors.CallCancelledError``;
+    a worker's own error keeps its remote traceback, named without nbrpc's modules."""
+    from nbrpc._wire import failures
+
+    first = failures.rebuild(failures.failure(nbrpc.CallCancelledError("worker2", "spin")))
+    try:
+        _passes_on(first)
+    except nbrpc.CallCancelledError as exc:
+        arrived = failures.rebuild(failures.failure(exc))
+    shown = "\n".join(arrived._render_traceback_())
+    assert shown.count("the call of spin on worker2 was cancelled") == 1, shown
+    assert "nbrpc._" not in shown, shown
+
+    try:
+        _passes_on(nbrpc.SerializationError("a generator cannot be sent back"))
+    except nbrpc.SerializationError as exc:
+        own = failures.rebuild(failures.failure(exc))
+    shown = "\n".join(own._render_traceback_())
+    assert "Remote traceback" in shown, shown  # where it was raised still shows
+    assert "in _passes_on" in shown, shown
+    assert "\nSerializationError: a generator" in shown, shown
+    assert "nbrpc._errors" not in shown, shown

@@ -70,7 +70,7 @@ def test_backward_svg_draws_lanes_nodes_and_highlighted_hops():
     assert "2.00 ms busy" in svg
     assert "0.50 ms" in svg
     text = _views.backward_text(TRACE)
-    assert "1 cross-process hops" in text
+    assert "on 2 processes, 1 cross-process hop\n" in text, text  # (it said "1 ... hops")
     assert "hop worker0/1 -> worker1/0" in text
 
 
@@ -127,3 +127,69 @@ def test_a_workers_state_moves_only_along_its_transitions():
     with pytest.raises(nbrpc.ClusterClosedError, match="worker1 is stopped and cannot become"):
         record.move(WorkerState.READY)
     assert f"{WorkerState.DEAD}" == "dead"
+
+
+def _thread(name, files, serving=None):
+    return {
+        "thread": hash(name) & 0xFFFF,
+        "name": name,
+        "current": False,
+        "serving": serving,
+        "frames": [{"file": f, "line": 1, "function": f"f{i}"} for i, f in enumerate(files)],
+    }
+
+
+def test_stacks_text_shows_the_threads_that_serve_calls_or_run_the_users_code():
+    """%rpc_stacks printed every thread (about 34,000 characters on an idle cluster of 2):
+    by default the ones that matter, the others counted, --all for every one."""
+    import threading
+
+    threading_py = threading.__file__
+    nbrpc_py = _views.stacks_text.__code__.co_filename
+    idle = [
+        _thread("nbrpc-lanes", [threading_py, nbrpc_py]),
+        _thread("IOPub", [threading_py, "/srv/venv/lib/python3.11/site-packages/zmq/x.py"]),
+        _thread("MainThread", ["/home/u/nbrpc/nbrpc/_engines/worker.py", threading_py]),
+    ]
+    rows = [
+        {
+            "name": "worker1",
+            "pid": 7,
+            "host": "h1",
+            "how": "thread",
+            "error": None,
+            "threads": [
+                *idle,
+                _thread("Thread-3", [threading_py, "/tmp/ipykernel_9/12.py"]),  # the user's
+                _thread(None, [nbrpc_py, "<rpc-cell-2>"]),
+                _thread("rpc", [nbrpc_py], serving="spin from worker0"),
+            ],
+        },
+        {
+            "name": "worker2",
+            "pid": 8,
+            "host": "h1",
+            "how": "thread",
+            "error": None,
+            "threads": idle,
+        },
+    ]
+    text = _views.stacks_text(rows)
+    assert "-- rpc: serving spin from worker0" in text
+    assert "-- Thread-3" in text
+    assert "12.py" in text
+    assert "<rpc-cell-2>" in text
+    for name in ("nbrpc-lanes", "IOPub", "MainThread"):
+        assert f"-- {name}" not in text, text
+    assert "(3 other threads of nbrpc's and the libraries' left out)" in text, text
+    assert "no thread serves a call or runs your code; 3 other threads" in text, text
+    assert text.endswith(
+        "\nnbrpc: left out 6 threads serving no call and running none of your code; "
+        "%rpc_stacks --all shows every thread (nbrpc.stacks() returns them all)"
+    ), text
+    every = _views.stacks_text(rows, all_threads=True)
+    assert every.count("-- MainThread") == 2
+    assert "left out" not in every
+    one = _views.stacks_text([{**rows[0], "threads": [*rows[0]["threads"][3:], idle[0]]}])
+    assert "(1 other thread of nbrpc's" in one, one
+    assert "nbrpc: left out 1 thread serving" in one, one
