@@ -250,7 +250,7 @@ def test_a_grow_stopped_after_one_worker_joined_keeps_it_as_a_full_member(kernel
         "finally:\n    boot_steps.wait_for_joins = real_wait"
     )
     assert "stopped" in out, out
-    assert "worker5 joined and stay; worker6 did not join and were cleaned up" in k.stderr
+    assert "worker5 joined and stays; worker6 did not join and was cleaned up" in k.stderr
     assert sorted(k.value("nbrpc.workers()")) == [f"worker{i}" for i in range(6)]
     assert _ranks_seen_by_workers(k)["worker5"] == 5
     assert k.run(REDUCE).count("world 5 5.0") == 5  # in the process group too

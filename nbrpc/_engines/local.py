@@ -46,7 +46,7 @@ from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLaun
 from traitlets import Any as AnyTrait
 
 from nbrpc import _options, _process
-from nbrpc._errors import BootError, ConfigError
+from nbrpc._errors import BootError, ConfigError, counted
 from nbrpc._views import bytes_text
 from nbrpc._wire import stacks
 
@@ -530,7 +530,8 @@ class LocalSource(ControllerSource[LocalController]):
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
         need = bytes_text(count * WORKER_MEMORY_BYTES)
         raise ConfigError(
-            f"{count} workers do not fit on this host: each needs at least "
+            f"{counted(count, 'worker')} {'does' if count == 1 else 'do'} not fit on this host: "
+            "each needs at least "
             f"{bytes_text(WORKER_MEMORY_BYTES)} of memory ({need} in all), and it has "
             f"{bytes_text(memory.available)} available of {bytes_text(memory.total)}"
             + (f" and {cpus} cores" if cpus else "")

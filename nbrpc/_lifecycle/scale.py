@@ -393,8 +393,14 @@ def _grow(
             left_out = [name for name in new if name not in infos]
             print(
                 "nbrpc: the stop button during a scale: "
-                + (f"{', '.join(infos)} joined and stay; " if infos else "no new worker joined; ")
-                + f"{', '.join(left_out)} did not join and were cleaned up",
+                + (
+                    f"{', '.join(infos)} joined and stay{'s' * (len(infos) == 1)}; "
+                    if infos
+                    else "no new worker joined; "
+                )
+                + f"{', '.join(left_out)} did not join and "
+                + ("was" if len(left_out) == 1 else "were")
+                + " cleaned up",
                 file=sys.stderr,
             )
         raise
