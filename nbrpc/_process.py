@@ -283,5 +283,5 @@ def interrupts_deferred() -> Iterator[None]:
     if pressed:
         if callable(previous):
             previous(*pressed[0])
-        else:
-            raise KeyboardInterrupt
+        elif previous == signal.SIG_DFL:
+            raise KeyboardInterrupt  # (SIG_IGN: the process ignores the interrupt)

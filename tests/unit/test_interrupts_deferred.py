@@ -1,0 +1,55 @@
+"""``_process.interrupts_deferred``: the stop button's interrupt held while processes are
+started and recorded (a controller, engines), then delivered; a press there left
+processes nothing stopped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from nbrpc import _process
+
+
+def test_a_press_inside_is_delivered_once_the_block_ends():
+    ran = []
+    with pytest.raises(KeyboardInterrupt):
+        with _process.interrupts_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)  # a signal handler runs between bytecodes: it had its chance
+            ran.append("to its end")
+    assert ran == ["to its end"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_no_press_no_interrupt_and_the_handler_is_put_back():
+    before = signal.getsignal(signal.SIGINT)
+    with _process.interrupts_deferred():
+        pass
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_handler_that_ignores_the_interrupt_is_respected():
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with _process.interrupts_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_elsewhere_than_the_main_thread_it_holds_nothing():
+    seen = []
+
+    def run() -> None:
+        with _process.interrupts_deferred():
+            seen.append(signal.getsignal(signal.SIGINT))
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert seen == [signal.getsignal(signal.SIGINT)]
