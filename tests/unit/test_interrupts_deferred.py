@@ -14,13 +14,17 @@ import pytest
 from nbrpc import _process
 
 
+def _press_inside(ran: list[str]) -> None:
+    with _process.interrupts_deferred():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)  # a signal handler runs between bytecodes: it had its chance
+        ran.append("to its end")
+
+
 def test_a_press_inside_is_delivered_once_the_block_ends():
-    ran = []
+    ran: list[str] = []
     with pytest.raises(KeyboardInterrupt):
-        with _process.interrupts_deferred():
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.1)  # a signal handler runs between bytecodes: it had its chance
-            ran.append("to its end")
+        _press_inside(ran)
     assert ran == ["to its end"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
