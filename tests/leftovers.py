@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import re
+import socket
 import subprocess
 import tempfile
 import time
@@ -37,13 +39,28 @@ def _ipython_files() -> set[str]:
     }
 
 
+_OWNER = re.compile(r"^(?:nbrpc-(\d+)-|[^.]+\.(\d+)-)")  # nbrpc-PID-..., HOST.PID-START.*
+
+
+def _of_a_live_process(path: str) -> bool:
+    """A file or folder that names a process of this host that is still running (this
+    session's own pytest process has its stack files until it exits)."""
+    name = os.path.basename(path)
+    match = _OWNER.match(name)
+    if match is None:
+        return False
+    if match.group(2) is not None and not name.startswith(socket.gethostname() + "."):
+        return False  # another host's (a fake host's): not this host's pid
+    return psutil.pid_exists(int(match.group(1) or match.group(2)))
+
+
 def _tmp_files() -> set[str]:
     tmp = tempfile.gettempdir()
     found = set(glob.glob(os.path.join(tmp, "nbrpc-*")))
     mine = os.path.join(tmp, f"nbrpc-{os.getuid()}")  # the user's own: kept, its files not
     found.discard(mine)
     found.update(glob.glob(os.path.join(mine, "*", "*")))
-    return found
+    return {path for path in found if not _of_a_live_process(path)}
 
 
 def _netns() -> set[str]:

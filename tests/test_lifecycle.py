@@ -129,6 +129,8 @@ def test_attach_to_running_ipyparallel_cluster_leaves_it_running(monkeypatch):
     finally:
         nbrpc.shutdown()
         engines.stop_cluster_sync()
+        # the files ipyparallel keeps of a cluster its user stopped (as the user would)
+        watchdog_mod.remove_cluster_files(str(engines.cluster_file))
     ensure_cluster()
 
 

@@ -25,6 +25,7 @@ Tests use :class:`FakeHosts` directly (``up()`` then ``down()``).
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import shutil
@@ -255,6 +256,12 @@ def down() -> None:
         name = link.split(":")[1].strip().split("@")[0] if ":" in link else ""
         if name == BRIDGE or name.startswith("nbrpcv"):
             _run("ip", "link", "del", name, check=False)
+    # the stack files nbrpc's processes there left in the /tmp they share with this host (a
+    # real host sweeps its own at the next nbrpc process; a fake host never comes back)
+    stacks = os.path.join(tempfile.gettempdir(), f"nbrpc-{os.getuid()}", "stacks")
+    for path in glob.glob(os.path.join(glob.escape(stacks), "fakeh*.*")):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def main() -> int:
