@@ -140,9 +140,9 @@ class RpcMagics(Magics):
         if _process.in_notebook():
             from IPython.display import display
 
-            from .widgets import ClusterView
+            from .widgets import status_view
 
-            display(ClusterView())
+            display(status_view())
             return
         print(lifecycle.current().summary())
 

@@ -317,4 +317,11 @@ def test_a_panel_no_front_end_draws_puts_the_card_in_the_cell(kernel):
     assert len(outputs) == 1, outputs
     assert "application/vnd.jupyter.widget-view+json" in outputs[0]
     assert kernel.value("nbrpc.widgets._open[0].rendered") is False
+    # a second panel closes the first, whose card stops asking the workers (each card's
+    # thread once polled them every second for the kernel's life: the soak, docs/soak.md)
+    kernel.run("first = nbrpc.widgets._open[0]\n%rpc_panel")
+    time.sleep(3)
+    assert kernel.value("first.card.live") is False
+    assert kernel.value("nbrpc.widgets._open[0].card.live") is True
     kernel.run("nbrpc.widgets._open[0].close()")
+    assert kernel.value("nbrpc.widgets._open[0].card.live") is False
