@@ -82,8 +82,10 @@ SETTLE_S = 20.0
 #: what runs under the kernel while a local cluster is up, or after a shutdown that kept
 #: the controller and spares: the watchdog, the zygote, the controller and its child
 NON_ENGINES = {"watchdog": 1, "zygote": 1, "controller": 2}
-#: warm spare engines kept after a shutdown at most (sizes 1..3: warmed to the largest)
-SPARES_MAX = 3
+#: the sizes the mix gives a cluster
+CLUSTER_SIZES = (1, 2, 3)
+#: warm spare engines kept after a shutdown at most (warmed to the largest cluster)
+SPARES_MAX = max(CLUSTER_SIZES)
 
 
 class Fatal(Exception):
@@ -102,11 +104,13 @@ class Cell:
     pressed: bool = False  # the stop button was pressed while it ran
     ran_on: float = 0.0  # seconds it ran after the press
     hung: bool = False
+    said: list[str] = field(default_factory=list)  # nbrpc's own lines on stderr
 
     def describe(self) -> str:
         how = f"ended {self.ran_on:.2f} s after the press" if self.pressed else "not stopped"
         err = f", {self.errors[0].splitlines()[0][:120]}" if self.errors else ""
-        return f"{how} ({self.seconds:.1f} s{err})"
+        said = f"; said {self.said[:4]}" if self.said else ""
+        return f"{how} ({self.seconds:.1f} s{err}){said}"
 
 
 class Soak:
@@ -223,6 +227,7 @@ class Soak:
         end = time.monotonic()
         result.seconds = end - t0
         result.shown = k.shown_error()
+        result.said = [line[:160] for line in k.stderr.splitlines() if line.startswith("nbrpc:")]
         if pressed:
             result.pressed, result.ran_on = True, end - pressed[0]
         if not self.alive():
@@ -410,11 +415,11 @@ class Soak:
         kinds: collections.Counter[str] = collections.Counter()
         for fd in Path(f"/proc/{self.kernel_pid}/fd").iterdir():
             with contextlib.suppress(OSError):
-                target = os.readlink(fd)
-                kinds[re.sub(r"[:/].*", "", target) if not target.startswith("/") else "file"] += 1
-        fig["fd_kinds"] = dict(kinds)
+                kinds[_fd_kind(os.readlink(fd))] += 1
+        fig["fd_kinds"] = dict(sorted(kinds.items()))
         fig["sockets"] = kinds.get("socket", 0)
-        fig["fds_other"] = fig["fds"] - fig["sockets"]
+        fig["arenas_held"] = kinds.get("arena (deleted)", 0)
+        fig["fds_other"] = fig["fds"] - fig["sockets"] - fig["arenas_held"]
         fig["joined"] = self.joined
         roles = self.processes()
         fig["processes"] = sum(len(p) for p in roles.values())
@@ -561,6 +566,8 @@ class Soak:
             held = {p: n for p, n in (s.get("contexts") or {}).items() if n}
             if held:
                 broken.append(f"autograd contexts live {where}: {held}")
+            if s.get("arenas_held", 0) > 1 + max(CLUSTER_SIZES):
+                broken.append(f"{s['arenas_held']} arenas of gone clusters held {where}")
             if s["kind"] == "release" and s.get("processes"):
                 broken.append(f"processes under the kernel {where}: {s['process_roles']}")
             key = (s["kind"], s.get("process_roles", {}).get("engine", 0))
@@ -616,6 +623,16 @@ class Soak:
         return 1 if bad else 0
 
 
+def _fd_kind(target: str) -> str:
+    """What a file descriptor is, from its link: socket, pipe, eventfd, eventpoll, pidfd,
+    a file; an arena of the last cluster the kernel keeps mapped once its file is gone."""
+    if target.startswith("anon_inode:"):
+        return target.removeprefix("anon_inode:").strip("[]")
+    if target.startswith("/dev/shm/") and target.endswith("(deleted)"):
+        return "arena (deleted)"
+    return target.split(":")[0] if not target.startswith("/") else "file"
+
+
 def _grew(first: dict[str, Any], now: dict[str, Any]) -> str:
     """What grew between two samples, by name (threads, fds, processes, files)."""
     parts = []
@@ -644,6 +661,7 @@ FIGURES = (
     "fds",
     "sockets",
     "fds_other",
+    "arenas_held",
     "threads",
     "processes",
     "shm_n",
