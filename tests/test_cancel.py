@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -489,3 +490,20 @@ def test_the_stop_button_is_never_lost_in_a_freed_tensors_finalizer(kernel):
         assert ran_on < 3.0, f"the cell ran {ran_on:.1f} s after the stop button"
         assert "Exception ignored" not in kernel.stderr, kernel.stderr
     print(f"stops delivered again: {kernel.value('nbrpc._process.stops_delivered_again()')}")
+
+
+def test_a_stopped_floods_lines_not_yet_sent_are_dropped_and_said(kernel):
+    """The stop button ends a call that printed faster than the kernel shows: what it
+    printed and had not sent yet is dropped, with one line saying how much. Before, the
+    flood's queued lines went on reaching the kernel for seconds, into the next cells (the
+    soak, docs/soak.md: 28,000 lines in the 8 s after a stop), and a shrink waited for
+    them. At most the one message in flight at the stop arrives after it."""
+    kernel.run("def shout(n):\n    for i in range(n):\n        print('flooded', i)\n    return n")
+    _, errors = kernel.stop_after("nbrpc.rpc_sync('worker1', shout, args=(300000,))", 1.5)
+    assert errors
+    assert errors[0].startswith("KeyboardInterrupt"), errors
+    said = kernel.stderr
+    later = kernel.run("time.sleep(3)")
+    said += kernel.stderr
+    assert later.count("flooded") < 2000, f"{later.count('flooded')} lines after the stop"
+    assert re.search(r"\[worker1\] nbrpc: \d+ more lines not shown: the call was cancelled", said)

@@ -39,6 +39,8 @@ _call = threading.local()  # .output: the _CallOutput of the RPC call running on
 OUTPUT_WAIT_S = 10.0
 #: how long the kernel may take to show one message
 SEND_TIMEOUT_S = 10.0
+#: why a cancelled call's output not sent yet is dropped (its last line says so)
+CUT = "the call was cancelled (the stop button) before they were sent"
 #: what one message carries at most (whole writes: one longer write goes alone), so that
 #: the kernel shows each within a fraction of :data:`OUTPUT_WAIT_S` and a call's end sees
 #: its output move (a flood once went as one message of 20,000 lines)
@@ -235,14 +237,27 @@ class _CallOutput:
         while not self._idle.wait(OUTPUT_WAIT_S) and self._delivered != seen:
             seen = self._delivered
 
-    def close(self) -> None:
-        """Send what is left and wait (bounded) until the kernel has printed it all."""
+    def close(self, cancelled: bool = False) -> None:
+        """Send what is left and wait (bounded) until the kernel has printed it all.
+
+        ``cancelled`` (the stop button ended the call): what is not sent yet is dropped,
+        with one line that says how much, and nothing is waited for. A flood's lines
+        queued here went on reaching the kernel for seconds after the stop, into the next
+        cells, and a shrink waited for them (the soak, docs/soak.md)."""
         if not self._wrote:
             return
         with self._lock:
             if self._partial is not None:
                 self._partial.cancel()
                 self._partial = None
+            if cancelled:
+                lines = sum(t.count("\n") for s, t in self._pending if s != "bar")
+                lines += sum(1 for rest in self.buffers.values() if rest)
+                self._pending = [(s, t) for s, t in self._pending if s == "bar"][-1:]
+                self.buffers = {"stdout": "", "stderr": ""}
+                if lines:
+                    self._queue("stderr", f"nbrpc: {lines} more lines not shown: {CUT}\n")
+                return
             for stream, rest in self.buffers.items():
                 if rest:
                     self._queue(stream, rest + "\n")
@@ -405,12 +420,13 @@ def begin_call() -> tuple[Any, Any]:
     return output, previous
 
 
-def end_call(output: Any, previous: Any) -> None:
-    """The call of :func:`begin_call` ends: what it printed reaches the kernel first."""
+def end_call(output: Any, previous: Any, cancelled: bool = False) -> None:
+    """The call of :func:`begin_call` ends: what it printed reaches the kernel first
+    (``cancelled``: what it printed and was not sent yet is dropped, see ``close``)."""
     _call.output = previous
     if output is not None:
         _running.discard(output)
-        output.close()
+        output.close(cancelled)
 
 
 def calling() -> bool:
