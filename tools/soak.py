@@ -69,8 +69,9 @@ LIMITS = {
 }
 #: a stopped cell must end this soon after the press
 STOP_ENDS_WITHIN_S = 10.0
-#: lines of a stopped flood a later cell may show (the one message in flight at the stop)
-FLOOD_AFTER_STOP = 100
+#: lines of a stopped flood a later cell may show: the one message in flight at the stop
+#: (nbrpc._wire.output.MESSAGE_CHARS, 16,384 characters: about 1,500 of its lines)
+FLOOD_AFTER_STOP = 2000
 #: what each worker that joined may leave in the kernel after it left: torch's TensorPipe
 #: agent keeps its pipe, 4 sockets (docs/architecture.md; tests/test_reliability.py's
 #: SOCKETS_PER_DEPARTED_WORKER)
