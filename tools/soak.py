@@ -340,6 +340,12 @@ class Soak:
         error = cell.errors[0].split(":", 1)[0] if cell.errors else None
         self.note("stop_shown", [what, error, len(cell.shown.splitlines())])
 
+    def forget(self) -> None:
+        """Drop what the operation's cells kept (soak_mix.FORGET)."""
+        cell = self.cell(mix.FORGET, self.limits["check"])
+        if cell.errors:
+            self.failure(f"dropping the operation's names: {cell.errors[0][:200]}")
+
     def kill(self, pid: int, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
@@ -510,6 +516,7 @@ class Soak:
             t0 = time.monotonic()
             op(self, rng)
             self.say(f"done in {time.monotonic() - t0:.1f} s")
+            self.forget()
         self.op = "end"
         self.sample("end")
 

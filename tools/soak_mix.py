@@ -122,6 +122,17 @@ def soak_figures():
     return fig
 '''
 
+#: After each operation: the names its cells made are dropped, and IPython's output
+#: history. A person keeps results in variables; the soak measures what nbrpc keeps, and
+#: a received tensor kept in a variable keeps its shared-memory arena mapped, rightly.
+FORGET = """
+for _name in [n for n in list(globals()) if re.fullmatch(
+        r"(t|r)[0-9]?|futs|c|m[12]?|opt|l[12]|lopt|g|x|loss|remote_w|local_w|rows|held|rec"
+        r"|got|ready|soak_tl|soak_fut|w|i|view|views|step|_pids|_futs|_failed|big", n)]:
+    del globals()[_name]
+get_ipython().run_line_magic("reset", "-f out")
+"""
+
 KB, MB = 1024, 1024 * 1024
 #: the sizes of a call's tensor: 1 KB (a lane) to 16 MB (the shared-memory arena)
 SIZES = [KB, 16 * KB, 64 * KB, 256 * KB, MB, 4 * MB, 16 * MB]
