@@ -139,6 +139,8 @@ class Soak:
         self.tmpdir.mkdir()
         self.kernel: Kernel | None = None
         self.kernel_pid = 0
+        self.segment = 0  # the kernel's number (a new one after a kernel that cannot go on)
+        self.segment_started = self.started
         self.seen_pids: set[int] = set()
         #: tags of floods the stop button ended: their lines must not show in later cells
         self.stopped_floods: list[str] = []
@@ -447,6 +449,8 @@ class Soak:
         """One line of figures.jsonl: outside figures and the kernel's own."""
         inside = self.value("soak_figures()", self.limits["figures"]) or {}
         fig = {"t": round(self.elapsed(), 1), "kind": kind, "step": self.step,
+               "kernel": self.segment,
+               "kernel_t": round(time.monotonic() - self.segment_started, 1),
                **self.outside(), **inside}  # fmt: skip
         fig["shm_n"], fig["tmp_n"] = len(fig.get("shm", [])), len(fig.get("tmp", []))
         self.samples.append(fig)
@@ -481,28 +485,48 @@ class Soak:
     # -- the run ----------------------------------------------------------------------------
 
     def run(self) -> int:
-        ended_by = ""
-        try:
-            self.start_kernel()
-            self.op = "setup"
-            for code in (mix.LOAD, mix.NOTEBOOK):
-                if not self.ok(code + "\nprint('SOAK-OK')", self.limits["setup"], "setup"):
-                    raise Fatal("the notebook's first cells failed")
-            self.sample("start")
-            self.mix()
-        except Fatal as exc:
-            ended_by = str(exc)
-            self.failure(ended_by)
-        except KeyboardInterrupt:
-            ended_by = "interrupted (Ctrl-C)"
-            self.failure(ended_by)
-        finally:
-            self.teardown()
-        return self.report(ended_by)
-
-    def mix(self) -> None:
+        """The mix until the minutes are up. A kernel that dies, or that cannot start a
+        cluster any more, is a failure; the soak then goes on in a new kernel (a new
+        segment: its figures are bounded on their own) while a minute or more is left."""
+        ended_by: list[str] = []
         end = self.started + self.minutes * 60
-        next_sample = self.started + 60
+        try:
+            while True:
+                try:
+                    self.start_segment()
+                    self.mix(end)
+                    break
+                except Fatal as exc:
+                    ended_by.append(f"kernel {self.segment}: {exc}")
+                    self.failure(str(exc))
+                    self.end_kernel()
+                    if time.monotonic() > end - 60:
+                        break
+        except KeyboardInterrupt:
+            ended_by.append("interrupted (Ctrl-C)")
+            self.failure(ended_by[-1])
+        finally:
+            self.end_kernel()
+            self.log.close()
+            self.figures.close()
+            shutil.rmtree(self.private, ignore_errors=True)
+        return self.report("; ".join(ended_by))
+
+    def start_segment(self) -> None:
+        """A new kernel: its first cells, its first figures."""
+        self.segment += 1
+        self.segment_started = time.monotonic()
+        self.model = {"running": False, "workers": []}
+        self.stopped_floods.clear()
+        self.start_kernel()
+        self.op = "setup"
+        for code in (mix.LOAD, mix.NOTEBOOK):
+            if not self.ok(code + "\nprint('SOAK-OK')", self.limits["setup"], "setup"):
+                raise Fatal("the notebook's first cells failed")
+        self.sample("start")
+
+    def mix(self, end: float) -> None:
+        next_sample = time.monotonic() + 60
         while time.monotonic() < end:
             if time.monotonic() >= next_sample:
                 self.op = "figures"
@@ -520,39 +544,51 @@ class Soak:
         self.op = "end"
         self.sample("end")
 
-    def teardown(self) -> None:
+    def end_kernel(self) -> None:
         """``%rpc_shutdown --release`` (a level), then the kernel's end; nothing of it
         may stay (a process left is killed and recorded)."""
+        if self.kernel is None:
+            return
         self.op = "teardown"
-        if self.kernel is not None:
-            with contextlib.suppress(Fatal):
-                if self.alive():
-                    cell = self.cell("%rpc_shutdown --release", self.limits["shutdown"])
-                    if cell.errors or cell.hung:
-                        self.failure(f"the last %rpc_shutdown --release: {cell.errors[:1]}")
-                    else:
-                        self.level("release")
-            self.processes()  # remember what runs, to check it ends with the kernel
+        with contextlib.suppress(Fatal):
+            if self.alive():
+                cell = self.cell("%rpc_shutdown --release", self.limits["shutdown"])
+                if cell.errors or cell.hung:
+                    self.failure(f"the last %rpc_shutdown --release: {cell.errors[:1]}")
+                else:
+                    self.level("release")
+        self.processes()  # remember what runs, to check it ends with the kernel
+        with contextlib.suppress(Exception):
             self.kernel.close()
-            left = [p for p in self.seen_pids if _running(p)]
-            deadline = time.monotonic() + 20
-            while left and time.monotonic() < deadline:
-                time.sleep(0.5)
-                left = [p for p in left if _running(p)]
-            for pid in left:
-                self.kill(pid, signal.SIGKILL)
-            if left:
-                self.finding(f"processes left after the kernel ended: {left}")
-        self.log.close()
-        self.figures.close()
-        shutil.rmtree(self.private, ignore_errors=True)
+        self.kernel = None
+        left = [p for p in self.seen_pids if _running(p)]
+        deadline = time.monotonic() + 20
+        while left and time.monotonic() < deadline:
+            time.sleep(0.5)
+            left = [p for p in left if _running(p)]
+        for pid in left:
+            self.kill(pid, signal.SIGKILL)
+        if left:
+            self.finding(f"processes left after the kernel ended: {left}")
+        self.seen_pids.clear()
 
     # -- the bounds -------------------------------------------------------------------------
 
     def bounds(self) -> list[str]:
-        """What grew past docs/soak.md's bounds, each a sentence."""
+        """What grew past docs/soak.md's bounds, each a sentence (each kernel's figures
+        on their own, from its warm-up on)."""
         broken = []
-        after = [s for s in self.samples if s["t"] >= self.warmup * 60 and "rss_mb" in s]
+        for segment in sorted({s["kernel"] for s in self.samples}):
+            ours = [s for s in self.samples if s["kernel"] == segment]
+            broken += [
+                f"kernel {segment}: {what}" if segment > 1 else what
+                for what in self._bounds_of(ours)
+            ]
+        return broken
+
+    def _bounds_of(self, samples: list[dict[str, Any]]) -> list[str]:
+        broken = []
+        after = [s for s in samples if s["kernel_t"] >= self.warmup * 60 and "rss_mb" in s]
         minutes = [s for s in after if s["kind"] in ("minute", "end")]
         if len(minutes) >= 2:
             growth = minutes[-1]["rss_mb"] - minutes[0]["rss_mb"]
@@ -608,6 +644,7 @@ class Soak:
             "seconds": round(self.elapsed(), 1),
             "ops": dict(self.ops_run),
             "ended_by": ended_by,
+            "kernels": self.segment,
             "failures": [r for r in self.records if r["kind"] == "failure"],
             "findings": [r for r in self.records if r["kind"] == "finding"],
             "bounds_broken": broken,
@@ -681,10 +718,12 @@ FIGURES = (
 
 
 def _summary(samples: list[dict[str, Any]], warmup_s: float) -> dict[str, Any]:
-    """Each figure at the start, after the warm-up, at its highest and at the end."""
+    """Each figure at the start, after the warm-up, at its highest and at the end (of the
+    last kernel, where there were several)."""
+    samples = [s for s in samples if s["kernel"] == samples[-1]["kernel"]] if samples else []
     if not samples:
         return {}
-    warm = next((s for s in samples if s["t"] >= warmup_s), samples[-1])
+    warm = next((s for s in samples if s["kernel_t"] >= warmup_s), samples[-1])
     return {
         name: {
             "start": samples[0].get(name),
@@ -720,13 +759,18 @@ def plot(samples: list[dict[str, Any]], warmup_s: float, path: Path, seed: int) 
             ax.plot(minutes, [s.get(key) for s in samples], marker=".", lw=1, label=key)
         ax.set_title(title, fontsize=8, loc="left")
         ax.tick_params(labelsize=7)
-        ax.axvspan(0, warmup_s / 60, color="0.9")
         for s in samples:
+            if s["kind"] == "start":  # a kernel's start and its warm-up
+                ax.axvspan(s["t"] / 60, (s["t"] + warmup_s) / 60, color="0.9")
+                if s["kernel"] > 1:
+                    ax.axvline(s["t"] / 60, color="tab:red", lw=1)
             if s["kind"] in ("shutdown", "release"):
                 ax.axvline(s["t"] / 60, color="0.7", lw=0.5, ls=":")
         if len(keys) > 1:
             ax.legend(fontsize=6, loc="upper left")
-    axes[-1].set_xlabel("minutes (shaded: warm-up; dotted: shutdowns)", fontsize=8)
+    axes[-1].set_xlabel(
+        "minutes (shaded: a kernel's warm-up; dotted: shutdowns; red: a new kernel)", fontsize=8
+    )
     fig.suptitle(f"nbrpc soak, seed {seed}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=70)
