@@ -192,7 +192,7 @@ def keep_stops() -> None:
     presses during a loop of 16 MB calls were lost). Such an interrupt is delivered again,
     from a short-lived thread (``nbrpc-stop-again``) once the finalizer has returned, as the
     stop button delivers it (``_thread.interrupt_main``: nothing happens where Python does
-    not handle SIGINT, as in an idle kernel)."""
+    not handle SIGINT, as in an idle kernel; nor once the cell has ended)."""
     if _stops.kept:
         return
     _stops.kept = True
@@ -204,13 +204,21 @@ def keep_stops() -> None:
         )
         if swallowed and threading.current_thread() is threading.main_thread():
             _stops.again += 1
-            again = threading.Timer(STOP_AGAIN_S, _thread.interrupt_main)
+            again = threading.Timer(STOP_AGAIN_S, _interrupt_if_a_cell_runs)
             again.name, again.daemon = "nbrpc-stop-again", True
             again.start()
             return
         previous(unraisable)
 
     sys.unraisablehook = hook
+
+
+def _interrupt_if_a_cell_runs() -> None:
+    """Deliver a swallowed stop again, unless its cell has ended meanwhile: an interrupt
+    landing in ipykernel's own code as it sends a cell's reply loses that reply (the
+    notebook shows the cell busy for good)."""
+    if _cells.running:
+        _thread.interrupt_main()
 
 
 def stops_delivered_again() -> int:

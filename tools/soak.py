@@ -83,6 +83,8 @@ SETTLE_S = 20.0
 #: what runs under the kernel while a local cluster is up, or after a shutdown that kept
 #: the controller and spares: the watchdog, the zygote, the controller and its child
 NON_ENGINES = {"watchdog": 1, "zygote": 1, "controller": 2}
+#: the live views' threads: at most one each (%rpc_status's view, the panel, its card)
+VIEW_THREADS = ("nbrpc-ClusterView", "nbrpc-ClusterPanel")
 #: the sizes the mix gives a cluster
 CLUSTER_SIZES = (1, 2, 3)
 #: warm spare engines kept after a shutdown at most (warmed to the largest cluster)
@@ -447,11 +449,17 @@ class Soak:
 
     def sample(self, kind: str) -> dict[str, Any]:
         """One line of figures.jsonl: outside figures and the kernel's own."""
+        untrimmed = None
+        with contextlib.suppress(psutil.Error):
+            untrimmed = round(psutil.Process(self.kernel_pid).memory_info().rss / MB, 1)
         inside = self.value("soak_figures()", self.limits["figures"]) or {}
         fig = {"t": round(self.elapsed(), 1), "kind": kind, "step": self.step,
                "kernel": self.segment,
                "kernel_t": round(time.monotonic() - self.segment_started, 1),
-               **self.outside(), **inside}  # fmt: skip
+               "rss_untrimmed_mb": untrimmed, **self.outside(), **inside}  # fmt: skip
+        views = fig.get("py_threads") or {}
+        fig["view_threads"] = sum(views.get(n, 0) for n in VIEW_THREADS)
+        fig["threads_other"] = fig.get("threads", 0) - fig["view_threads"]
         fig["shm_n"], fig["tmp_n"] = len(fig.get("shm", [])), len(fig.get("tmp", []))
         self.samples.append(fig)
         self.figures.write(json.dumps(fig, sort_keys=True) + "\n")
@@ -612,6 +620,8 @@ class Soak:
                 broken.append(f"autograd contexts live {where}: {held}")
             if s.get("arenas_held", 0) > 1 + max(CLUSTER_SIZES):
                 broken.append(f"{s['arenas_held']} arenas of gone clusters held {where}")
+            if s.get("view_threads", 0) > 3:
+                broken.append(f"{s['view_threads']} live views' threads {where}")
             if s["kind"] == "release" and s.get("processes"):
                 broken.append(f"processes under the kernel {where}: {s['process_roles']}")
             key = (s["kind"], s.get("process_roles", {}).get("engine", 0))
@@ -624,7 +634,14 @@ class Soak:
                     f"and {SOCKETS_PER_WORKER} per worker started since (torch's pipes to "
                     f"them: {allowed})" + _grew(first, s)
                 )
-            for figure in ("fds_other", "threads", "processes", "tmp_n", "ipp_log", "ipp_security"):
+            for figure in (
+                "fds_other",
+                "threads_other",
+                "processes",
+                "tmp_n",
+                "ipp_log",
+                "ipp_security",
+            ):
                 if s.get(figure, 0) > first.get(figure, 0):
                     broken.append(
                         f"{figure} {s[figure]} {where}, above the level of the first such "
@@ -701,6 +718,7 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 FIGURES = (
     "rss_mb",
+    "rss_untrimmed_mb",
     "rssanon_mb",
     "rssshmem_mb",
     "fds",
@@ -743,7 +761,12 @@ def plot(samples: list[dict[str, Any]], warmup_s: float, path: Path, seed: int) 
     import matplotlib.pyplot as plt
 
     panels = [
-        ("kernel RSS (MB): all, anonymous, shared memory", ["rss_mb", "rssanon_mb", "rssshmem_mb"]),
+        (
+            "kernel RSS (MB): after malloc_trim, anonymous, shared memory; before trim"
+            if any(s.get("rss_untrimmed_mb") for s in samples)
+            else "kernel RSS (MB): all, anonymous, shared memory (not trimmed)",
+            ["rss_mb", "rssanon_mb", "rssshmem_mb", "rss_untrimmed_mb"],
+        ),
         ("kernel: open files (sockets, others), threads", ["sockets", "fds_other", "threads"]),
         ("processes under the kernel", ["processes"]),
         ("/dev/shm, $TMPDIR entries", ["shm_n", "tmp_n"]),
