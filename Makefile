@@ -129,5 +129,14 @@ bench: $(STAMP)
 compat: $(STAMP)
 	$(PY) tools/compat.py --out docs/compatibility-results.md
 
+# One Jupyter kernel, a seeded random mix of what a person does, for MINUTES; figures every
+# minute in build/soak (figures.jsonl, soak.png, report.json), the bounds of docs/soak.md
+# checked at the end (non-zero: a check failed, a finding, or a bound broken).
+# SEED=N repeats a run's choices.
+MINUTES ?= 20
+SEED    ?=
+soak: $(STAMP)
+	$(PY) tools/soak.py --minutes $(MINUTES) $(if $(SEED),--seed $(SEED)) --out build/soak
+
 clean:
 	rm -rf .venv .venv-torch-* build *.egg-info test-artifacts

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from traitlets import Bool
@@ -132,15 +133,16 @@ class RpcMagics(Magics):
     @line_magic
     def rpc_status(self, line: str) -> None:
         """Show the cluster: a live ClusterView in a notebook, a table elsewhere."""
+        _no_arguments("rpc_status", line, "nbrpc.status() has the figures of each process")
         if lifecycle.running() is None:
             print("nbrpc: no cluster is running; start one with %rpc_init -n 2")
             return
         if _process.in_notebook():
             from IPython.display import display
 
-            from .widgets import ClusterView
+            from .widgets import status_view
 
-            display(ClusterView())
+            display(status_view())
             return
         print(lifecycle.current().summary())
 
@@ -206,6 +208,7 @@ class RpcMagics(Magics):
         """Open the cluster panel in JupyterLab's right side bar: the card of every
         process, the ownership view, the last timeline, and buttons that restart a worker,
         show stacks or shut the cluster down; live, beside the notebook."""
+        _no_arguments("rpc_panel", line, "it shows every process")
         from .widgets import panel
 
         panel()
@@ -214,6 +217,7 @@ class RpcMagics(Magics):
     def rpc_debug(self, line: str) -> None:
         """Post-mortem: pdb on the worker frame that raised the last remote exception
         (up/down walk its frames, p prints its locals, c or q leaves)."""
+        _no_arguments("rpc_debug", line, "it opens the last remote exception")
         postmortem.post_mortem()
 
 
@@ -231,6 +235,14 @@ def show_interrupts_short(shell: Any) -> None:
         shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
 
     shell.set_custom_exc((KeyboardInterrupt,), interrupted)
+
+
+def _no_arguments(magic: str, line: str, instead: str) -> None:
+    """A magic that takes no arguments refuses them rather than ignoring them: a person
+    who typed ``%rpc_status worker1`` expected something else than the whole table."""
+    extra = strip_comment(line).strip()
+    if extra:
+        raise UsageError(f"%{magic} takes no arguments (got {extra!r}): {instead}")
 
 
 def _parse(magic: Any, line: str) -> Any:

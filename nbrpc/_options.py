@@ -552,6 +552,16 @@ class Settings:
             )
         process_group, members = _process_group(v)
         threads, timeout = v["num_worker_threads"], v["rpc_timeout"]
+        if threads is not None and threads < 1:  # 0 once meant the default, 16, unsaid
+            raise ConfigError(
+                f"--threads {threads}: each process needs at least 1 RPC thread "
+                f"(default {DEFAULT_THREADS})"
+            )
+        if timeout is not None and timeout < 0:
+            raise ConfigError(
+                f"--timeout {timeout:g}: a timeout is seconds, 0 or more "
+                f"(default {DEFAULT_RPC_TIMEOUT_S:g}; 0: none)"
+            )
         if asked is not None and gpus is None:
             gpus = asked.implies().get("gpus")
         return cls(

@@ -103,11 +103,15 @@ class _View(anywidget.AnyWidget):
     def live(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
 
-    def close(self) -> None:
-        """Stop live updates and close the widget."""
+    def freeze(self) -> None:
+        """Stop live updates; the widget stays, showing its last state."""
         self._stop.set()
         self._wake.set()
         _states.unlisten(self._on_worker_change)
+
+    def close(self) -> None:
+        """Stop live updates and close the widget."""
+        self.freeze()
         super().close()
 
     # -- front ends without widgets -----------------------------------------------------
@@ -180,6 +184,23 @@ class ClusterView(_LiveView):
     def _text(self, data: dict[str, Any] | None) -> str:
         data = data or {"state": "closed", "workers": []}
         return _views.cluster_text(data["workers"], data["state"])
+
+
+#: the view ``%rpc_status`` showed last (:func:`status_view`)
+_status_views: list[ClusterView] = []
+
+
+def status_view() -> ClusterView:
+    """A live :class:`ClusterView` for ``%rpc_status``; the one it showed before stops
+    updating and keeps its last state in its cell. Each one asked every process for its
+    figures every second, on a thread of its own, and none ever stopped: a notebook that
+    ran ``%rpc_status`` 20 times asked each worker 20 times a second, across shutdowns
+    (the soak, docs/soak.md)."""
+    for old in _status_views:
+        old.freeze()
+    view = ClusterView()
+    _status_views[:] = [view]
+    return view
 
 
 class OwnershipView(_LiveView):
@@ -290,6 +311,7 @@ class ClusterPanel(_View):
         super().__init__()
         self.side: Any = None  # the side bar's widget it is shown in (panel())
         self.fallback: Any = None  # the cell's widget the card goes to if it is not drawn
+        self.card: ClusterView | None = None  # the card put there (it stops with the panel)
         self.on_msg(self._on_action)
         self.refresh()
         if live:
@@ -342,11 +364,14 @@ class ClusterPanel(_View):
         return said
 
     def close(self) -> None:
-        """Stop asking the workers, and close the side bar's panel it is shown in. Raises
+        """Stop asking the workers, and close the side bar's panel it is shown in; the
+        card shown in the cell instead stops updating (it keeps its last state). Raises
         nothing."""
         super().close()
         if self.side is not None:
             self.side.close()
+        if self.card is not None:
+            self.card.freeze()
 
     def _on_action(self, _widget: Any, content: dict[str, Any], _buffers: Any) -> None:
         action, target = content.get("action", ""), content.get("target", "")
@@ -400,8 +425,9 @@ def panel(*, interval: float = 1.0) -> None:
     display(here)
 
     def card_unless_drawn() -> None:
-        if not view.rendered:
-            here.append_display_data(ClusterView())
+        if not view.rendered and not view._stop.is_set():
+            view.card = ClusterView()
+            here.append_display_data(view.card)
 
     timer = threading.Timer(CONFIRM_S, card_unless_drawn)
     timer.daemon = True

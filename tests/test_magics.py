@@ -57,6 +57,16 @@ def test_shutdown_rejects_unknown_arguments(shell, cluster):
         shell.run_line_magic("rpc_shutdown", "now")
 
 
+@pytest.mark.parametrize("magic", ["rpc_status", "rpc_panel", "rpc_debug"])
+def test_magics_without_arguments_refuse_them(shell, magic):
+    """Found by the soak (docs/soak.md): ``%rpc_status --bogus`` showed the table, as if
+    nothing was typed after it; a comment is still no argument."""
+    with pytest.raises(UsageError, match=rf"%{magic} takes no arguments \(got '--bogus'\)"):
+        shell.run_line_magic(magic, "--bogus")
+    with pytest.raises(UsageError, match="got 'worker1'"):
+        shell.run_line_magic(magic, "worker1  # just this one")
+
+
 def test_full_cycle_with_custom_names(shell, cluster, capsys):
     shell.run_line_magic("rpc_shutdown", "")
     assert "shut down" in capsys.readouterr().out

@@ -160,6 +160,25 @@ def test_bars_of_two_workers_in_a_rpc_cell_are_two_rows(kernel):
     assert finished == {"[worker1]", "[worker2]"}, plain
 
 
+def test_a_flood_the_kernel_shows_slowly_is_all_in_its_cell_before_the_result(kernel):
+    """A call waits for its output to be shown for as long as the kernel keeps showing it,
+    not a fixed time: 20,000 lines took a loaded machine's kernel 13 s, over the 10 s
+    bound, and the last of them reached the next cell (the soak, docs/soak.md). Here the
+    bound is made 1 s on the worker, so that the flood outlasts it anywhere."""
+    kernel.run("%%rpc worker1\nimport nbrpc._wire.output as o\no.OUTPUT_WAIT_S = 1.0")
+    flood = "def flood(n):\n    for i in range(n):\n        print('line', i)\n    return n"
+    try:
+        kernel.run(flood)
+        out = kernel.run("nbrpc.rpc_sync('worker1', flood, args=(20000,))")
+        shown = [line for line in out.splitlines() if line.startswith("[worker1] line ")]
+        assert len(shown) == 20000, f"{len(shown)} lines in the cell"
+        assert shown[-1] == "[worker1] line 19999"
+        assert out.rstrip().endswith("20000"), out[-200:]  # the result comes after them
+        assert "[worker1] line" not in kernel.run("1")  # none left for the next cell
+    finally:
+        kernel.run("%%rpc worker1\no.OUTPUT_WAIT_S = 10.0")
+
+
 def test_native_output_of_a_call_reaches_the_cell_before_its_result(kernel):
     events = _events(kernel, "nbrpc.rpc_sync('worker1', native, args=('from C',))")
     err = _stream_text(events, "stderr")
@@ -317,4 +336,11 @@ def test_a_panel_no_front_end_draws_puts_the_card_in_the_cell(kernel):
     assert len(outputs) == 1, outputs
     assert "application/vnd.jupyter.widget-view+json" in outputs[0]
     assert kernel.value("nbrpc.widgets._open[0].rendered") is False
+    # a second panel closes the first, whose card stops asking the workers (each card's
+    # thread once polled them every second for the kernel's life: the soak, docs/soak.md)
+    kernel.run("first = nbrpc.widgets._open[0]\n%rpc_panel")
+    time.sleep(3)
+    assert kernel.value("first.card.live") is False
+    assert kernel.value("nbrpc.widgets._open[0].card.live") is True
     kernel.run("nbrpc.widgets._open[0].close()")
+    assert kernel.value("nbrpc.widgets._open[0].card.live") is False

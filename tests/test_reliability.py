@@ -10,7 +10,7 @@ from collections import Counter
 import psutil
 import pytest
 import torch
-from conftest import ensure_cluster, notebook_code, wait_until
+from conftest import ensure_cluster, notebook_code, running_kernel, wait_until
 
 import nbrpc
 from nbrpc import _ledger
@@ -212,3 +212,25 @@ def test_twenty_init_shutdown_cycles_do_not_grow_resources():
     left = glob.glob(os.path.join(profile, "*", f"*{cluster_id}*"))
     assert left == [], left
     ensure_cluster()
+
+
+def test_a_released_controller_leaves_no_thread_in_a_kernel():
+    """ipyparallel's ``Cluster`` runs its ``*_sync`` methods on a thread of its own where an
+    event loop already runs, as in a Jupyter kernel (not in this test process, so the
+    cycles above never saw it), and nothing stopped that thread: each
+    ``%rpc_shutdown --release`` left one more, and its epoll descriptor (the soak,
+    docs/soak.md)."""
+    loops = """
+import sys, traceback
+
+def loops():  # ipyparallel's (ipykernel's IOPub thread has a _thread_main too)
+    return len([f for f in sys._current_frames().values()
+                if any(s.name == '_thread_main' and 'ipyparallel' in s.filename
+                       for s in traceback.extract_stack(f))])
+"""
+    with running_kernel("%load_ext nbrpc", loops) as k:
+        for _ in range(2):
+            k.run("%rpc_init -n 1 --quiet", timeout=180)
+            assert k.value("loops()") <= 1  # the controller's, while it runs
+            k.run("%rpc_shutdown --release", timeout=60)
+            assert k.value("loops()") == 0

@@ -231,6 +231,25 @@ class Controller:
         self._stop_processes()
         self._stop_watchdog()
         watchdog.remove_cluster_files(self.cluster_file)
+        self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        """End the thread on which ipyparallel's ``Cluster`` runs its ``*_sync`` methods
+        where an event loop already runs (a Jupyter kernel's): ipyparallel starts one per
+        ``Cluster`` and nothing ever stops it, so each controller released left a thread
+        and its event loop's epoll descriptor in the kernel (the soak, docs/soak.md: one
+        more of each per ``%rpc_shutdown --release``). Its attributes are ipyparallel's
+        own (``AsyncFirst``, no public close); absent, there is nothing to stop."""
+        loop = getattr(self._ipp, "_thread_loop", None)
+        thread = getattr(self._ipp, "_async_thread", None)
+        if loop is None or thread is None:
+            return
+        loop.add_callback(loop.stop)
+        thread.join(timeout=5)
+        if not thread.is_alive():
+            with contextlib.suppress(Exception):
+                loop.close()
+            self._ipp._async_thread = None
 
     def dump_stacks(
         self, engine_ids: list[int], pids: list[int], timeout: float

@@ -379,6 +379,7 @@ class LocalController(Controller):
         # may be gone): the cluster file and connection files, one set per such exit
         watchdog.remove_cluster_files(self.cluster_file)
         stacks.sweep()  # the stopped engines' stack files
+        self._stop_loop()
 
 
 #: faulthandler's first line when a process gets a fatal signal (a segfault; an abort,

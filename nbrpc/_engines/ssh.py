@@ -430,6 +430,7 @@ class HostController(Controller):
         self._close_connections()
         self._stop_watchdog()
         watchdog.remove_cluster_files(self.cluster_file)
+        self._stop_loop()
 
     def _close_connections(self) -> None:
         """Close the shared ssh connection to each host (OpenSSH's ``-O exit``)."""

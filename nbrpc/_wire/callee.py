@@ -215,7 +215,7 @@ def run_function(python_udf: Any) -> Any:
         for hook in _served.after_call:
             hook()
         native_output.before_call_ends(printed)
-        output.end_call(printed, interrupted)
+        output.end_call(printed, interrupted, running is not None and running.interrupted)
         if counted:
             with _served.lock:
                 _served.in_flight -= 1

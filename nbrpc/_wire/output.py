@@ -35,7 +35,16 @@ class _Forwarding:
 
 _forward = _Forwarding()
 _call = threading.local()  # .output: the _CallOutput of the RPC call running on this thread
+#: how long a call's end waits for the kernel to show one more message of its output
 OUTPUT_WAIT_S = 10.0
+#: how long the kernel may take to show one message
+SEND_TIMEOUT_S = 10.0
+#: why a cancelled call's output not sent yet is dropped (its last line says so)
+CUT = "the call was cancelled (the stop button) before they were sent"
+#: what one message carries at most (whole writes: one longer write goes alone), so that
+#: the kernel shows each within a fraction of :data:`OUTPUT_WAIT_S` and a call's end sees
+#: its output move (a flood once went as one message of 20,000 lines)
+MESSAGE_CHARS = 16384
 #: How often a line updated in place (``\r``, no newline yet) is sent while it changes:
 #: it reaches the cell within this plus one message (the issue asked for 0.2 s).
 PARTIAL_EVERY_S = 0.1
@@ -131,6 +140,7 @@ class _CallOutput:
         self._wrote = False  # nothing to send or wait for at close (most calls)
         # made at the first message: most calls print nothing (an Event costs ~4 us a call)
         self._idle: threading.Event | None = None
+        self._delivered = 0  # messages the kernel has printed
         self._partial: threading.Timer | None = None  # sends a line updated in place
         self._sent_partial = {"stdout": "", "stderr": ""}
 
@@ -175,14 +185,20 @@ class _CallOutput:
                 self._send_pending()
 
     def _send_pending(self) -> None:  # holds self._lock
-        chunks, self._pending = self._pending, []
+        size, cut = 0, len(self._pending)
+        for i, (_, text) in enumerate(self._pending):
+            size += len(text) if isinstance(text, str) else 0
+            if size >= MESSAGE_CHARS:
+                cut = i + 1
+                break
+        chunks, self._pending = self._pending[:cut], self._pending[cut:]
         self._in_flight = True
         if self._idle is None:
             self._idle = threading.Event()
         self._idle.clear()
         try:
             fut = _torch.rpc_async(
-                _forward.to, show_output, args=(_forward.me, chunks), timeout=OUTPUT_WAIT_S
+                _forward.to, show_output, args=(_forward.me, chunks), timeout=SEND_TIMEOUT_S
             )
             fut.add_done_callback(self._sent)
         except Exception as exc:  # the kernel is gone: keep the text on the worker
@@ -199,6 +215,7 @@ class _CallOutput:
     def _sent(self, _fut: Any) -> None:
         with self._lock:
             self._in_flight = False
+            self._delivered += 1
             if self._pending:
                 self._send_pending()
             elif self._idle is not None:
@@ -206,22 +223,45 @@ class _CallOutput:
 
     def drain(self) -> None:
         """Wait (bounded) until every complete line written so far has been printed."""
-        if self._idle is not None:
-            self._idle.wait(OUTPUT_WAIT_S)
+        self._wait_idle()
 
-    def close(self) -> None:
-        """Send what is left and wait (bounded) until the kernel has printed it all."""
+    def _wait_idle(self) -> None:
+        """Wait until every message sent has been printed in the kernel, for as long as
+        messages get through: up to :data:`OUTPUT_WAIT_S` for each (a kernel that prints
+        nothing more is not waited on longer). A fixed bound once let a flood that took
+        the kernel longer to show (20,000 lines on a loaded machine: 13 s) return its
+        result first, its last lines reaching the next cell (the soak, docs/soak.md)."""
+        if self._idle is None:
+            return
+        seen = self._delivered
+        while not self._idle.wait(OUTPUT_WAIT_S) and self._delivered != seen:
+            seen = self._delivered
+
+    def close(self, cancelled: bool = False) -> None:
+        """Send what is left and wait (bounded) until the kernel has printed it all.
+
+        ``cancelled`` (the stop button ended the call): what is not sent yet is dropped,
+        with one line that says how much, and nothing is waited for. A flood's lines
+        queued here went on reaching the kernel for seconds after the stop, into the next
+        cells, and a shrink waited for them (the soak, docs/soak.md)."""
         if not self._wrote:
             return
         with self._lock:
             if self._partial is not None:
                 self._partial.cancel()
                 self._partial = None
+            if cancelled:
+                lines = sum(t.count("\n") for s, t in self._pending if s != "bar")
+                lines += sum(1 for rest in self.buffers.values() if rest)
+                self._pending = [(s, t) for s, t in self._pending if s == "bar"][-1:]
+                self.buffers = {"stdout": "", "stderr": ""}
+                if lines:
+                    self._queue("stderr", f"nbrpc: {lines} more lines not shown: {CUT}\n")
+                return
             for stream, rest in self.buffers.items():
                 if rest:
                     self._queue(stream, rest + "\n")
-        if self._idle is not None:
-            self._idle.wait(OUTPUT_WAIT_S)
+        self._wait_idle()
 
 
 class _ForwardingStream:
@@ -380,12 +420,13 @@ def begin_call() -> tuple[Any, Any]:
     return output, previous
 
 
-def end_call(output: Any, previous: Any) -> None:
-    """The call of :func:`begin_call` ends: what it printed reaches the kernel first."""
+def end_call(output: Any, previous: Any, cancelled: bool = False) -> None:
+    """The call of :func:`begin_call` ends: what it printed reaches the kernel first
+    (``cancelled``: what it printed and was not sent yet is dropped, see ``close``)."""
     _call.output = previous
     if output is not None:
         _running.discard(output)
-        output.close()
+        output.close(cancelled)
 
 
 def calling() -> bool:

@@ -180,6 +180,21 @@ def test_an_unknown_option_is_refused_with_the_nearest_name():
 
 
 @pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        ({"num_worker_threads": 0}, r"--threads 0: each process needs at least 1 RPC thread"),
+        ({"num_worker_threads": -2}, r"--threads -2: each process needs at least 1"),
+        ({"rpc_timeout": -5.0}, r"--timeout -5: a timeout is seconds, 0 or more"),
+    ],
+)
+def test_a_thread_count_under_1_and_a_negative_timeout_are_refused(options, says):
+    """Found by the soak (docs/soak.md): ``%rpc_init -n 2 --threads 0`` started a cluster
+    of 16 threads per process, and a negative timeout went to torch."""
+    with pytest.raises(nbrpc.ConfigError, match=says):
+        nbrpc.Cluster(2, **options)
+
+
+@pytest.mark.parametrize(
     ("line", "kwargs"),
     [
         ("", {}),
