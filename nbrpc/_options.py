@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Annotated, Any, TypedDict, get_type_hints
 
-from . import _devices, _group, _process
+from . import _devices, _group, _option_checks as _checks
 from ._errors import ConfigError
 from ._placement import Opts, SourceOptions, source_options, where
 from ._source_options import Attached, Slurm
@@ -43,7 +43,6 @@ from ._wire import shm
 
 DEFAULT_RPC_TIMEOUT_S = 60.0
 DEFAULT_THREADS = 16
-PROCESS_GROUP_BACKENDS = ("gloo", "nccl")
 
 
 @dataclass(frozen=True)
@@ -420,69 +419,6 @@ def magic_arguments(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
-# -- checked ------------------------------------------------------------------------------
-
-
-def _unknown(name: str, opts: dict[str, Opt]) -> str:
-    """The error for an option nobody declared, with the nearest one (by its name, or by
-    its ``%rpc_init`` flag: ``threads`` is ``num_worker_threads``)."""
-    import difflib
-
-    by_flag = {o.flag.lstrip("-").replace("-", "_"): n for n, o in opts.items() if o.flag}
-    names = {**{n: n for n in opts}, **by_flag}
-    near = difflib.get_close_matches(name, list(names), n=1)
-    hint = ""
-    if near:
-        option = names[near[0]]
-        flag = opts[option].flag
-        hint = f": did you mean {option!r}" + (f" (%rpc_init {flag})?" if flag else "?")
-    return f"unknown option {name!r}{hint} The options are in docs/options.md."
-
-
-def _self_name(asked: str | None, default: str) -> str:
-    """The kernel's name: torch fixes a process's name when it first joins, so once this
-    kernel joined, it keeps that name without being asked again (a different --self is
-    refused as a cluster starts, before anything is drawn: ``_group.check_kernel_name``)."""
-    if asked is not None:
-        return asked
-    joined = _group.current_kernel_membership()
-    return joined.name if joined is not None else default
-
-
-def _process_group(v: dict[str, Any]) -> tuple[str | None, tuple[str, ...] | None]:
-    """The workers' process group: its backend and members, checked."""
-    backend = v["process_group"]
-    if backend is not None and backend not in PROCESS_GROUP_BACKENDS:
-        raise ConfigError(
-            f"--process-group {backend!r}: use gloo (CPU tensors, any host) or nccl "
-            "(CUDA tensors, a GPU per worker)"
-        )
-    members = tuple(s.strip() for s in v["process_group_workers"] or () if s.strip()) or None
-    if members is not None:
-        if backend is None:
-            raise ConfigError(
-                "--process-group-workers needs --process-group gloo (or nccl) as well"
-            )
-        if len(set(members)) != len(members):
-            raise ConfigError(f"--process-group-workers lists a worker twice: {members}")
-    return backend, members
-
-
-def _restart_mode(restart: str | None) -> str | None:
-    if restart not in (None, "dead"):
-        raise ConfigError(f"restart={restart!r}: use 'dead' (replace workers that died) or None")
-    return restart
-
-
-def _progress_mode(progress: str | bool) -> str:
-    if progress == "auto":
-        progress = "widget" if _process.in_notebook() else "off"
-    mode = {True: "text", False: "off"}[progress] if isinstance(progress, bool) else progress
-    if mode not in ("widget", "text", "off"):
-        raise ConfigError(f"progress={progress!r}: use 'auto', 'widget', 'text' or 'off'")
-    return mode
-
-
 @dataclass(frozen=True)
 class Settings:
     """A cluster's options, checked (see :class:`Options` for what each one means)."""
@@ -526,13 +462,13 @@ class Settings:
         opts = declared()
         unknown = sorted(set(options) - set(opts))
         if unknown:
-            raise ConfigError(_unknown(unknown[0], opts))
+            raise ConfigError(_checks.unknown(unknown[0], opts))
         if n is not None and options.get("n") is not None and options["n"] != n:
             raise ConfigError(f"n given twice: {n} and {options['n']}")
         v = {name: opt.default for name, opt in opts.items()}
         v.update(options)
         v["n"] = n if n is not None else v["n"]
-        v["self_name"] = _self_name(options.get("self_name"), opts["self_name"].default)
+        v["self_name"] = _checks.self_name(options.get("self_name"), opts["self_name"].default)
         return cls._checked(v)
 
     @classmethod
@@ -550,7 +486,7 @@ class Settings:
             raise ConfigError(
                 f"shm_threshold must be a positive number of bytes or None, got {shm_threshold}"
             )
-        process_group, members = _process_group(v)
+        process_group, members = _checks.process_group(v)
         threads, timeout = v["num_worker_threads"], v["rpc_timeout"]
         if threads is not None and threads < 1:  # 0 once meant the default, 16, unsaid
             raise ConfigError(
@@ -571,7 +507,7 @@ class Settings:
             num_worker_threads=int(threads or DEFAULT_THREADS),
             rpc_timeout=float(DEFAULT_RPC_TIMEOUT_S if timeout is None else timeout),
             init_method=init_method,
-            progress=_progress_mode(v["progress"]),
+            progress=_checks.progress_mode(v["progress"]),
             listen=listen,
             gpus=gpus,
             device_maps=_devices.merge(v["self_name"], (v["device_maps"] or {}).items()),
@@ -581,7 +517,7 @@ class Settings:
             process_group=process_group,
             process_group_workers=members,
             remote_python=v["remote_python"],
-            restart=_restart_mode(v["restart"]),
+            restart=_checks.restart_mode(v["restart"]),
             source_options=asked,
         )
 
