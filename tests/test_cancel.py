@@ -496,8 +496,8 @@ def test_a_stopped_floods_lines_not_yet_sent_are_dropped_and_said(kernel):
     """The stop button ends a call that printed faster than the kernel shows: what it
     printed and had not sent yet is dropped, with one line saying how much. Before, the
     flood's queued lines went on reaching the kernel for seconds, into the next cells (the
-    soak, docs/soak.md: 28,000 lines in the 8 s after a stop), and a shrink waited for
-    them. At most the one message in flight at the stop arrives after it."""
+    soak, docs/soak.md: 28,000 lines in the 8 s after a stop). At most the one message in
+    flight at the stop arrives after it."""
     kernel.run("def shout(n):\n    for i in range(n):\n        print('flooded', i)\n    return n")
     _, errors = kernel.stop_after("nbrpc.rpc_sync('worker1', shout, args=(300000,))", 1.5)
     assert errors

@@ -243,7 +243,7 @@ class _CallOutput:
         ``cancelled`` (the stop button ended the call): what is not sent yet is dropped,
         with one line that says how much, and nothing is waited for. A flood's lines
         queued here went on reaching the kernel for seconds after the stop, into the next
-        cells, and a shrink waited for them (the soak, docs/soak.md)."""
+        cells (the soak, docs/soak.md)."""
         if not self._wrote:
             return
         with self._lock:
