@@ -74,7 +74,11 @@ class Arena:
                 return None
             self._live[record] = (offset, size)
             self._mm[record] = 1
-        copy(self._data.data_ptr() + HEADER + offset, storage.data_ptr(), nbytes)
+        try:
+            copy(self._data.data_ptr() + HEADER + offset, storage.data_ptr(), nbytes)
+        except BaseException:  # a stop or a cancel: the slot goes back, sent to nobody
+            self._mm[record] = 0
+            raise
         return record, offset
 
     def _fit(self, size: int) -> int | None:
@@ -124,6 +128,15 @@ class _Copier:
     round trip on 2 cores: the worker's copy took 9.5 ms while the kernel's copy threads
     were still spinning, 6.5 ms without them; two memmoves take 5.9 ms against copy_'s
     5.7 ms alone, and leave nothing spinning behind.
+
+    A copy returns, or raises, only once every part is copied. The stop button raises
+    ``KeyboardInterrupt`` in the kernel's thread, and a cancel raises in a worker's RPC
+    thread, at any bytecode, the wait for the helpers included. A first version counted
+    finished parts on a semaphore: a wait the stop ended left its part's count behind, and
+    the next copy's wait took it and returned while its own part was still being copied:
+    the tensor arrived with a part of the one before it (the soak found a wrong 4 MB result,
+    tests/test_cancel.py a wrong 16 MB one). Now each part has a number and the wait reads
+    the helper's last finished number, a state that an interrupted wait cannot consume.
     """
 
     def __init__(self, threads: int) -> None:
@@ -136,39 +149,64 @@ class _Copier:
             return
         try:
             part = -(-nbytes // (len(self._helpers) + 1) // ALIGN) * ALIGN
-            jobs = []
             for helper, start in zip(self._helpers, range(part, nbytes, part), strict=False):
-                size = min(part, nbytes - start)
-                helper.start(dst + start, src + start, size)
-                jobs.append(helper)
+                helper.start(dst + start, src + start, min(part, nbytes - start))
             ctypes.memmove(dst, src, min(part, nbytes))
-            for helper in jobs:
-                helper.join()
         finally:
+            _wait_for(self._helpers)
             self._busy.release()
 
 
+def _wait_for(helpers: list[_Helper]) -> None:
+    """Until every helper's part is copied, whatever is raised here meanwhile (a stop, a
+    cancel): the memory is the caller's again only then. What was raised is raised after."""
+    raised: BaseException | None = None
+    while True:
+        try:
+            for helper in helpers:
+                helper.join()
+            break
+        except BaseException as error:  # raised below, once the parts are done
+            raised = raised or error
+    if raised is not None:
+        raise raised
+
+
 class _Helper:
-    """One thread that waits (blocked, no CPU) for a part of a copy."""
+    """One thread that waits (blocked, no CPU) for a part of a copy.
+
+    Its state is two numbers: the last part given (``_given``, with the part) and the last
+    part finished (``_finished``). Both only grow, so waking and waiting are repeatable: a
+    wait or a wake-up cut short by an exception is simply done again."""
 
     def __init__(self) -> None:
-        self._go = threading.Semaphore(0)
-        self._done = threading.Semaphore(0)
-        self._job = (0, 0, 0)
+        self._given: tuple[int, int, int, int] = (0, 0, 0, 0)  # (number, dst, src, nbytes)
+        self._finished = 0
+        self._go = threading.Event()  # a part may be waiting
+        self._done = threading.Event()  # a part was finished
         threading.Thread(target=self._run, name="nbrpc-copy", daemon=True).start()
 
     def start(self, dst: int, src: int, nbytes: int) -> None:
-        self._job = (dst, src, nbytes)
-        self._go.release()
+        self._done.clear()
+        self._given = (self._given[0] + 1, dst, src, nbytes)  # one assignment: whole or not
+        self._go.set()
 
     def join(self) -> None:
-        self._done.acquire()
+        number = self._given[0]
+        if self._finished < number:
+            self._go.set()  # again: a start cut short between its two steps
+        while self._finished < number:
+            self._done.wait(0.05)
 
     def _run(self) -> None:
         while True:
-            self._go.acquire()
-            ctypes.memmove(*self._job)
-            self._done.release()
+            self._go.wait()
+            self._go.clear()
+            number, dst, src, nbytes = self._given
+            if number > self._finished:
+                ctypes.memmove(dst, src, nbytes)
+                self._finished = number
+                self._done.set()
 
 
 class _Copiers:
