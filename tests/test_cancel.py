@@ -468,6 +468,18 @@ def test_the_stop_button_during_init_leaves_nothing_behind_and_the_next_init_wor
     kernel.run("%rpc_init -n 2 --quiet")  # as the module's kernel was
 
 
+#: the kernel shows a worker's output 20 ms after each message arrives
+SLOW_SHOW = """
+import time
+import nbrpc._wire.output as shown_here
+shown_at_once = shown_here.show_output
+def show_late(worker, chunks):
+    time.sleep(0.02)
+    shown_at_once(worker, chunks)
+shown_here.show_output = show_late
+"""
+
+
 def test_the_stop_button_is_never_lost_in_a_freed_tensors_finalizer(kernel):
     """A loop of 16 MB calls: each reply arrives in shared memory, and a weakref callback
     gives its slot back when the tensor is freed. Python raises the stop's
@@ -497,13 +509,21 @@ def test_a_stopped_floods_lines_not_yet_sent_are_dropped_and_said(kernel):
     printed and had not sent yet is dropped, with one line saying how much. Before, the
     flood's queued lines went on reaching the kernel for seconds, into the next cells (the
     soak, docs/soak.md: 28,000 lines in the 8 s after a stop). At most the one message in
-    flight at the stop arrives after it."""
+    flight at the stop arrives after it.
+
+    The kernel here shows each message 20 ms late, so that the flood outpaces it on any
+    machine: on a fast one the kernel kept up and nothing was left to drop (CI, 2026-11-28).
+    The flood has no end, so that the stop always finds it printing."""
     kernel.run("def shout(n):\n    for i in range(n):\n        print('flooded', i)\n    return n")
-    _, errors = kernel.stop_after("nbrpc.rpc_sync('worker1', shout, args=(300000,))", 1.5)
-    assert errors
-    assert errors[0].startswith("KeyboardInterrupt"), errors
-    said = kernel.stderr
-    later = kernel.run("time.sleep(3)")
-    said += kernel.stderr
+    kernel.run(SLOW_SHOW)
+    try:
+        _, errors = kernel.stop_after("nbrpc.rpc_sync('worker1', shout, args=(10**12,))", 1.5)
+        assert errors
+        assert errors[0].startswith("KeyboardInterrupt"), errors
+        said = kernel.stderr
+        later = kernel.run("time.sleep(3)")
+        said += kernel.stderr
+    finally:
+        kernel.run("shown_here.show_output = shown_at_once")
     assert later.count("flooded") < 2000, f"{later.count('flooded')} lines after the stop"
     assert re.search(r"\[worker1\] nbrpc: \d+ more lines not shown: the call was cancelled", said)

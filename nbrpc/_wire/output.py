@@ -196,6 +196,7 @@ class _CallOutput:
         if self._idle is None:
             self._idle = threading.Event()
         self._idle.clear()
+        fut = None
         try:
             fut = _torch.rpc_async(
                 _forward.to, show_output, args=(_forward.me, chunks), timeout=SEND_TIMEOUT_S
@@ -208,8 +209,10 @@ class _CallOutput:
             if sys.__stderr__ is not None:
                 sys.__stderr__.write(f"{text}(nbrpc: could not forward output: {exc})\n")
         except BaseException:  # the stop button's interrupt (nbrpc._wire.cancelling) landed
-            self._in_flight = False  # here: the next line must not wait for a send that
-            self._idle.set()  # may not have left
+            if fut is None:  # here, before the message left: its lines are pending again,
+                self._pending[:0] = chunks  # and the cancelled call's close counts them
+            self._in_flight = False  # the next line must not wait for a send that may not
+            self._idle.set()  # have left
             raise
 
     def _sent(self, _fut: Any) -> None:
