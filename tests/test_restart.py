@@ -46,6 +46,9 @@ def test_restart_keeps_the_rest_and_every_path_to_the_new_process_works(kernel):
         "c1.rpc_sync().add(5); c2.rpc_sync().add(7)\n"
         "pids = {n: nbrpc.rpc_sync(n, whoami) for n in ('worker1', 'worker2')}"
     )
+    # worker1 knows the old worker2: it called it (and kept calling it after the restart,
+    # with EPIPE, until workers looked a peer up again after a membership change)
+    assert k.value("nbrpc.rpc_sync('worker1', call_peer, args=('worker2',)) == pids['worker2']")
     k.run("%%rpc\nremembered = 'here'")
     t0 = time.monotonic()
     out = k.run("%rpc_restart worker2")

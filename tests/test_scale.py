@@ -162,6 +162,7 @@ def test_two_four_one_three(kernel):
 def test_removing_a_named_worker_leaves_a_gap_the_next_grow_fills(kernel):
     k = kernel
     k.run("%rpc_scale 3")  # as the test before leaves it
+    old = k.value("nbrpc.rpc_sync('worker1', call_peer, args=('worker2',))")  # worker1 knows it
     out = k.run("%rpc_scale --remove worker2")
     assert "worker2 left the cluster" in out, out
     assert _ranks_seen_by_workers(k) == {"worker1": 1, "worker3": 3}  # they keep theirs
@@ -171,6 +172,10 @@ def test_removing_a_named_worker_leaves_a_gap_the_next_grow_fills(kernel):
     out = k.run("%rpc_scale --remove ps")
     out = k.run("%rpc_scale 3")
     assert "worker2 (nbrpc.rank() 2" in out, out
+    # the new worker2, from worker1, which had called the old one (EPIPE for good, before)
+    new = k.value("nbrpc.rpc_sync('worker2', whoami)")
+    assert new != old
+    assert k.value("nbrpc.rpc_sync('worker1', call_peer, args=('worker2',))") == new
 
 
 def test_bad_input_changes_nothing(kernel):

@@ -64,6 +64,7 @@ class _Calls:
     #: workers nbrpc makes leave at a scale -> why: a call they cut off says so
     leaving: dict[str, str] = field(default_factory=dict)
     infos_of: Any = None  # the agent they are of (kept alive: its identity is checked)
+    infos_at: int = -1  # and the membership changes they were found after
 
 
 _calls = _Calls()
@@ -178,6 +179,7 @@ def _destination(to: str | WorkerInfo | int, what: str) -> WorkerInfo:
         if (
             info is not None
             and _calls.infos_of is _torch.agent()
+            and _calls.infos_at == _torch.membership_changes()
             and info.name not in _states.unreachable
         ):
             return info
@@ -193,9 +195,10 @@ def _destination(to: str | WorkerInfo | int, what: str) -> WorkerInfo:
         raise WorkerDiedError(to, _states.unreachable[to], _last_output(to))
     if isinstance(to, str | int) and not isinstance(to, bool):
         agent = _torch.agent()
-        if agent is not _calls.infos_of:  # torch's RPC started again (its own init_rpc)
-            _calls.infos.clear()
-            _calls.infos_of = agent
+        changes = _torch.membership_changes()
+        if agent is not _calls.infos_of or _calls.infos_at != changes:
+            _calls.infos.clear()  # torch's RPC started again (its own init_rpc), or a peer
+            _calls.infos_of, _calls.infos_at = agent, changes  # joined or left
         info = _calls.infos.get(to)
         try:  # one lookup in the agent's table; the full list only for the error
             if info is None:

@@ -103,6 +103,7 @@ from .group import (
     guard_ddp as guard_ddp,
     hold_devices as hold_devices,
     leave_group as leave_group,
+    membership_changes as membership_changes,
     reset_all_gather as reset_all_gather,
     route_all_gather as route_all_gather,
     set_rpc_timeout as set_rpc_timeout,

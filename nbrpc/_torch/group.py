@@ -7,13 +7,14 @@ worker dies or leaves; these are the private names it does that with.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.distributed.rpc as rpc
+import torch.distributed.rpc._utils as rpc_utils
 import torch.distributed.rpc.api as rpc_api
 import torch.distributed.rpc.backend_registry as backend_registry
-from torch.distributed.rpc._utils import _update_group_membership
 from torch.distributed.rpc.constants import UNSET_RPC_TIMEOUT
 
 from .calls import patch_api
@@ -45,9 +46,37 @@ def leave_group(timeout: float = 0) -> None:
 GROUP_TOKEN_KEY = "RpcGroupManagementToken"  # the key of the join/leave critical section
 MEMBER_LIST_KEY = "_ALL_WORKER_INFOS"  # under the "names" prefix: "name-id," entries
 
-#: The function torch's leave runs on every peer (nbrpc's leave on a worker's behalf runs
-#: :func:`forget_locally` there instead, which keeps the peer's devices).
-update_group_membership = _update_group_membership
+
+class _Changes:
+    """How many times this process's agent was told a peer joined or left."""
+
+    count = 0
+
+
+_changes = _Changes()
+
+
+def _counted(update: Callable[..., Any]) -> Callable[..., Any]:
+    """torch's membership update, counted (:func:`membership_changes`) once it is done: a
+    lookup made meanwhile is looked up again."""
+
+    @functools.wraps(update)  # torch's module and name: sent by name, found by name
+    def _update_group_membership(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return update(*args, **kwargs)
+        finally:
+            _changes.count += 1
+
+    return _update_group_membership
+
+
+#: The function torch's join and leave run on every member, by name (nbrpc's leave on a
+#: worker's behalf runs :func:`forget_locally` there instead, which keeps the peer's
+#: devices), counted. Every module of torch's that holds it holds the counted one: a
+#: function sent by name must be the one its module holds, or the pickler sends it whole.
+update_group_membership = _counted(rpc_utils._update_group_membership)
+for _holder in (rpc_utils, rpc_api, backend_registry):
+    _holder._update_group_membership = update_group_membership  # type: ignore[attr-defined]
 
 
 def forget_locally(
@@ -67,6 +96,16 @@ def forget_locally(
         },
         False,
     )
+    _changes.count += 1
+
+
+def membership_changes() -> int:
+    """How many times this process's agent was told a peer joined or left, so far. A
+    ``WorkerInfo`` looked up before the last change may name a process that is gone: a
+    restarted or re-added worker has a new id under its old name, and a worker that had
+    called the old one kept calling it (EPIPE, for good). torch tells each member by
+    running ``_update_group_membership`` there."""
+    return _changes.count
 
 
 def hold_devices(devices: list[str], replies: dict[str, dict[str, str]]) -> None:
