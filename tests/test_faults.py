@@ -147,6 +147,12 @@ def test_last_words_are_a_crash_report_not_earlier_errors(tmp_path):
         '      File "<notebook-cell-3>", line 2 in step',
     ]
     assert last_words(str(log), start=len(earlier + crash)) == ""  # before this engine
+    # another thread's unfinished line before the report: the report is still found
+    log.write_text(earlier + "[W1122 23:10:01.1 half a line" + crash[crash.index("Fatal") :])
+    assert last_words(str(log)).splitlines()[:2] == [
+        "    Fatal Python error: Aborted",
+        "    Current thread 0x00007f (most recent call first):",
+    ]
 
 
 HALF_JOIN = '''

@@ -231,7 +231,14 @@ class LocalController(Controller):
     def last_output(self, pid: int) -> str:
         """What engine ``pid`` printed last (see :func:`last_words`); "" if nothing."""
         fd, start = self._logs.get(pid, (-1, 0))
-        return last_words(fd, start) if fd >= 0 else ""
+        if fd < 0:
+            return ""
+        words = last_words(fd, start)
+        deadline = time.monotonic() + DYING_S
+        while not words and process_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.02)  # still dying: its report may be on its way to the log
+            words = last_words(fd, start)
+        return words
 
     def _forget_log(self, pid: int) -> None:
         fd, _ = self._logs.pop(pid, (-1, 0))
@@ -385,6 +392,9 @@ class LocalController(Controller):
 #: faulthandler's first line when a process gets a fatal signal (a segfault; an abort,
 #: which is how C++ ends on an uncaught exception). Engines enable faulthandler.
 _FATAL = "Fatal Python error: "
+#: How long the last words of an engine that still exists are waited for (a call that
+#: lost it may fail a moment before its process is gone).
+DYING_S = 0.5
 #: Lines that are not a dying process's own words: ipyparallel's log ("2026-11-22
 #: 22:14:28.813 [IPEngine.0] ...") and torch's ("[E1122 23:09:46.506 file.cpp:561] ...",
 #: errors of earlier calls that their callers already got).
@@ -406,12 +416,14 @@ def last_words(log: str | int, start: int = 0) -> str:
             lines = f.read().decode(errors="replace").splitlines()
     except OSError:
         return ""
-    fatal = [i for i, line in enumerate(lines) if line.startswith(_FATAL)]
+    fatal = [i for i, line in enumerate(lines) if _FATAL in line]
     if not fatal:
         return ""
     at = fatal[-1]
+    cut = lines[at].index(_FATAL)  # after a line another thread had begun, if not 0: then
+    lines[at] = lines[at][cut:]  # the lines before are not the crash's own
     before: list[str] = []
-    for line in reversed(lines[max(0, at - BEFORE_LINES) : at]):
+    for line in reversed(lines[max(0, at - BEFORE_LINES) : at] if cut == 0 else []):
         if not line.strip() or _LOGGED.match(line):
             break
         before.insert(0, line)
