@@ -209,7 +209,8 @@ class Options(TypedDict, total=False):
             default=shm.DEFAULT_THRESHOLD,
             doc="CPU tensors whose storage has at least this many bytes travel through "
             "shared memory between processes of one host (``None``, ``--no-shm``: never); "
-            "see docs/architecture.md.",
+            "a small call's lane sends every storage over the 64 KB its frame holds that "
+            "way too; see docs/architecture.md.",
             switch=(shm.DEFAULT_THRESHOLD, None),
         ),
     ]

@@ -9,7 +9,8 @@ import time
 
 import pytest
 import torch
-from conftest import STAGE_CELL, ensure_cluster, notebook_code
+import torch.distributed.rpc as rpc
+from conftest import STAGE_CELL, ensure_cluster, notebook_code, wait_until
 
 import nbrpc
 from nbrpc import autograd
@@ -34,6 +35,17 @@ def segments_made():
 
 def same_storage(a, b):
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+def total(t, *rest):
+    return float(t.sum())
+
+def with_rref(n):
+    import torch.distributed.rpc as rpc
+    return torch.ones(n), rpc.RRef(1)
+
+def slots_in_use():
+    from nbrpc._wire import shm
+    return shm.arena().in_use() if shm.arena() is not None else 0
 """
 
 BASE = torch.randn(1024, 1024)  # 4 MB: over the 1 MB threshold these tests set
@@ -111,6 +123,57 @@ def test_small_tensors_keep_torchs_path(fast):
     small = torch.randn(1000)  # 4 KB
     assert torch.equal(nbrpc.rpc_sync("worker1", fast.echo, args=(small,)), small)
     assert _segments_made() == before
+
+
+#: over what a lane's frame carries in its bytes (64 KB), under the arena's 1 MB threshold
+#: for TensorPipe's messages
+OVER_A_FRAME = {
+    "64 KB and 4 bytes": torch.randn(16 * 1024 + 1),
+    "256 KB": torch.randn(64 * 1024),
+    "a view of 1 MB": torch.randn(1 << 18)[5:-7],
+    "uint8 2-d, transposed": torch.randint(0, 255, (300, 700), dtype=torch.uint8).t(),
+}
+
+
+@pytest.mark.parametrize("name", list(OVER_A_FRAME))
+def test_a_tensor_over_a_frame_takes_the_lane_through_shared_memory(cluster, name):
+    """A tensor a lane's frame cannot hold took TensorPipe (256 KB: 1.87 ms a round trip,
+    0.40 ms now, docs/architecture.md): it takes the lane, its storage in the arena."""
+    code = notebook_code(CELL)
+    t = OVER_A_FRAME[name]
+    before = _segments_made()
+    with nbrpc.record() as rec:
+        back = nbrpc.rpc_sync("worker1", code.echo, args=(t,))
+    assert _segments_made() > before, "shared memory was not taken"
+    assert torch.equal(back, t)
+    assert (back.stride(), back.storage_offset(), back.dtype) == (
+        t.stride(),
+        t.storage_offset(),
+        t.dtype,
+    )
+    assert [r["route"] for r in rec.calls if r["function"] == "echo"] == ["lane"]
+    pair = nbrpc.rpc_sync("worker1", code.echo, args=(t, t[1:]))  # one storage: shared
+    assert pair[0].untyped_storage().data_ptr() == pair[1].untyped_storage().data_ptr()
+
+
+def test_a_lane_message_not_sent_gives_its_shared_memory_back(cluster):
+    """A call whose large tensor was copied into the arena, then refused by the lane (an
+    RRef after it: TensorPipe carries the call), and a reply refused so: their slots are
+    free again, not lost to the arena until the cluster ends."""
+    code = notebook_code(CELL)
+    big = torch.ones(1 << 16)  # 256 KB
+    mine = shm.arena()
+    in_use = mine.in_use() if mine is not None else 0
+    for _ in range(5):
+        assert nbrpc.rpc_sync("worker1", code.total, args=(big, rpc.RRef(1))) == 1 << 16
+    assert wait_until(lambda: shm.arena().in_use() <= in_use, 5.0), shm.arena().in_use()
+    theirs = nbrpc.rpc_sync("worker1", code.slots_in_use)
+    for _ in range(5):
+        ones, rref = nbrpc.rpc_sync("worker1", code.with_rref, args=(1 << 16,))
+        assert float(ones.sum()) == 1 << 16 and rref.to_here() == 1
+    del ones, rref
+    gc.collect()
+    assert wait_until(lambda: nbrpc.rpc_sync("worker1", code.slots_in_use) <= theirs, 5.0)
 
 
 def test_distributed_autograd_through_large_tensors(fast):

@@ -81,6 +81,11 @@ class Arena:
             raise
         return record, offset
 
+    def release(self, record: int) -> None:
+        """A slot whose message was never sent: free again (no receiver will let it go)."""
+        with self._lock:
+            self._mm[record] = 0
+
     def _fit(self, size: int) -> int | None:
         """The lowest offset with ``size`` free bytes (first fit keeps used pages warm)."""
         position = 0

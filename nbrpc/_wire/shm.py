@@ -330,23 +330,54 @@ def make_reducer(torch_reducer: Callable[[torch.Tensor], Any]) -> Callable[[torc
             return torch_reducer(t)
         if not _reaches(getattr(_route, "pickling", None)):  # another host, or unknown
             return torch_reducer(t)
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key not in exported:
-            exported[key] = export(storage)
-        return (
-            import_tensor,
-            (
-                exported[key],
-                storage.nbytes(),
-                t.dtype,
-                tuple(t.shape),
-                tuple(t.stride()),
-                t.storage_offset(),
-            ),
-        )
+        return _shared(t, exported)
 
     return reduce
+
+
+def lend(t: torch.Tensor, exported: dict[int, Any]) -> tuple | None:
+    """A tensor of a lane's message (:mod:`nbrpc._wire.lanes`) larger than a lane frame
+    carries in its bytes: copied into shared memory as a TensorPipe message's would be,
+    its reduction returned (storages already in ``exported``, the message's, are not
+    copied again). None where the fast path does not take it: off, a cluster across
+    hosts (a lane's peer shares this host, but which memory it sees is not tracked
+    here), or not a plain dense CPU tensor. What a message that is never sent exported
+    goes back with :func:`take_back`."""
+    if _state.threshold is None or _state.peers is not None or not _eligible(t, 0):
+        return None
+    return _shared(t, exported)
+
+
+def _shared(t: torch.Tensor, exported: dict[int, Any]) -> tuple:
+    storage = t.untyped_storage()
+    key = storage.data_ptr()
+    if key not in exported:
+        exported[key] = export(storage)
+    return (
+        import_tensor,
+        (
+            exported[key],
+            storage.nbytes(),
+            t.dtype,
+            tuple(t.shape),
+            tuple(t.stride()),
+            t.storage_offset(),
+        ),
+    )
+
+
+def take_back(exported: dict[int, Any]) -> None:
+    """The storages a message exported (:func:`lend`) that was never sent: their arena
+    slots are free again, their segments removed (nobody will map them)."""
+    arena = _state.arena
+    for where in exported.values():
+        if isinstance(where, tuple):
+            if arena is not None and where[0] == arena.name:
+                arena.release(where[1])
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(SHM_DIR, where))
+    exported.clear()
 
 
 # -- what tests and the status card read ----------------------------------------------

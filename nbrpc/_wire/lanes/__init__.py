@@ -24,9 +24,11 @@ when a call takes none; anything else goes through TensorPipe as before, unchang
 
 The callee runs the call in :func:`nbrpc._wire.callee.run_function`, as TensorPipe's
 calls are run: the same output forwarding, failures with their traceback, recording,
-stack labels and counts. A reply that cannot take the lane (it holds an RRef, a CUDA or
-large tensor, or does not pickle) is kept by the callee and fetched by the caller through
-TensorPipe (:func:`.callee.take`): torch's own path, with torch's behaviour. On a GPU
+stack labels and counts. A large CPU tensor takes the lane through shared memory where
+the cluster has it (:mod:`.messages`). A reply that cannot take the lane (it holds an
+RRef, a CUDA tensor, a large one without shared memory, or does not pickle) is kept by
+the callee and fetched by the caller through TensorPipe (:func:`.callee.take`): torch's
+own path, with torch's behaviour. On a GPU
 cluster a small CUDA tensor that the caller's device map places on the peer travels
 *staged* (:mod:`.messages`: copied to host memory as it is pickled, to the mapped device
 as it is unpickled; a reply's by the map back); any other CUDA tensor among the arguments

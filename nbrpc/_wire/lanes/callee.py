@@ -96,7 +96,8 @@ def run(answer: Callable[[bytes], Any], call: int, payload: bytes, lane: int = 0
         if len(reply) > MAX_PAYLOAD:  # more than a frame holds: TensorPipe fetches it
             raise messages.NotLane(f"a reply of {len(reply)} bytes")
         kind = VALUE
-    except Exception as exc:  # an RRef, a CUDA or large tensor, or no pickle: TensorPipe takes it
+    except Exception as exc:  # an RRef, a CUDA tensor, no pickle...: TensorPipe takes it
+        messages.unsent()  # (what shared memory the refused reply's tensors took)
         made = None
         kind = ON_DEVICE if isinstance(exc, messages.OnDevice) else FETCH
         # a reply refused for something else first (a large CPU tensor, an RRef) may hold

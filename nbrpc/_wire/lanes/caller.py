@@ -144,17 +144,22 @@ def route(dest: Any, func: Any, args: tuple, kwargs: dict | None, main: bool) ->
         user = notebook or is_user_call(func)
         payload = call_bytes(func, args, kwargs or {}, user, dest.name, stage=main)
     except messages.OnDevice:
+        messages.unsent()
         return _NONE[Why.ON_DEVICE]
     except Exception:  # NotLane, or what TensorPipe's pickling will report in its words
+        messages.unsent()
         return _NONE[Why.NOT_LANE]
+    lane: Lane | None = None
+    refused: Why | None = None
     if len(payload) > MAX_PAYLOAD:  # (a frame's limit: a peer reading it would drop it)
-        return _NONE[Why.NOT_LANE]
-    lane = lane_to(dest, main)
-    if lane is None:
-        return _NONE[Why.NO_LANE]
+        refused = Why.NOT_LANE
+    else:
+        lane = lane_to(dest, main)
+        refused = Why.NO_LANE if lane is None else Why.BUSY if main and lane.busy else None
+    if lane is None or refused is not None:  # what shared memory its tensors took goes back
+        messages.unsent()
+        return _NONE[refused or Why.NO_LANE]
     if main:
-        if lane.busy:
-            return _NONE[Why.BUSY]
         lane.busy = True
     return Route(lane, payload)
 

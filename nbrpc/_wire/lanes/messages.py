@@ -1,8 +1,10 @@
-"""A lane's messages (:mod:`nbrpc._wire.lanes`) as bytes: calls, replies, small tensors.
+"""A lane's messages (:mod:`nbrpc._wire.lanes`) as bytes: calls, replies, their tensors.
 
 A call or reply pickles by nbrpc's pickler (:class:`nbrpc._wire.pickling.LanePickler`:
 notebook code by value) with the lanes' reducers: small dense CPU tensors *in* the pickle
-(storage, offset, size, stride), RRefs and torch's special classes refused
+(storage, offset, size, stride), larger ones in shared memory where the cluster has it
+(:func:`nbrpc._wire.shm.lend`: the pickle holds the slot's place; a message not sent
+gives it back, :func:`unsent`), RRefs and torch's special classes refused
 (:class:`NotLane`: TensorPipe carries that call). A small tensor on a CUDA device
 that this process maps to the peer (:func:`place_by`) is *staged*: copied to this host's
 memory as it is pickled (which waits for the work on this thread's stream that makes it)
@@ -29,10 +31,12 @@ import torch
 
 from nbrpc import _torch
 from nbrpc._devices import canonical
-from nbrpc._wire import pickling, recording, sent_functions
+from nbrpc._wire import pickling, recording, sent_functions, shm
 from nbrpc._wire.callee import call_builtin
 
-#: tensor storage bytes one lane message may carry (more: TensorPipe, or the arena)
+#: tensor storage bytes one lane message carries in its own bytes; a larger storage goes
+#: through shared memory (:func:`nbrpc._wire.shm.lend`), where the cluster has it, else the
+#: message through TensorPipe
 LANE_TENSOR_BYTES = 1 << 16
 
 
@@ -116,6 +120,14 @@ def _reduce_tensor(t: torch.Tensor) -> Any:
         raise NotLane
     storage = t.untyped_storage()
     nbytes, address = storage.nbytes(), storage.data_ptr()
+    lent = _lane_counted.lent
+    if address in lent or (
+        _lane_counted.bytes + nbytes > LANE_TENSOR_BYTES and address not in _lane_counted.storages
+    ):  # too large for the frame: through shared memory, if this cluster has it
+        reduced = shm.lend(t, lent)
+        if reduced is None:
+            raise NotLane
+        return reduced
     if not _counted(nbytes, address):
         raise NotLane
     data = ctypes.string_at(address, nbytes) if nbytes else b""
@@ -155,9 +167,12 @@ class _LaneCounted(threading.local):
     bytes = 0
     storages: set[int]
     places: dict[str, str] | None = None
+    #: storages of the message in shared memory (:func:`nbrpc._wire.shm.lend`)
+    lent: dict[int, Any]
 
     def __init__(self) -> None:
         self.storages = set()
+        self.lent = {}
 
 
 _lane_counted = _LaneCounted()
@@ -335,4 +350,11 @@ def _forget_counted(places: dict[str, str] | None = None) -> None:
     tensors staged by ``places`` (None: none is)."""
     _lane_counted.bytes = 0
     _lane_counted.storages.clear()
+    _lane_counted.lent = {}  # (the last message's: sent, or given back by unsent())
     _lane_counted.places = places
+
+
+def unsent() -> None:
+    """The message this thread pickled last will not be sent (no lane took it, or it is
+    too large for a frame): the shared memory its large tensors took is free again."""
+    shm.take_back(_lane_counted.lent)
