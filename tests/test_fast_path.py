@@ -170,7 +170,8 @@ def test_a_lane_message_not_sent_gives_its_shared_memory_back(cluster):
     theirs = nbrpc.rpc_sync("worker1", code.slots_in_use)
     for _ in range(5):
         ones, rref = nbrpc.rpc_sync("worker1", code.with_rref, args=(1 << 16,))
-        assert float(ones.sum()) == 1 << 16 and rref.to_here() == 1
+        assert float(ones.sum()) == 1 << 16
+        assert rref.to_here() == 1
     del ones, rref
     gc.collect()
     assert wait_until(lambda: nbrpc.rpc_sync("worker1", code.slots_in_use) <= theirs, 5.0)
