@@ -17,7 +17,7 @@ TORCH   ?= $(TORCH_NEWEST)
 CHROMIUM := /usr/bin/chromium
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: venv demo docs test test-torch lint notebooks package-check bench compat clean
+.PHONY: venv demo docs test test-torch lint notebooks package-check bench bench-sizes compat clean
 
 venv: $(STAMP)
 
@@ -123,6 +123,10 @@ test-torch: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
+
+# every tensor size from 1 KB to 256 MB against the plain torch script (make bench runs it too)
+bench-sizes: $(STAMP)
+	$(PY) benchmarks/sizes.py
 
 # torch's own RPC test classes on nbrpc clusters (docs/compatibility.md): the whole tier,
 # about 45 min on 2 cores (expecttest, which torch's test classes import, is in the extra)

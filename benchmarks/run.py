@@ -17,6 +17,8 @@ Figures (medians and p90 over interleaved repeats):
 - CPU per small call (``lane_cpu.py``): the kernel's main thread and process, the worker's
   lane thread and process, for nbrpc on its lane and torch RPC; and a lane call's steps,
   each timed alone on the side that runs it.
+- every size from 1 KB to 256 MB against the plain torch script (``sizes.py``, its own
+  table).
 - tensor round trips of 4, 64 and 256 MB float32: nbrpc (its shared-memory fast path on,
   the default) and nbrpc with TensorPipe only, torch RPC, ipyparallel, bare torch; the
   floor is one in-process copy (``clone``) of that size. The fast path is switched per
@@ -403,6 +405,10 @@ def report(results: dict) -> None:
         print(f"  {name:<28}{fmt(row['median'])} {fmt(row['p90'])}")
     ratio = split["split over 3 processes"]["median"] / split["one process"]["median"]
     print(f"  ratio split / one process (median): {ratio:.2f}")
+    if "sizes" in results:
+        from benchmarks import sizes
+
+        sizes.report(results)
 
 
 def plot(results: dict, path: Path) -> None:
@@ -496,6 +502,9 @@ def main() -> int:
         results["calls"]["64MB"]["Ray actor"] = results["ray"]["64MB torch tensor"]
         results["calls"]["64MB"]["Ray actor, numpy"] = results["ray"]["64MB numpy array"]
     results["cuda"] = bench_cuda(args.quick)
+    from benchmarks import sizes  # (it imports this module)
+
+    results["sizes"] = sizes.measure(args.quick)["sizes"]
     results["calls"]["small"]["floor"] = small_floor
     for figure, row in raw["calls"].items():
         results["calls"][figure]["torch rpc, bare processes"] = row
