@@ -1,8 +1,11 @@
-"""The shapes of the plain data nbrpc returns: status rows, ownership rows, a trace.
+"""The shapes of the plain data nbrpc returns: status rows, ownership rows, a trace, call
+rows, stack rows; and a worker's states.
 
-They are ``TypedDict``s: at run time ordinary dicts (they travel by RPC, print, compare
-and serialise as such), for a type checker and an editor named, documented keys. A
-cluster's own record of each process (:class:`WorkerRecord`) is a small dataclass.
+The rows are ``TypedDict``s: at run time ordinary dicts (they travel by RPC, print,
+compare and serialise as such), for a type checker and an editor named, documented keys.
+A cluster's own record of each process (:class:`WorkerRecord`) is a small dataclass, its
+state a :class:`WorkerState`; :data:`WORKER_NEXT` lists the moves between states, which
+:mod:`nbrpc._states` (the one owner of every worker's state) enforces.
 """
 
 from __future__ import annotations

@@ -1,7 +1,17 @@
-"""What travels between the processes of a cluster, and how, over torch's RPC.
+"""What travels between the processes of a cluster, and how: torch's RPC and nbrpc's lanes.
 
-torch's TensorPipe agent carries every message; these modules decide what goes into one
-and what happens around a call on the callee:
+torch's TensorPipe agent carries what a lane does not: a small call on one host takes a
+lane (:mod:`.lanes`, Unix sockets beside TensorPipe; large CPU tensors on it through
+shared memory), everything else TensorPipe. These modules decide what goes into a
+message and what happens around a call on the callee:
+
+* :mod:`.lanes` -- the route of a call (a lane, or why TensorPipe carries it), the
+  lanes' sockets, messages and threads;
+* :mod:`.cancelling` and :mod:`.side_door` -- the stop button's reach into a busy
+  process (its calls interrupted, later ones refused), and the socket it answers on
+  past its RPC threads;
+* :mod:`.sent_functions` -- notebook functions a lane sends call after call, pickled once;
+* :mod:`.same_user` -- who may connect to a process's sockets;
 
 * :mod:`.pickling` -- notebook code by value (cloudpickle inside torch's RPC pickler),
   tensors out-of-band, RRefs with their ledger label;

@@ -73,7 +73,6 @@ class _Reading(threading.local):
 
 
 reading = _Reading()
-#: how the peer's user is read from a Unix socket (pid, uid, gid)
 
 
 def socket_path(directory: str, name: str) -> str:
