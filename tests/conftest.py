@@ -282,6 +282,23 @@ class Kernel:
             timer.cancel()
         return (time.monotonic() - pressed[0] if pressed else 0.0), errors
 
+    def late_output(self, seconds: float) -> str:
+        """What the kernel shows in the next ``seconds`` while no cell runs, under any
+        cell: a line that arrives after its cell ended shows under that cell in a
+        notebook, and ``execute`` of the next cell would not see it."""
+        import queue
+
+        texts = []
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                msg = self.kc.get_iopub_msg(timeout=left)
+            except queue.Empty:
+                break
+            if msg["msg_type"] == "stream":
+                texts.append(msg["content"]["text"])
+        return "".join(texts)
+
     def run(self, code: str, timeout: float = 120, **kw) -> str:
         """Execute ``code``; its output. Raises with the error's text."""
         out, errors = self.execute(code, timeout, **kw)
