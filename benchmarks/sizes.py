@@ -108,9 +108,7 @@ def measure(quick: bool = False) -> dict:
 
     sizes = [(lb, nb, max(3, n // 4) if quick else n) for lb, nb, n in SIZES]
     before = plain_script(sizes)
-    started_here = nbrpc.current() is None
-    if started_here:
-        nbrpc.init(n=1, progress=False)
+    nbrpc.init(n=1, progress=False)
     echo = notebook_echo()
     rows: dict[str, dict] = {}
     for label, nbytes, repeats in sizes:
@@ -132,8 +130,7 @@ def measure(quick: bool = False) -> dict:
         for name in ("nbrpc, torch's spelling", "nbrpc, a notebook function"):
             rows[label][name]["route"] = route_of(peers[name])
         del t
-    if started_here:
-        nbrpc.shutdown()
+    nbrpc.shutdown()
     after = plain_script(sizes)
     for label, _, _ in sizes:
         rows[label]["plain script"] = stats(before[label] + after[label])
