@@ -328,6 +328,7 @@ class Cluster:
             if release:
                 _engines.release_kept()
             sweep_segments(segment_prefix(os.getpid()))
+            shm.forget_swept()  # (mappings of the swept files, each holding a descriptor)
             _states.stopped([r.name for r in self.records[1:] if r.state is WorkerState.READY])
         finally:  # whatever failed above, no cluster is current any more
             self._enter(ClusterState.CLOSED)

@@ -112,6 +112,17 @@ def configure(prefix: str, threshold: int | None, peers: list[str] | None = None
     _replies.clear()
 
 
+def forget_swept() -> None:
+    """The cluster's shared-memory files are gone (its shutdown swept them): this process
+    keeps no mapping of them (each holds a file descriptor) but those its received tensors
+    still use, and its own arena goes. They were kept until the next cluster's start: the
+    soak counted up to 7 held after a shutdown, once lanes sent tensors over 64 KB this way."""
+    arena = _state.arena
+    if arena is not None and not arena.usable(_state.prefix):
+        _state.arena = None
+    _arena.forget_mappings()
+
+
 def restricted() -> bool:
     """Shared memory reaches some peers only (a cluster across hosts)."""
     return _state.threshold is not None and _state.peers is not None
