@@ -297,6 +297,24 @@ def test_calls_in_flight_finish_or_are_cancelled_and_the_stop_button_in_a_shrink
     assert first_error(errors).startswith("CallCancelledError"), errors
     assert "the cluster has 4 workers now" in k.run("%rpc_scale 4")
 
+    # the stop button before the shrink waits (here: while the stayers are told to expect
+    # the leavers' connections to close): the leaver still leaves. It stayed, and its
+    # death later was said to be a scale's cut-off call (the soak, seed 20261128, step 158)
+    k.run(
+        "import nbrpc._lifecycle.scale as scaling\nexpect = scaling._expect_leaving\n"
+        "def expect_slowly(*args):\n    time.sleep(3)\n    expect(*args)\n"
+        "scaling._expect_leaving = expect_slowly"
+    )
+    try:
+        _, errors = k.stop_after("%rpc_scale 3", 1.0)
+        said = k.stderr
+    finally:
+        k.run("scaling._expect_leaving = expect")
+    assert first_error(errors).startswith("KeyboardInterrupt"), errors
+    assert "worker4 were cancelled and they left the cluster" in said, said
+    assert sorted(k.value("nbrpc.workers()")) == [f"worker{i}" for i in range(4)]
+    assert "the cluster has 4 workers now" in k.run("%rpc_scale 4")
+
 
 def test_a_grow_beside_a_dead_worker_is_refused_at_once_naming_it_and_the_fix(kernel):
     """A new worker joins by reaching every member: beside a dead one it waited 90 s, then

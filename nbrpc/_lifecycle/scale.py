@@ -224,12 +224,12 @@ def _shrink(cluster: Cluster, leavers: list[WorkerRecord], force: bool, result: 
     stayers = [r.name for r in cluster.records[1:] if r.name not in names]
     live = [r.name for r in leavers if r.state is WorkerState.READY]
     pg = booted.process_group
-    if pg:  # every member leaves it: it is made again among the stayers below
-        _destroy_group(cluster, pg)
-    _states.leaving(names, LEFT_MID_CALL)
-    _expect_leaving(stayers, names)
     stopped = False
-    try:
+    try:  # (a stop from here on ends in the leave below: never marked leaving, yet staying)
+        if pg:  # every member leaves it: it is made again among the stayers below
+            _destroy_group(cluster, pg)
+        _states.leaving(names, LEFT_MID_CALL)
+        _expect_leaving(stayers, names)
         if force:
             _cancel(cluster.aside, live)
         else:
