@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
-from nbrpc import _departures, _fence, _group, _setup, _states, _torch
+from nbrpc import _departures, _fence, _group, _process, _setup, _states, _torch
 from nbrpc._engines import JOIN_TIMEOUT_S, worker
 from nbrpc._errors import ConfigError, counted
 from nbrpc._gather import timeline
@@ -335,8 +335,9 @@ def _leave(
         _setup.device_replies(booted.device_maps, ready())
     at = time.strftime("%H:%M:%S")
     _states.departed_at_scale(names, [r.rank for r in leavers], at)
-    try:
-        engines.shrink(list(ids.values()), [r.pid for r in leavers])
+    try:  # held: a stop in the middle left stopped engines counted as starting ones, and
+        with _process.interrupts_deferred():  # the next grow failed on them (BootError)
+            engines.shrink(list(ids.values()), [r.pid for r in leavers])
     finally:
         booted.records[:] = [r for r in booted.records if r.name not in names]
         for name in names:
