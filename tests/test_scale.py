@@ -326,10 +326,14 @@ def test_calls_in_flight_finish_or_are_cancelled_and_the_stop_button_in_a_shrink
     )
     try:
         _, errors = k.stop_after("%rpc_scale --remove worker4", 1.0)
+        said = k.stderr
     finally:
         k.run("local_engines.LocalController.ask_to_exit = ask")
     assert first_error(errors).startswith("KeyboardInterrupt"), errors
+    assert "worker4 were cancelled and they left the cluster" in said, said
     assert sorted(k.value("nbrpc.workers()")) == [f"worker{i}" for i in range(4)]
+    out, errors = k.execute(REDUCE)  # the stayers' process group was made again
+    assert out.count("world 3 3.0") == 3, (out, errors, k.shown_error())
     assert "the cluster has 4 workers now" in k.run("%rpc_scale 4")
 
 

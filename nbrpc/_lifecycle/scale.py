@@ -239,16 +239,21 @@ def _shrink(cluster: Cluster, leavers: list[WorkerRecord], force: bool, result: 
         _cancel(cluster.aside, live)
         raise
     finally:  # the stayers' process group too: a stopped shrink lost it for good
-        _leave(cluster, leavers, stayers, live, result)
-        if pg:
-            _rebuild_process_group(cluster, pg, result)
-        _tell_ranks(cluster)
-        if stopped:
-            print(
-                f"nbrpc: the stop button during a scale: the calls of {', '.join(names)} "
-                "were cancelled and they left the cluster",
-                file=sys.stderr,
-            )
+        try:
+            _leave(cluster, leavers, stayers, live, result)
+        except KeyboardInterrupt:  # a stop held while the leavers' engines stopped
+            stopped = True
+            raise
+        finally:
+            if pg:
+                _rebuild_process_group(cluster, pg, result)
+            _tell_ranks(cluster)
+            if stopped:
+                print(
+                    f"nbrpc: the stop button during a scale: the calls of {', '.join(names)} "
+                    "were cancelled and they left the cluster",
+                    file=sys.stderr,
+                )
 
 
 def _expect_leaving(stayers: list[str], names: list[str]) -> None:
