@@ -135,6 +135,10 @@ def test_a_search_for_device_map_finds_pages(page, site):
     page.goto(f"{site}/search.html?q=device+map")
     results = page.locator("#search-results ul.search li")
     results.first.wait_for(state="visible", timeout=30_000)
+    # Sphinx adds the results one by one (each page's text fetched first), then says so:
+    # read them all only then (a first read got 6 of them, the options page not yet among)
+    summary = page.locator("#search-results p.search-summary")
+    summary.filter(has_text="Search finished").wait_for(timeout=30_000)
     found = results.all_inner_texts()
     assert len(found) >= 3, found
     hrefs = [
