@@ -300,16 +300,9 @@ def test_calls_in_flight_finish_or_are_cancelled_and_the_stop_button_in_a_shrink
     # the stop button before the shrink waits (here: while the stayers are told to expect
     # the leavers' connections to close): the leaver still leaves. It stayed, and its
     # death later was said to be a scale's cut-off call (the soak, seed 20261128, step 158)
-    k.run(
-        "import nbrpc._lifecycle.scale as scaling\nexpect = scaling._expect_leaving\n"
-        "def expect_slowly(*args):\n    time.sleep(3)\n    expect(*args)\n"
-        "scaling._expect_leaving = expect_slowly"
+    errors, said = _stopped_while_slow(
+        k, "nbrpc._lifecycle.scale", "_expect_leaving", "%rpc_scale 3", wait_s=3
     )
-    try:
-        _, errors = k.stop_after("%rpc_scale 3", 1.0)
-        said = k.stderr
-    finally:
-        k.run("scaling._expect_leaving = expect")
     assert first_error(errors).startswith("KeyboardInterrupt"), errors
     assert "worker4 were cancelled and they left the cluster" in said, said
     assert sorted(k.value("nbrpc.workers()")) == [f"worker{i}" for i in range(4)]
@@ -318,23 +311,44 @@ def test_calls_in_flight_finish_or_are_cancelled_and_the_stop_button_in_a_shrink
     # the stop button as the leaver's engine is stopped: held until it is, so the next
     # grow does not take that engine's exit for a failed start ("BootError: an engine
     # failed to start", twice, found pressing the stop 0.05 s into a --remove)
-    k.run(
-        "import nbrpc._engines.local as local_engines\n"
-        "ask = local_engines.LocalController.ask_to_exit\n"
-        "def ask_slowly(self, ids):\n    ask(self, ids)\n    time.sleep(2)\n"
-        "local_engines.LocalController.ask_to_exit = ask_slowly"
+    errors, said = _stopped_while_slow(
+        k,
+        "nbrpc._engines.local",
+        "LocalController.ask_to_exit",
+        "%rpc_scale --remove worker4",
+        wait_s=2,
+        after=True,
     )
-    try:
-        _, errors = k.stop_after("%rpc_scale --remove worker4", 1.0)
-        said = k.stderr
-    finally:
-        k.run("local_engines.LocalController.ask_to_exit = ask")
     assert first_error(errors).startswith("KeyboardInterrupt"), errors
     assert "worker4 were cancelled and they left the cluster" in said, said
     assert sorted(k.value("nbrpc.workers()")) == [f"worker{i}" for i in range(4)]
     out, errors = k.execute(REDUCE)  # the stayers' process group was made again
     assert out.count("world 3 3.0") == 3, (out, errors, k.shown_error())
     assert "the cluster has 4 workers now" in k.run("%rpc_scale 4")
+
+
+def _stopped_while_slow(
+    k, module: str, name: str, cell: str, wait_s: float, after: bool = False
+) -> tuple[list, str]:
+    """Run ``cell`` in the kernel with ``module.name`` slowed by ``wait_s`` (before it runs,
+    or ``after``), and press the stop button 1 s in, inside that wait: the cell's errors
+    and what it wrote to stderr. ``name`` is put back."""
+    owner, _, attribute = f"slowed.{name}".rpartition(".")
+    k.run(
+        f"import {module} as slowed\n"
+        f"original = {owner}.{attribute}\n"
+        "def slow(*args):\n"
+        + ("    original(*args)\n" if after else "")
+        + f"    time.sleep({wait_s})\n"
+        + ("" if after else "    original(*args)\n")
+        + f"{owner}.{attribute} = slow"
+    )
+    try:
+        _, errors = k.stop_after(cell, 1.0)
+        said = k.stderr
+    finally:
+        k.run(f"{owner}.{attribute} = original")
+    return errors, said
 
 
 def test_a_grow_beside_a_dead_worker_is_refused_at_once_naming_it_and_the_fix(kernel):
