@@ -99,11 +99,13 @@ package-check: $(STAMP)
 	cd $(PKG) && venv/bin/python $(CURDIR)/tools/package_check.py
 
 # The site is built after the suite, whose nbval run writes the tutorials' outputs, and its
-# browser test runs after the build (so it is left out of the first run).
+# browser test runs after the build (so it is left out of the first run). Each pytest run
+# fails if it left a process or a file behind (tests/leftovers.py; alone, pytest only warns).
 test: $(STAMP) $(CHROMIUM) $(FAKEHOSTS) lint package-check
-	$(PY) -m pytest tests --nbval-lax notebooks --ignore=tests/test_docs_site.py -v -rs --durations=10
+	$(PY) -m pytest tests --nbval-lax notebooks --ignore=tests/test_docs_site.py -v -rs --durations=10 \
+	  --leftovers=fail
 	$(MAKE) --no-print-directory docs
-	$(PY) -m pytest tests/test_docs_site.py -v -rs
+	$(PY) -m pytest tests/test_docs_site.py -v -rs --leftovers=fail
 	$(MAKE) --no-print-directory test-torch TORCH=$(TORCH_NEWEST)
 
 # Another torch of the supported range, as a user who has it installs nbrpc beside it: a
@@ -118,7 +120,7 @@ TORCH_TESTS := tests/unit tests/test_torch_seam.py tests/test_smoke.py tests/tes
 TORCH_NOTEBOOK := notebooks/02_distributed_autograd.ipynb
 test-torch: $(STAMP)
 	$(PY) tools/torch_venv.py $(TORCH_VENV) $(TORCH)
-	$(TORCH_VENV)/bin/python -m pytest $(TORCH_TESTS) --nbval-lax $(TORCH_NOTEBOOK) -q -rs \
+	$(TORCH_VENV)/bin/python -m pytest $(TORCH_TESTS) --nbval-lax $(TORCH_NOTEBOOK) -q -rs --leftovers=fail \
 	  -p no:nbrpc-notebook-outputs  # the site shows .venv's run of the tutorials
 
 bench: $(STAMP)

@@ -5,10 +5,10 @@ network namespace, a Slurm or munge daemon.
 
 Each kind is read at the session's start and again at its end; what is new and still
 there after :data:`SETTLE_S` (a watchdog exits within a second of its kernel) is a
-leftover, named in the terminal summary. ``--leftovers=fail`` fails the run;
-``--leftovers=warn`` (the default until a whole ``make test`` leaves nothing) only says
-so, as it must for a developer whose other sessions run tests on the same machine at the
-same time: their files count as this one's.
+leftover, named in the terminal summary. ``--leftovers=fail`` fails the run (``make test``
+gives it to each of its pytest runs); ``--leftovers=warn``, the default of a pytest run
+typed by hand, only says so, as it must for a developer whose other sessions run tests on
+the same machine at the same time: their files count as this one's.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import psutil
 import pytest
 
 SETTLE_S = 15.0
-DEFAULT = "warn"  # "fail" once a whole make test leaves nothing (issue: the suite)
+DEFAULT = "warn"  # make test says "fail"
 _DAEMONS = ("slurmctld", "slurmd", "munged")
 
 
