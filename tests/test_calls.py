@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 import torch.distributed.rpc as rpc
+from conftest import wait_until
 
 import nbrpc
 
@@ -126,6 +127,13 @@ def test_torchs_wait_all_block_lists_rpc_async_futures_only_and_sees_timeouts(cl
         assert len(_thread_local_var.future_list) == 3
     with pytest.raises(RuntimeError, match="RPC ran for more than"), _wait_all():
         rpc.rpc_async("worker1", time.sleep, args=(1,), timeout=0.1)
+    # the cluster is left as it was found: worker1 sleeps on past the caller's timeout, and
+    # a later test that counts worker1's calls saw this one end during it
+    assert wait_until(lambda: _in_flight("worker1") == 0), "worker1's sleep never ended"
+
+
+def _in_flight(name: str) -> int:
+    return {r["name"]: r for r in nbrpc.status()}[name]["calls_in_flight"]
 
 
 def test_remote_rref_to_notebook_class(cell):
