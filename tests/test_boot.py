@@ -91,17 +91,23 @@ def test_an_idle_cluster_uses_no_cpu(cluster):
     assert max(used) < 0.05, f"a process of an idle cluster uses CPU: {shares}"
 
 
+#: how long each worker stays busy: past the controller's verdict (2 s of silence) and an
+#: engine's own (10 s without hearing the controller: controller.ENGINE_ORPHAN_MISSES)
+BUSY_S = 12
+
+
 def test_busy_workers_keep_their_heartbeat(cluster):
-    """30 s in a GIL-holding Python loop, and 30 s inside one C call that holds the GIL:
-    the controller's heartbeats (every 500 ms, 3 misses allowed) still reach both."""
+    """12 s in a GIL-holding Python loop, and 12 s inside one C call that holds the GIL:
+    the controller's heartbeats (every 500 ms, 3 misses allowed) still reach both, and
+    neither engine takes itself for orphaned."""
     cell = notebook_code(BUSY)
     client = cluster.engines.client
     engines = {r.name: r.engine_id for r in cluster.workers[1:]}
-    loop = nbrpc.rpc_async("worker1", cell.python_loop, args=(30,))
-    c_call = nbrpc.rpc_async("worker2", cell.c_call_holding_the_gil, args=(30,))
+    loop = nbrpc.rpc_async("worker1", cell.python_loop, args=(BUSY_S,))
+    c_call = nbrpc.rpc_async("worker2", cell.c_call_holding_the_gil, args=(BUSY_S,))
     t0 = time.monotonic()
     seen_dead: list[str] = []
-    while time.monotonic() - t0 < 31 and not (loop.done() and c_call.done()):
+    while time.monotonic() - t0 < BUSY_S + 1 and not (loop.done() and c_call.done()):
         seen_dead += [n for n, eid in engines.items() if eid not in client.ids]
         seen_dead += cluster.dead_workers()
         time.sleep(0.5)
@@ -157,6 +163,36 @@ def test_boot_phases_are_shown_and_kept(tmp_path):
     phases = dict(eval(out.stdout.strip().splitlines()[-1]))
     assert 0 < phases["torch import"] < phases["engines"] <= phases["total"]
     assert 0 < phases["join"] < phases["total"]
+
+
+def test_preloaded_modules_come_with_every_fork_and_a_bad_name_is_said(tmp_path):
+    """NBRPC_PRELOAD: the zygote imports the modules it names, so a worker has them before
+    any call asks (a boot, then a restart's fresh fork); a name that does not import is
+    said once in the kernel's stderr, and the workers start without it."""
+    script = tmp_path / "preload.py"
+    script.write_text(
+        "import sys\n"
+        "import nbrpc\n"
+        "def has(name):\n"
+        "    return name in sys.modules\n"
+        "nbrpc.init(n=1, progress=False)\n"
+        "print('BOOT', nbrpc.rpc_sync('worker1', has, args=('colorsys',)), "
+        "nbrpc.rpc_sync('worker1', has, args=('wave',)))\n"
+        "nbrpc.current().restart('worker1')\n"
+        "print('RESTART', nbrpc.rpc_sync('worker1', has, args=('colorsys',)))\n"
+        "nbrpc.shutdown(release=True)\n"
+    )
+    env = {**os.environ, "NBRPC_PRELOAD": "colorsys, no_such_module_here"}
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=180, env=env
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "BOOT True False" in out.stdout  # wave: imported by nothing, named by nothing
+    assert "RESTART True" in out.stdout
+    said = [line for line in out.stderr.splitlines() if "NBRPC_PRELOAD" in line]
+    assert len(said) == 1, out.stderr
+    assert "'no_such_module_here'" in said[0], said
+    assert "ModuleNotFoundError" in said[0], said
 
 
 def _broken_python(folder) -> str:

@@ -124,9 +124,23 @@ SPECIAL_REASONS = {
 
 OUTCOMES = ("passed", "failed", "hung", "crashed", "n.a.")
 
+#: torch's test modules, imported once in a kernel's zygote (``NBRPC_PRELOAD``): every
+#: fresh cluster's workers are forks that have them, where each imported them anew (about
+#: 2 s a cluster of 3 on 2 cores, more than the boot itself); a fork has their state as
+#: first imported, as a fresh process of torch's own runner does.
+PRELOADED = (
+    "expecttest",
+    "torch.testing._internal.distributed.rpc_utils",
+    "torch.testing._internal.distributed.rpc.tensorpipe_rpc_agent_test_fixture",
+)
+
 #: The kernels' environment (the workers inherit it): torch's tests append a "to execute
 #: this test, run ..." paragraph to every failure, which names a file that is not there.
-KERNEL_ENV = {**os.environ, "PYTORCH_PRINT_REPRO_ON_FAILURE": "0"}
+KERNEL_ENV = {
+    **os.environ,
+    "PYTORCH_PRINT_REPRO_ON_FAILURE": "0",
+    "NBRPC_PRELOAD": ",".join(PRELOADED),
+}
 
 #: What a class's kernel (and so its workers) gets in its environment besides.
 #: ``DdpUnderDistAutogradTest``: its master sends ``rpc.remote(trainer, Trainer)`` as soon
@@ -448,7 +462,8 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def prepare_engine() -> int:
-    """On a fresh engine: import torch's test classes (about 2 s) before the clock starts."""
+    """On a fresh engine: build torch's test classes before the clock starts (their modules
+    came with the fork: :data:`PRELOADED`)."""
     test_classes()
     return os.getpid()
 

@@ -62,6 +62,13 @@ SPARES_MAX = 8
 MARKS_ENV = "NBRPC_ENGINE_MARKS"
 #: Set for every engine: the kernel's pid; the engine exits when that process is gone.
 KERNEL_ENV = "NBRPC_KERNEL_PID"
+#: The environment variable naming modules every local worker starts with, comma-separated:
+#: the zygote imports them after its own, so each fork (a boot, a restart, a scale, a
+#: re-init's spares) has them for free. For a library whose import costs seconds
+#: (``NBRPC_PRELOAD=transformers``), and torch's RPC test classes in the compatibility tier
+#: (2 s a fresh cluster). Set before ``%load_ext nbrpc``, which starts the zygote
+#: (:func:`.zygote.preload`).
+PRELOAD_ENV = "NBRPC_PRELOAD"
 ZYGOTE_TIMEOUT_S = 120.0  # its imports; minutes only on a machine far slower than this one
 #: The memory one more worker on this host needs at least, for a count that cannot fit to
 #: be refused before anything forks: an idle forked worker measured 32 MB of its own and
@@ -131,7 +138,15 @@ class Zygote:
             )
         if self.ready_seconds is None:
             self.ready_seconds = time.monotonic() - self._started
-        return int(json.loads(line)["pid"])
+        answer = json.loads(line)
+        for name, error in answer.get("preload_failed", {}).items():
+            print(
+                f"nbrpc: {PRELOAD_ENV} names {name!r}, which the workers' zygote could not "
+                f"import ({error}); workers start without it. Fix the name or install it, "
+                "then restart the kernel.",
+                file=sys.stderr,
+            )
+        return int(answer["pid"])
 
     def close(self) -> None:
         """Stop it now: it holds no state, and its engines are stopped separately."""

@@ -32,7 +32,7 @@ from typing import Any
 
 from ipykernel.iostream import OutStream
 
-from nbrpc._engines.local import KERNEL_ENV, MARKS_ENV
+from nbrpc._engines.local import KERNEL_ENV, MARKS_ENV, PRELOAD_ENV
 from nbrpc._engines.watchdog import process_alive
 
 #: Modules each engine would otherwise import after the fork, when its IPython kernel
@@ -63,6 +63,21 @@ class EngineOutStream(OutStream):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs["watchfd"] = False
         super().__init__(*args, **kwargs)
+
+
+def preload() -> dict[str, str]:
+    """Import the modules :data:`PRELOAD_ENV` names; those that failed, each with its
+    error's line (said in the kernel at the first fork: a worker then imports it itself,
+    where it is used, and shows that error in the calling cell)."""
+    import importlib
+
+    failed = {}
+    for name in filter(None, (n.strip() for n in os.environ.get(PRELOAD_ENV, "").split(","))):
+        try:
+            importlib.import_module(name)
+        except BaseException as exc:  # SystemExit in a module's top level too
+            failed[name] = f"{type(exc).__name__}: {exc}"
+    return failed
 
 
 def _imports() -> None:
@@ -169,6 +184,7 @@ def main() -> None:
         engine(sys.argv[2:])
     kernel = os.getppid()
     _imports()
+    failed = preload()
     # What the imports made (torch's ~190,000 objects) lives as long as any engine: frozen,
     # a full collection in an engine walks only what the engine made since (measured:
     # about 90 ms each time otherwise, inside the calls that set one off), and the forked
@@ -187,7 +203,8 @@ def main() -> None:
         if pid == 0:
             replies.close()
             _become_engine(request)
-        replies.write(json.dumps({"pid": pid}) + "\n")
+        replies.write(json.dumps({"pid": pid, "preload_failed": failed}) + "\n")
+        failed = {}  # said once
 
 
 if __name__ == "__main__":
