@@ -17,10 +17,11 @@ nbrpc, not the test, owns its lifetime; everything in between is torch's test, u
 Each test gets a fresh cluster (a re-init takes well under a second) so that no worker
 state crosses tests, as torch's fresh processes ensure.
 
-Crashes and hangs. The kernel side runs in a child process per class (``--kernel``), which
-this process watches: a test that outlives ``--timeout`` is recorded as hung (with the
-stacks of every rank in the log), a kernel that dies as crashed, and the run goes on with
-a fresh kernel and cluster for the rest of the class.
+Crashes and hangs. The kernel side runs in a child process (``--kernel``) for the classes
+that need one environment (all but ``DdpUnderDistAutogradTest``), which this process
+watches: a test that outlives ``--timeout`` is recorded as hung (with the stacks of every
+rank in the log), a kernel that dies as crashed, and the run goes on with a fresh kernel
+and cluster for the rest.
 
 Usage::
 
@@ -480,7 +481,7 @@ if {name!r} not in sys.modules:
 """
 
 
-# -- the kernel side: one child process per class (or the rest of a class) ------------------
+# -- the kernel side: one child process per environment (or the rest of its tests) ----------
 
 
 @dataclass
@@ -533,7 +534,8 @@ _UNSET_FUTURE = object()  # a module's concurrent.futures.Future, made anew at e
 
 
 class Kernel:
-    """Runs tests of one class as rank 0, each on a fresh cluster, and reports each."""
+    """Runs tests as rank 0, each on a fresh cluster of its class's world size, and
+    reports each (the job's ``tests``: ``[class, world_size, test]`` entries)."""
 
     def __init__(self, job: dict[str, Any], report_path: str) -> None:
         from torch.distributed import TCPStore
@@ -548,6 +550,7 @@ class Kernel:
         self.tmp = tempfile.mkdtemp(prefix="torch-compat-")
         self.count = 0
         self.last_outcome = ""
+        self.cls, self.size = "", 0  # the running test's class and world size
 
     def emit(self, record: dict[str, Any]) -> None:
         self.report.write(json.dumps(record) + "\n")
@@ -566,13 +569,13 @@ class Kernel:
     def run(self) -> None:
         import nbrpc
 
-        cls_name, size = self.job["class"], self.job["world_size"]
         test_classes()
         snapshot = _Snapshot()
-        for test in self.job["tests"]:
+        for cls_name, size, test in self.job["tests"]:
+            self.cls, self.size = cls_name, size
             snapshot.restore()
             try:
-                cluster = nbrpc.init(size - 1, progress=False)
+                cluster = nbrpc.init(self.size - 1, progress=False)
                 ids = [r.engine_id for r in cluster.records[1:]]
                 code = _INSTALL.format(name=MODULE_NAME, path=os.path.abspath(__file__))
                 for ar in [cluster.engines.apply(i, exec, code, {}) for i in ids]:
@@ -580,8 +583,8 @@ class Kernel:
                 for ar in [cluster.engines.apply(i, prepare_engine) for i in ids]:
                     ar.get(120)
             except Exception as exc:
-                self.emit({"event": "start", "test": test})
-                self.decide(TestResult(cls_name, test, "crashed", f"no cluster: {exc!r}"))
+                self.emit({"event": "start", "class": self.cls, "test": test})
+                self.decide(TestResult(self.cls, test, "crashed", f"no cluster: {exc!r}"))
                 os._exit(5)
             self.run_test(cluster, test)
             try:
@@ -598,16 +601,16 @@ class Kernel:
         file_name = os.path.join(self.tmp, f"init{self.count}")
         open(file_name, "w").close()
         base = {
-            "class": self.job["class"],
+            "class": self.cls,
             "test": test,
-            "world_size": self.job["world_size"],
+            "world_size": self.size,
             "file_name": file_name,
             "store_host": "127.0.0.1",
             "store_port": self.store.port,
             "key": f"{os.getpid()}/{self.count}",
             "timeout": self.job["timeout"],
         }
-        self.emit({"event": "start", "test": test})
+        self.emit({"event": "start", "class": self.cls, "test": test})
         started = time.monotonic()
         deadline = started + self.job["timeout"]
         # torch's rank of a worker is its place in the cluster (its name is worker{rank});
@@ -656,7 +659,7 @@ class Kernel:
 
     def verdict(self, test: str, results: dict[int, dict[str, Any]], seconds: float) -> TestResult:
         """One outcome from every rank's: torch's rule, where one failing rank fails it."""
-        cls_name = self.job["class"]
+        cls_name = self.cls
         seconds = round(seconds, 2)
         for outcome in ("crashed", "n.a."):
             for rank, r in sorted(results.items()):
@@ -703,11 +706,11 @@ class Kernel:
             failures = [r for r in results.values() if r["outcome"] in ("failed", "crashed")]
             if failures and first_failure is None:
                 first_failure = time.monotonic()
-            if len(results) == self.job["world_size"]:
+            if len(results) == self.size:
                 return  # the main thread decides
             late = first_failure is not None and time.monotonic() > first_failure + GRACE_S
             if late or time.monotonic() > deadline:
-                missing = sorted(set(range(self.job["world_size"])) - set(results))
+                missing = sorted(set(range(self.size)) - set(results))
                 stacks = self.stacks(missing)
                 seconds = time.monotonic() - started
                 if late:
@@ -715,7 +718,7 @@ class Kernel:
                     result.detail += f"\nranks {missing} still running:\n{stacks}"
                 else:
                     result = TestResult(
-                        self.job["class"],
+                        self.cls,
                         test,
                         "hung",
                         f"ranks {missing} still running after {self.job['timeout']:.0f} s",
@@ -833,68 +836,84 @@ def _crash_line(log_path: str) -> str:
     return ""
 
 
-def _kernels_tests(pending: list[str], per_kernel: int | None) -> list[str]:
+#: a kernel's files in the log folder: its job, its report of each test, its output
+KERNEL_FILES = ("job.json", "report.jsonl", "log")
+#: a test to run, as a kernel's job lists it: its class, the class's world size, its name
+Entry = tuple[str, int, str]
+
+
+def _kernels_tests(pending: list[Entry], per_kernel: int | None) -> list[Entry]:
     """The tests the next kernel runs: ``per_kernel`` of them (None: all), up to and with
     the first that leaves a thread stuck (:data:`LEAVES_A_THREAD_STUCK`)."""
     batch = pending[:per_kernel] if per_kernel else list(pending)
-    for index, name in enumerate(batch):
+    for index, (_cls, _size, name) in enumerate(batch):
         if name in LEAVES_A_THREAD_STUCK:
             return batch[: index + 1]
     return batch
 
 
-def run_class(
-    sel: Selection,
+def _kernel_groups(selections: list[Selection]) -> list[list[Selection]]:
+    """Consecutive classes whose kernels need the same environment (:data:`CLASS_ENV`)
+    share kernels: a kernel's start (its torch, the zygote's preload, the controller) cost
+    about 9 s, more than most classes' tests."""
+    groups: list[list[Selection]] = []
+    for sel in selections:
+        env = CLASS_ENV.get(sel.cls, {})
+        if groups and CLASS_ENV.get(groups[-1][0].cls, {}) == env:
+            groups[-1].append(sel)
+        else:
+            groups.append([sel])
+    return groups
+
+
+def run_kernels(
+    sels: list[Selection],
     timeout: float,
     log_dir: str,
     echo: Callable[[str], None],
     per_kernel: int | None = None,
-) -> list[TestResult]:
-    """Run ``sel`` in kernel processes, a fresh one after each hang or crash, and after
-    every ``per_kernel`` tests (None: as many as it runs)."""
-    results: dict[str, TestResult] = {
-        name: TestResult(sel.cls, name, "n.a.", why) for name, why in sel.skipped.items()
+) -> dict[tuple[str, str], TestResult]:
+    """Run the tests of ``sels`` (classes of one environment) in kernel processes, a fresh
+    one after each hang or crash, and after every ``per_kernel`` tests (None: as many as it
+    runs); the results by class and test."""
+    results: dict[tuple[str, str], TestResult] = {
+        (sel.cls, name): TestResult(sel.cls, name, "n.a.", why)
+        for sel in sels
+        for name, why in sel.skipped.items()
     }
-    pending = list(sel.run)
+    pending: list[Entry] = [(sel.cls, sel.world_size, name) for sel in sels for name in sel.run]
+    env = {**KERNEL_ENV, **CLASS_ENV.get(sels[0].cls, {})}
     attempt = 0
     while pending:
         attempt += 1
         batch = _kernels_tests(pending, per_kernel)
-        job_path = os.path.join(log_dir, f"{sel.cls}.{attempt}.job.json")
-        report_path = os.path.join(log_dir, f"{sel.cls}.{attempt}.report.jsonl")
-        log_path = os.path.join(log_dir, f"{sel.cls}.{attempt}.log")
+        stem = os.path.join(log_dir, f"{batch[0][0]}.{attempt}")
+        job_path, report_path, log_path = (f"{stem}.{kind}" for kind in KERNEL_FILES)
         with open(job_path, "w") as f:
-            json.dump(
-                {
-                    "class": sel.cls,
-                    "world_size": sel.world_size,
-                    "tests": batch,
-                    "timeout": timeout,
-                },
-                f,
-            )
+            json.dump({"tests": batch, "timeout": timeout}, f)
         open(report_path, "w").close()
         with open(log_path, "w") as log:
             child = subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), "--kernel", job_path, report_path],
-                env={**KERNEL_ENV, **CLASS_ENV.get(sel.cls, {})},
+                env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
-        offset, current, since, killed = 0, None, time.monotonic(), False
+        offset, since, killed = 0, time.monotonic(), False
+        current: tuple[str, str] | None = None
         while True:
             lines, offset = _read_lines(report_path, offset)
             for line in lines:
                 if line["event"] == "start":
-                    current, since = line["test"], time.monotonic()
+                    current, since = (line["class"], line["test"]), time.monotonic()
                 else:
                     line.pop("event")
                     result = TestResult(**line)
-                    results[result.test] = result
+                    results[result.cls, result.test] = result
                     current, since = None, time.monotonic()
-                    echo(f"{sel.cls}.{result.test}: {result.outcome} {result.error}".rstrip())
+                    echo(f"{result.cls}.{result.test}: {result.outcome} {result.error}".rstrip())
             if child.poll() is not None and not lines:
                 break
             limit = timeout + BACKSTOP_S + (120 if current is None else 0)  # boot allowance
@@ -908,26 +927,25 @@ def run_class(
         if current is not None and current not in results:
             if killed:
                 results[current] = TestResult(
-                    sel.cls, current, "hung", "the kernel stopped answering (killed)"
+                    *current, "hung", "the kernel stopped answering (killed)"
                 )
             else:
                 code = child.returncode
                 why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
                 detail = _crash_line(log_path)
                 results[current] = TestResult(
-                    sel.cls, current, "crashed", f"the kernel (rank 0) died: {why} {detail}".strip()
+                    *current, "crashed", f"the kernel (rank 0) died: {why} {detail}".strip()
                 )
-            echo(f"{sel.cls}.{current}: {results[current].outcome} {results[current].error}")
-        progressed = [t for t in pending if t in results]
-        pending = [t for t in pending if t not in results]
+            echo(f"{'.'.join(current)}: {results[current].outcome} {results[current].error}")
+        progressed = [e for e in pending if (e[0], e[2]) in results]
+        pending = [e for e in pending if (e[0], e[2]) not in results]
         if pending and not progressed:
-            for name in pending:  # a kernel that cannot even start: say so, once per test
-                results[name] = TestResult(
-                    sel.cls, name, "crashed", f"the kernel did not start (see {log_path})"
+            for cls_name, _size, name in pending:  # a kernel that cannot even start: say
+                results[cls_name, name] = TestResult(  # so, once per test
+                    cls_name, name, "crashed", f"the kernel did not start (see {log_path})"
                 )
             pending = []
-    order = test_names(test_classes()[sel.cls])
-    return sorted(results.values(), key=lambda r: order.index(r.test))
+    return results
 
 
 def run(
@@ -942,9 +960,14 @@ def run(
     log_dir = log_dir or tempfile.mkdtemp(prefix="torch-compat-logs-")
     os.makedirs(log_dir, exist_ok=True)
     results: list[TestResult] = []
-    for sel in selections:
-        echo(f"== {sel.cls}: {len(sel.run)} to run, {len(sel.skipped)} not applicable")
-        results += run_class(sel, timeout, log_dir, echo, per_kernel)
+    for group in _kernel_groups(selections):
+        for sel in group:
+            echo(f"== {sel.cls}: {len(sel.run)} to run, {len(sel.skipped)} not applicable")
+        found = run_kernels(group, timeout, log_dir, echo, per_kernel)
+        for sel in group:
+            order = test_names(test_classes()[sel.cls])
+            mine = [r for (cls_name, _), r in found.items() if cls_name == sel.cls]
+            results += sorted(mine, key=lambda r: order.index(r.test))
     return results
 
 
