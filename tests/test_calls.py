@@ -330,3 +330,22 @@ def test_remote_builtin_keeps_its_label_in_the_ledger(cluster):
     rows = [r for r in nbrpc.ownership() if r["created_by"] == "remote(worker2, torch.ones)"]
     assert [r["owner"] for r in rows] == ["worker2"], nbrpc.ownership()
     del rref
+
+
+def test_torchs_profiler_names_each_call_as_torch_names_it(cluster):
+    """Under torch's (legacy) profiler an rpc_sync is an ``rpc_sync#...`` event and an
+    rpc_async an ``rpc_async#...`` one, as with torch's own functions (nbrpc sent an
+    rpc_sync as torch's rpc_async, and torch's profiler tests did not find it)."""
+    from torch.autograd.profiler_legacy import profile
+    from torch.distributed.rpc import api as torchs
+
+    def events(sync, run_async) -> list[str]:
+        with profile() as prof:
+            sync("worker1", max, args=(1, 2))
+            run_async("worker1", max, args=(3, 4)).wait()
+        return [e.name for e in prof.function_events if "(worker0 -> worker1)" in e.name]
+
+    theirs = events(torchs.rpc_sync, torchs.rpc_async)
+    assert theirs[0].startswith("rpc_sync#max"), theirs  # the reference, in this process
+    assert events(rpc.rpc_sync, rpc.rpc_async) == theirs  # torch's spelling, routed
+    assert events(nbrpc.rpc_sync, nbrpc.rpc_async) == theirs

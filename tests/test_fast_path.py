@@ -244,6 +244,21 @@ def test_remote_and_to_here_take_the_arena(fast):
     assert nbrpc.rpc_sync("worker1", fast.segments_made) == sent_there + 1
 
 
+def test_a_restarted_worker_s_arena_goes_and_what_came_from_it_stays(fast):
+    """The arena of a worker a restart replaced is unlinked (its written pages are memory:
+    it stayed until the shutdown, one more at each restart); a tensor the kernel received
+    from it keeps its values."""
+    prefix = shm.prefix()
+    old = nbrpc.rpc_sync("worker1", os.getpid)
+    held = nbrpc.rpc_sync("worker1", fast.echo, args=(BASE,))  # from worker1's arena
+    assert any(n.startswith(f"{prefix}-arena-{old}-") for n in _arena_files(prefix))
+    nbrpc.restart("worker1")
+    _threshold_everywhere(nbrpc.current(), TEST_THRESHOLD)  # the new process's, as before
+    assert not any(n.startswith(f"{prefix}-arena-{old}-") for n in _arena_files(prefix))
+    assert torch.equal(held, BASE)
+    assert torch.equal(nbrpc.rpc_sync("worker1", fast.echo, args=(BASE,)), BASE)
+
+
 def fast_cluster_processes() -> list[str]:
     return nbrpc.workers()
 

@@ -408,6 +408,13 @@ def test_gathers_and_the_wait_all_block_keep_their_state_where_nbrpc_reads_it():
         "rpc_async and list_future",
     )
     _pin(issubclass(rpc_api.RRef, _torch.PyRRef), "rpc.api.RRef", "patch_api('RRef.__init__')")
+    params = list(inspect.signature(rpc_api._invoke_rpc).parameters)
+    _pin(
+        params == ["to", "func", "rpc_type", "args", "kwargs", "rpc_timeout"]
+        and "_invoke_rpc(to, func, RPCExecMode.SYNC" in inspect.getsource(rpc_api.rpc_sync),
+        f"rpc_sync no longer starts with _invoke_rpc{params}, RPCExecMode.SYNC",
+        "rpc_sync_started",
+    )
 
 
 def test_reducer_classes_and_the_profiler_flag_are_read_where_torch_keeps_them():

@@ -304,7 +304,7 @@ def rpc_sync(
 
 
 def _sync_through_torch(dest: WorkerInfo, sent: tuple, call: Sent) -> tuple[Any, Any]:
-    raw = _send_to(dest, *sent)
+    raw = _send_to(dest, sent[0], sent[1], sent[2], sync=True)
     if not prompts.wait_on_main_thread(raw, call.limit):
         return None, call.expired()
     return failures.outcome(raw, call.translate)
@@ -384,13 +384,17 @@ def _addressed(what: str, to: Any, func: Any, timeout: float | None) -> tuple[Wo
     return dest, Sent(dest.name, func, limit_of(timeout), timeout)
 
 
-def _send_to(dest: WorkerInfo, func: Any, args: tuple, kwargs: dict | None) -> torch.futures.Future:
-    """Start the call with torch: its raw future (torch's errors)."""
+def _send_to(
+    dest: WorkerInfo, func: Any, args: tuple, kwargs: dict | None, sync: bool = False
+) -> torch.futures.Future:
+    """Start the call with torch: its raw future (torch's errors); ``sync``: as torch's
+    ``rpc_sync`` starts it (its profiler's event says so)."""
     _trace.note_call(dest.id, func, args, kwargs)  # what the hang check's shape remembers
     sent, args, kwargs = _as_python_call(func, tuple(args), kwargs)
     scripts.ensure_on(dest.name, func)  # a notebook's TorchScript function: compiled there
+    send = _torch.rpc_sync_started if sync else _torch.rpc_async
     with shm.sending_to(dest.name):  # torch's timeout: none; nbrpc's clock keeps it
-        return _torch.rpc_async(dest, sent, args=args, kwargs=kwargs, timeout=0)
+        return send(dest, sent, args, kwargs, 0)
 
 
 def start_call(
@@ -405,7 +409,7 @@ def start_call(
     cancelling.forget_last()
     way = lanes.route(dest, func, sent[1], kwargs, main=False)
     if way.lane is None:
-        _settle_through_torch(dest, sent, call, out)
+        _settle_through_torch(dest, sent, call, out, sync=what == "rpc_sync")
     else:
         way.lane.post(way.payload, lambda reply: settle_from_lane(reply, dest, sent, call, out))
     out.origin = cancelling.last_origin()  # what nbrpc.cancel(out) cancels
@@ -432,9 +436,12 @@ def settle_from_lane(
         failures.complete(out, error=call.translate(exc))
 
 
-def _settle_through_torch(dest: WorkerInfo, sent: tuple, call: Sent, out: Future) -> None:
-    """Send ``sent`` with torch; its answer finishes ``out`` (nbrpc's errors)."""
-    raw = _send_to(dest, *sent)
+def _settle_through_torch(
+    dest: WorkerInfo, sent: tuple, call: Sent, out: Future, sync: bool = False
+) -> None:
+    """Send ``sent`` with torch (``sync``: as its ``rpc_sync``); its answer finishes ``out``
+    (nbrpc's errors)."""
+    raw = _send_to(dest, sent[0], sent[1], sent[2], sync=sync)
     raw.add_done_callback(lambda done: _settle(done, out, call))
 
 

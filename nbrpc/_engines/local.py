@@ -48,7 +48,7 @@ from traitlets import Any as AnyTrait
 from nbrpc import _options, _process
 from nbrpc._errors import BootError, ConfigError, counted
 from nbrpc._views import bytes_text
-from nbrpc._wire import stacks
+from nbrpc._wire import shm, stacks
 
 from . import controller, watchdog
 from .controller import ENGINE_ARGS, Controller, ControllerSource, tail
@@ -348,6 +348,7 @@ class LocalController(Controller):
         self._forget_stopped_sets()
         self._watch()
         stacks.sweep()  # a killed engine leaves its stack files
+        shm.remove_arenas_of([p for p in pids if not process_alive(p)])
 
     def warm(self, n: int) -> None:
         """Keep up to ``n`` spare engines (at most :data:`SPARES_MAX`), started now."""

@@ -86,6 +86,7 @@ from .calls import (
     route_user_shutdown as route_user_shutdown,
     rpc_async as rpc_async,
     rpc_sync as rpc_sync,
+    rpc_sync_started as rpc_sync_started,
     run_udf as run_udf,
     udf_function as udf_function,
 )

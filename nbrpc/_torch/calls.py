@@ -46,6 +46,13 @@ def rpc_async(*args: Any, **kwargs: Any) -> Any:
         local.future_list = listed
 
 
+def rpc_sync_started(to: Any, func: Any, args: tuple, kwargs: dict | None, timeout: float) -> Any:
+    """torch's own ``rpc_sync`` without its wait: the future it waits on. While torch's
+    profiler records, the call's event is ``rpc_sync#...`` as for torch's own call (sent
+    as an ``rpc_async``, it was ``rpc_async#...``: torch's profiler tests failed on it)."""
+    return rpc_api._invoke_rpc(to, func, rpc_api.RPCExecMode.SYNC, args, kwargs, timeout)
+
+
 def list_future(fut: Any) -> None:
     """Add ``fut`` to the futures of a ``torch.distributed.rpc.api._wait_all()`` block
     running on this thread, as torch's ``rpc_async`` adds its own."""
