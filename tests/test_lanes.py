@@ -32,6 +32,16 @@ import torch.distributed.rpc as rpc
 def echo(x):
     return x
 
+def top_level_names(profile_rref):  # of a server-process profile, as torch's test reads it
+    names = []
+    for events in profile_rref.local_value().process_global_function_events:
+        last_end = 0
+        for event in events:
+            if event.time_range.start > last_end:
+                names.append(event.name)
+                last_end = event.time_range.end
+    return names
+
 def nap(seconds):
     time.sleep(seconds)
     return seconds
@@ -251,6 +261,22 @@ def test_what_a_lane_leaves_to_tensorpipe_goes_there_and_works(cluster, code):
     assert ("echo", "lane") in routes, routes  # large: its storage through shared memory
     assert ("nap", "tensorpipe") in routes, routes  # inside a distributed autograd context
     assert ("later", "tensorpipe") in routes, routes  # async_execution: torch waits it
+
+
+def test_a_worker_s_server_process_profiler_sees_the_kernel_s_calls(cluster, code):
+    """torch's ``rpc._server_process_global_profile`` on a worker records the requests
+    TensorPipe brings; while one is on, a call that came by lane is sent back to come
+    through TensorPipe (it ran beside the profiler, unseen: torch's test of it failed)."""
+    x, y = torch.tensor(1), torch.tensor(2)
+    outer = rpc.remote("worker1", rpc._server_process_global_profile)
+    outer.rpc_sync().__enter__()
+    assert torch.equal(rpc.rpc_sync("worker1", torch.add, (x, y)), x + y)
+    outer.rpc_sync().__exit__(None, None, None)
+    names = rpc.rpc_sync("worker1", code.top_level_names, (outer,))
+    assert names == ["aten::add"], names
+    with nbrpc.record() as rec:  # and the lane again once it stopped
+        assert torch.equal(rpc.rpc_sync("worker1", torch.add, (x, y)), x + y)
+    assert [r["route"] for r in rec.calls if r["caller"] == "worker0"] == ["lane"]
 
 
 def test_a_reply_the_lane_cannot_carry_is_fetched_through_tensorpipe(cluster, code):

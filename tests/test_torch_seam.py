@@ -408,6 +408,18 @@ def test_gathers_and_the_wait_all_block_keep_their_state_where_nbrpc_reads_it():
         "rpc_async and list_future",
     )
     _pin(issubclass(rpc_api.RRef, _torch.PyRRef), "rpc.api.RRef", "patch_api('RRef.__init__')")
+    from torch.distributed.rpc import server_process_global_profiler as server
+
+    for name in (
+        "_enable_server_process_global_profiler",
+        "_disable_server_process_global_profiler",
+    ):
+        _pin(
+            f"{name}(" in inspect.getsource(server) and hasattr(server, name),
+            f"server_process_global_profiler no longer calls {name}",
+            "server_profiling",
+        )
+    _pin(not _torch.server_profiling(), "no server-process profile here", "server_profiling")
     params = list(inspect.signature(rpc_api._invoke_rpc).parameters)
     _pin(
         params == ["to", "func", "rpc_type", "args", "kwargs", "rpc_timeout"]

@@ -88,6 +88,7 @@ from .calls import (
     rpc_sync as rpc_sync,
     rpc_sync_started as rpc_sync_started,
     run_udf as run_udf,
+    server_profiling as server_profiling,
     udf_function as udf_function,
 )
 from .group import (

@@ -4,6 +4,8 @@ pickler and callee, CUDA-aware futures' tensor finder, and TorchScript's builtin
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +55,48 @@ def rpc_sync_started(to: Any, func: Any, args: tuple, kwargs: dict | None, timeo
     return rpc_api._invoke_rpc(to, func, rpc_api.RPCExecMode.SYNC, args, kwargs, timeout)
 
 
+class _ServerProfiles:
+    """How many of torch's server-process profilers (``rpc._server_process_global_profile``)
+    are on in this process: they record the requests TensorPipe brings, and a lane's call
+    runs beside those (:func:`server_profiling`)."""
+
+    active = 0
+    lock = threading.Lock()
+
+
+def server_profiling() -> bool:
+    """Whether a server-process profiler records here: a lane's callee then sends the call
+    back to come through TensorPipe, where the profiler sees it (it saw none)."""
+    return _ServerProfiles.active > 0
+
+
+def _count_server_profiles() -> None:
+    """Count torch's server-process profilers as they start and stop (idempotent)."""
+    from torch.distributed.rpc import server_process_global_profiler as module
+
+    enable = getattr(module, "_enable_server_process_global_profiler", None)
+    disable = getattr(module, "_disable_server_process_global_profiler", None)
+    if enable is None or disable is None or hasattr(enable, "nbrpc_counted"):
+        return
+
+    @functools.wraps(enable)
+    def enabled(*args: Any, **kwargs: Any) -> Any:
+        result = enable(*args, **kwargs)
+        with _ServerProfiles.lock:
+            _ServerProfiles.active += 1
+        return result
+
+    @functools.wraps(disable)
+    def disabled(*args: Any, **kwargs: Any) -> Any:
+        with _ServerProfiles.lock:
+            _ServerProfiles.active = max(0, _ServerProfiles.active - 1)
+        return disable(*args, **kwargs)
+
+    enabled.nbrpc_counted = True  # type: ignore[attr-defined]
+    module._enable_server_process_global_profiler = enabled
+    module._disable_server_process_global_profiler = disabled
+
+
 def list_future(fut: Any) -> None:
     """Add ``fut`` to the futures of a ``torch.distributed.rpc.api._wait_all()`` block
     running on this thread, as torch's ``rpc_async`` adds its own."""
@@ -100,6 +144,7 @@ def install_rpc_hooks(
     rpc_internal._pickler = pickler  # type: ignore[assignment]
     rpc_internal._run_function = run_function
     rpc_internal._handle_exception = handle_exception
+    _count_server_profiles()
 
 
 def default_pickler() -> Any:

@@ -4,7 +4,8 @@ The calls run in :func:`nbrpc._wire.callee.run_function`, as TensorPipe's calls 
 The main thread's lane (``INLINE`` frames) runs its calls on the connection's own
 thread; a shared lane's (``POOLED``) go to the pool (:mod:`.pool`), and their replies
 leave through an outbox. A reply that cannot take the lane is kept and fetched through
-TensorPipe (:func:`take`); a call that does not unpickle here is sent back as ``RETRY``.
+TensorPipe (:func:`take`); a call that does not unpickle here, or that torch's server-process
+profiler would not see here, is sent back as ``RETRY``.
 """
 
 from __future__ import annotations
@@ -82,6 +83,10 @@ def run(answer: Callable[[bytes], Any], call: int, payload: bytes, lane: int = 0
         func, args, kwargs, header, back = messages.lane_call_of(payload)
     except Exception:  # e.g. a function this process cannot import, or a staged CUDA
         # tensor that could not be placed: TensorPipe sends it again and says it
+        answer(FRAME.pack(call, 0, RETRY))
+        return
+    if _torch.server_profiling():  # torch's server-process profiler sees TensorPipe's only
+        del func, args, kwargs
         answer(FRAME.pack(call, 0, RETRY))
         return
     if header is not None:  # a user's call: its header, and the row says it came this way
