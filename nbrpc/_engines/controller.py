@@ -16,6 +16,9 @@ measured on 2 cores with ipyparallel 9 (where they put a notebook user's 8–9 s
 - The controller forks about 8 processes (queues, schedulers, broadcast tree);
   ``IPController.use_threads`` runs them as threads. Engines run without ipyparallel's
   nanny process: nbrpc never signals engines through ipyparallel.
+
+An engine's output is read here too: :func:`tail`, and :func:`last_words` (the report of
+a crash in its log, for a ``WorkerDiedError``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -328,3 +332,46 @@ def tail(text: str, lines: int = 25) -> str:
     """The last ``lines`` non-blank lines of an engine's output, indented for an error."""
     kept = [line for line in text.splitlines() if line.strip()][-lines:]
     return "\n".join(f"    {line}" for line in kept) or "    (no output)"
+
+
+#: faulthandler's first line when a process gets a fatal signal (a segfault; an abort,
+#: which is how C++ ends on an uncaught exception). Engines enable faulthandler.
+_FATAL = "Fatal Python error: "
+#: Lines that are not a dying process's own words: ipyparallel's log ("2026-11-22
+#: 22:14:28.813 [IPEngine.0] ...") and torch's ("[E1122 23:09:46.506 file.cpp:561] ...",
+#: errors of earlier calls that their callers already got).
+_LOGGED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[.,]\d+ \[|\[[EWIF]\d{4} )")
+BEFORE_LINES, STACK_LINES = 4, 12
+
+
+def last_words(log: str | int, start: int = 0) -> str:
+    """What an engine wrote as it crashed, from its log (a path, or an open descriptor;
+    bytes ``start`` on): the lines just before faulthandler's report (a C++ abort's
+    "terminate called ... what(): ..."), and the report itself (the crashing thread's
+    Python stack). "" when the log holds no crash report (``kill -9``, the OOM killer,
+    ``os._exit``) or cannot be read."""
+    try:
+        fd = os.dup(log) if isinstance(log, int) else os.open(log, os.O_RDONLY)
+        with os.fdopen(fd, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(start, size - 16384))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    fatal = [i for i, line in enumerate(lines) if _FATAL in line]
+    if not fatal:
+        return ""
+    at = fatal[-1]
+    cut = lines[at].index(_FATAL)  # after a line another thread had begun, if not 0: then
+    lines[at] = lines[at][cut:]  # the lines before are not the crash's own
+    before: list[str] = []
+    for line in reversed(lines[max(0, at - BEFORE_LINES) : at] if cut == 0 else []):
+        if not line.strip() or _LOGGED.match(line):
+            break
+        before.insert(0, line)
+    report = []
+    for line in lines[at : at + STACK_LINES]:
+        if line.startswith("Extension modules: "):
+            break
+        report.append(line)
+    return "\n".join(f"    {line[:300]}" for line in before + report if line.strip())

@@ -29,7 +29,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import select
 import signal
 import subprocess
@@ -51,7 +50,7 @@ from nbrpc._views import bytes_text
 from nbrpc._wire import shm, stacks
 
 from . import controller, watchdog
-from .controller import ENGINE_ARGS, Controller, ControllerSource, tail
+from .controller import ENGINE_ARGS, Controller, ControllerSource, last_words, tail
 from .watchdog import process_alive
 
 log = logging.getLogger("nbrpc")
@@ -62,13 +61,6 @@ SPARES_MAX = 8
 MARKS_ENV = "NBRPC_ENGINE_MARKS"
 #: Set for every engine: the kernel's pid; the engine exits when that process is gone.
 KERNEL_ENV = "NBRPC_KERNEL_PID"
-#: The environment variable naming modules every local worker starts with, comma-separated:
-#: the zygote imports them after its own, so each fork (a boot, a restart, a scale, a
-#: re-init's spares) has them for free. For a library whose import costs seconds
-#: (``NBRPC_PRELOAD=transformers``), and torch's RPC test classes in the compatibility tier
-#: (2 s a fresh cluster). Set before ``%load_ext nbrpc``, which starts the zygote
-#: (:func:`.zygote.preload`).
-PRELOAD_ENV = "NBRPC_PRELOAD"
 ZYGOTE_TIMEOUT_S = 120.0  # its imports; minutes only on a machine far slower than this one
 #: The memory one more worker on this host needs at least, for a count that cannot fit to
 #: be refused before anything forks: an idle forked worker measured 32 MB of its own and
@@ -139,13 +131,8 @@ class Zygote:
         if self.ready_seconds is None:
             self.ready_seconds = time.monotonic() - self._started
         answer = json.loads(line)
-        for name, error in answer.get("preload_failed", {}).items():
-            print(
-                f"nbrpc: {PRELOAD_ENV} names {name!r}, which the workers' zygote could not "
-                f"import ({error}); workers start without it. Fix the name or install it, "
-                "then restart the kernel.",
-                file=sys.stderr,
-            )
+        for said in answer.get("said", ()):  # a module it could not preload (.zygote)
+            print(said, file=sys.stderr)
         return int(answer["pid"])
 
     def close(self) -> None:
@@ -405,50 +392,9 @@ class LocalController(Controller):
         self._stop_loop()
 
 
-#: faulthandler's first line when a process gets a fatal signal (a segfault; an abort,
-#: which is how C++ ends on an uncaught exception). Engines enable faulthandler.
-_FATAL = "Fatal Python error: "
 #: How long the last words of an engine that still exists are waited for (a call that
 #: lost it may fail a moment before its process is gone).
 DYING_S = 0.5
-#: Lines that are not a dying process's own words: ipyparallel's log ("2026-11-22
-#: 22:14:28.813 [IPEngine.0] ...") and torch's ("[E1122 23:09:46.506 file.cpp:561] ...",
-#: errors of earlier calls that their callers already got).
-_LOGGED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[.,]\d+ \[|\[[EWIF]\d{4} )")
-BEFORE_LINES, STACK_LINES = 4, 12
-
-
-def last_words(log: str | int, start: int = 0) -> str:
-    """What an engine wrote as it crashed, from its log (a path, or an open descriptor;
-    bytes ``start`` on): the lines just before faulthandler's report (a C++ abort's
-    "terminate called ... what(): ..."), and the report itself (the crashing thread's
-    Python stack). "" when the log holds no crash report (``kill -9``, the OOM killer,
-    ``os._exit``) or cannot be read."""
-    try:
-        fd = os.dup(log) if isinstance(log, int) else os.open(log, os.O_RDONLY)
-        with os.fdopen(fd, "rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            f.seek(max(start, size - 16384))
-            lines = f.read().decode(errors="replace").splitlines()
-    except OSError:
-        return ""
-    fatal = [i for i, line in enumerate(lines) if _FATAL in line]
-    if not fatal:
-        return ""
-    at = fatal[-1]
-    cut = lines[at].index(_FATAL)  # after a line another thread had begun, if not 0: then
-    lines[at] = lines[at][cut:]  # the lines before are not the crash's own
-    before: list[str] = []
-    for line in reversed(lines[max(0, at - BEFORE_LINES) : at] if cut == 0 else []):
-        if not line.strip() or _LOGGED.match(line):
-            break
-        before.insert(0, line)
-    report = []
-    for line in lines[at : at + STACK_LINES]:
-        if line.startswith("Extension modules: "):
-            break
-        report.append(line)
-    return "\n".join(f"    {line[:300]}" for line in before + report if line.strip())
 
 
 KEPT = "kept from the last cluster"

@@ -32,7 +32,7 @@ from typing import Any
 
 from ipykernel.iostream import OutStream
 
-from nbrpc._engines.local import KERNEL_ENV, MARKS_ENV, PRELOAD_ENV
+from nbrpc._engines.local import KERNEL_ENV, MARKS_ENV
 from nbrpc._engines.watchdog import process_alive
 
 #: Modules each engine would otherwise import after the fork, when its IPython kernel
@@ -65,19 +65,31 @@ class EngineOutStream(OutStream):
         super().__init__(*args, **kwargs)
 
 
-def preload() -> dict[str, str]:
-    """Import the modules :data:`PRELOAD_ENV` names; those that failed, each with its
-    error's line (said in the kernel at the first fork: a worker then imports it itself,
-    where it is used, and shows that error in the calling cell)."""
+#: The environment variable naming modules every local worker starts with, comma-separated:
+#: the zygote imports them after its own, so each fork (a boot, a restart, a scale, a
+#: re-init's spares) has them for free. For a library whose import costs seconds
+#: (``NBRPC_PRELOAD=transformers``), and torch's RPC test classes in the compatibility tier
+#: (2 s a fresh cluster). Set before ``%load_ext nbrpc``, which starts the zygote.
+PRELOAD_ENV = "NBRPC_PRELOAD"
+
+
+def preload() -> list[str]:
+    """Import the modules :data:`PRELOAD_ENV` names; a line for each that failed, which
+    the kernel shows at the first fork (a worker then imports it itself where it is used,
+    and shows that error in the calling cell)."""
     import importlib
 
-    failed = {}
+    said = []
     for name in filter(None, (n.strip() for n in os.environ.get(PRELOAD_ENV, "").split(","))):
         try:
             importlib.import_module(name)
         except BaseException as exc:  # SystemExit in a module's top level too
-            failed[name] = f"{type(exc).__name__}: {exc}"
-    return failed
+            said.append(
+                f"nbrpc: {PRELOAD_ENV} names {name!r}, which the workers' zygote could not "
+                f"import ({type(exc).__name__}: {exc}); workers start without it. Fix the "
+                "name or install it, then restart the kernel."
+            )
+    return said
 
 
 def _imports() -> None:
@@ -142,7 +154,7 @@ def _run_ipengine(argv: list[str]) -> int:
     from ipyparallel.engine.app import main as ipengine
 
     # a crash (a C++ abort, a segfault) writes the Python stack of its thread to the log,
-    # where the kernel reads it for the WorkerDiedError (``local.last_words``)
+    # where the kernel reads it for the WorkerDiedError (``controller.last_words``)
     faulthandler.enable(all_threads=False)
     sys.argv = ["ipengine", *argv]
     code = 0
@@ -184,7 +196,7 @@ def main() -> None:
         engine(sys.argv[2:])
     kernel = os.getppid()
     _imports()
-    failed = preload()
+    said = preload()
     # What the imports made (torch's ~190,000 objects) lives as long as any engine: frozen,
     # a full collection in an engine walks only what the engine made since (measured:
     # about 90 ms each time otherwise, inside the calls that set one off), and the forked
@@ -203,8 +215,8 @@ def main() -> None:
         if pid == 0:
             replies.close()
             _become_engine(request)
-        replies.write(json.dumps({"pid": pid, "preload_failed": failed}) + "\n")
-        failed = {}  # said once
+        replies.write(json.dumps({"pid": pid, "said": said}) + "\n")
+        said = []  # said once
 
 
 if __name__ == "__main__":
