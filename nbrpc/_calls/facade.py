@@ -25,7 +25,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.distributed.rpc import RRef, WorkerInfo
 
-from nbrpc import _group, _ledger, _states, _torch, _trace
+from nbrpc import _group, _ledger, _process, _states, _torch, _trace
 from nbrpc._debugger import deadlines, prompts
 from nbrpc._errors import (
     CallCancelledError,
@@ -393,7 +393,9 @@ def _send_to(
     sent, args, kwargs = _as_python_call(func, tuple(args), kwargs)
     scripts.ensure_on(dest.name, func)  # a notebook's TorchScript function: compiled there
     send = _torch.rpc_sync_started if sync else _torch.rpc_async
-    with shm.sending_to(dest.name):  # torch's timeout: none; nbrpc's clock keeps it
+    # torch's timeout: none (nbrpc's clock keeps it); the stop button waits for the send:
+    # pressed once an RRef in it was pickled (a fork torch waits for), every shutdown waited
+    with shm.sending_to(dest.name), _process.interrupts_deferred():
         return send(dest, sent, args, kwargs, 0)
 
 
@@ -571,7 +573,7 @@ def remote(
     scripts.ensure_on(dest.name, func)
     limit = 0 if timeout is None else limit_of(timeout)
     try:
-        with shm.sending_to(dest.name, "remote"):
+        with shm.sending_to(dest.name, "remote"), _process.interrupts_deferred():  # (_send_to)
             rref = _torch.remote(dest, sent, args=args, kwargs=kwargs, timeout=limit)
     except Exception as exc:  # a lost connection at send time
         error = translate(exc, f"remote call of {_name_of(func)}", dest.name, timeout)
