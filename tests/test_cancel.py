@@ -370,6 +370,8 @@ STOPPED_IN_PICKLING = """
 import signal, time
 import nbrpc
 
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job inherits it ignored
+
 class Stop:
     def __reduce__(self):
         signal.raise_signal(signal.SIGINT)
