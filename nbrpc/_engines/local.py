@@ -335,7 +335,8 @@ class LocalController(Controller):
         self._forget_stopped_sets()
         self._watch()
         stacks.sweep()  # a killed engine leaves its stack files
-        shm.remove_arenas_of([p for p in pids if not process_alive(p)])
+        for pid in [p for p in pids if not process_alive(p)]:  # their arenas' pages are memory
+            watchdog.sweep_segments(f"{shm.prefix()}-arena-{pid}")  # (kept till the shutdown)
 
     def warm(self, n: int) -> None:
         """Keep up to ``n`` spare engines (at most :data:`SPARES_MAX`), started now."""

@@ -123,20 +123,6 @@ def forget_swept() -> None:
     _arena.forget_mappings()
 
 
-def remove_arenas_of(pids: list[int]) -> None:
-    """Unlink the arenas of this cluster's processes that are gone (a worker a restart
-    replaced, a shrink removed): their written pages are tmpfs memory, which stayed until
-    the shutdown swept them, one arena more at each restart. A tensor received from one
-    keeps its mapping, and its pages go when it is freed."""
-    for pid in pids:
-        mine = f"{_state.prefix}-arena-{pid}-"
-        with contextlib.suppress(OSError):
-            for entry in os.listdir(SHM_DIR):
-                if entry.startswith(mine):
-                    with contextlib.suppress(OSError):
-                        os.unlink(os.path.join(SHM_DIR, entry))
-
-
 def restricted() -> bool:
     """Shared memory reaches some peers only (a cluster across hosts)."""
     return _state.threshold is not None and _state.peers is not None
