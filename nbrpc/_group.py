@@ -15,7 +15,8 @@ RRef reference counting and distributed autograd as usual.
 The store that torch uses for membership is created here and handed to ``init_rpc``
 through a rendezvous handler for the ``nbrpc://`` scheme: a ``FileStore`` in a private
 directory for a cluster on this host (no socket at all), or a ``TCPStore`` for groups
-that span hosts, which the user asks for explicitly.
+that span hosts, which the user asks for explicitly. Where the group's sockets listen and
+what TensorPipe carries bytes with (its transports and channels) are :mod:`nbrpc._network`'s.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from . import _devices, _fence, _process, _torch
+from . import _devices, _fence, _network, _process, _torch
 from ._errors import BootError, ConfigError, NotInitializedError
 from ._wire import lanes
 
@@ -106,27 +107,19 @@ class StoreSpec:
     @property
     def loopback_only(self) -> bool:
         if self.listen:
-            return self.listen in _LOOPBACK
-        return self.kind == "file" or self.host in _LOOPBACK
+            return self.listen in _network.LOOPBACK
+        return self.kind == "file" or self.host in _network.LOOPBACK
 
     def interface(self) -> str | None:
         """The interface this process's group sockets listen on (TensorPipe's, gloo's):
         loopback for a local cluster, else the one routed towards the kernel's listen
         address (None: the library's own choice)."""
         if self.loopback_only:
-            return loopback_ifname()
-        return interface_toward(self.listen) if self.listen else None
+            return _network.loopback_ifname()
+        return _network.interface_toward(self.listen) if self.listen else None
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def is_loopback(address: str) -> bool:
-    """``address`` (a name or an IP) is this host's loopback: no other host reaches it."""
-    return address in _LOOPBACK or address.startswith("127.")
 
 
 def _bound_socket(host: str, port: int) -> int:
@@ -157,7 +150,7 @@ def listen_of_init_method(init_method: str) -> str | None:
     hosts then joined the store and failed to reach the kernel (``ECONNREFUSED``).
     """
     spec = spec_from_init_method(init_method)
-    if spec.kind != "tcp" or is_loopback(spec.host):
+    if spec.kind != "tcp" or _network.is_loopback(spec.host):
         return None
     if spec.host in ("0.0.0.0", "::"):
         raise ConfigError(
@@ -170,143 +163,10 @@ def listen_of_init_method(init_method: str) -> str | None:
         raise ConfigError(
             f"--init-method {init_method}: cannot resolve {spec.host}: {exc}"
         ) from exc
-    if is_loopback(address):
+    if _network.is_loopback(address):
         return None
-    interface_for(address)  # the kernel runs the store: the address must be this host's
+    _network.interface_for(address)  # the kernel runs the store: the address must be this host's
     return address
-
-
-def interface_for(address: str, if_addrs: dict[str, list[Any]] | None = None) -> str:
-    """The name of this host's network interface that holds ``address``.
-
-    ``if_addrs``: ``psutil.net_if_addrs()``-shaped (injectable for tests). Raises
-    ``ValueError`` naming the addresses this host has, so a typo in ``--listen`` is
-    caught before anything starts.
-    """
-    if if_addrs is None:
-        import psutil
-
-        if_addrs = psutil.net_if_addrs()
-    held = []
-    for name, addrs in if_addrs.items():
-        for a in addrs:
-            if a.family in (socket.AF_INET, socket.AF_INET6):
-                if a.address.split("%")[0] == address:
-                    return name
-                held.append(f"{name} {a.address}")
-    raise ConfigError(
-        f"--listen {address}: no network interface of this host ({socket.gethostname()}) has "
-        f"that address. It has: {', '.join(held) or 'none'}. Give the address that the other "
-        "hosts reach this one at."
-    )
-
-
-def interface_toward(peer: str) -> str:
-    """The interface this host uses to reach ``peer`` (the kernel's ``--listen`` address).
-
-    On the kernel's host that is the interface holding ``peer`` itself; on a worker's
-    host, the one its routing table picks. No packet is sent (a UDP "connect" only
-    selects the route).
-    """
-    family = socket.AF_INET6 if ":" in peer else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
-        s.connect((peer, 9))
-        local = s.getsockname()[0]
-    return interface_for(local)
-
-
-@contextlib.contextmanager
-def _tensorpipe_interface(ifname: str | None) -> Iterator[None]:
-    """Make TensorPipe's socket transport listen on one interface (``None``: its default).
-
-    TensorPipe reads ``TP_SOCKET_IFNAME`` when the agent is created; the variable is set
-    for that moment only, so the kernel's environment is left as it was.
-    """
-    if ifname is None:
-        yield
-        return
-    old = os.environ.get(_torch.TP_SOCKET_IFNAME)
-    os.environ[_torch.TP_SOCKET_IFNAME] = ifname
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(_torch.TP_SOCKET_IFNAME, None)
-        else:
-            os.environ[_torch.TP_SOCKET_IFNAME] = old
-
-
-#: TensorPipe transports nbrpc asks for. Not torch's default ("shm" first): its shared-memory
-#: reactor thread polls without sleeping, one core per process, idle or not. Measured here
-#: with a kernel and 2 workers on 2 cores: 60–70 % CPU per idle process with "shm", 0 % with
-#: "uv"; small calls took the same time either way (914 vs 943 µs), large tensors go by the
-#: "cma" channel (one copy) or nbrpc's own shared memory. Experts can ask for torch's choice
-#: with NBRPC_TENSORPIPE_TRANSPORTS=shm,uv in every process's environment.
-DEFAULT_TRANSPORTS = ("uv",)
-#: torch's choice, taken where CUDA tensors travel and cores are to spare
-#: (:func:`transports_for`): a CUDA tensor's pipe sends small control messages the CUDA
-#: channel waits on, and "shm" carries those faster (measured on an H200 with torch 2.11:
-#: the seed-004 tutorial 1.06x the plain script against 1.46x with "uv", a 64 MB CUDA
-#: round trip 1.02x against 1.30x)
-CUDA_TRANSPORTS = ("shm", "uv")
-#: cores per process of the cluster on a host that "shm" asks for: its reactor thread's
-#: one, and one to compute
-SHM_CORES_PER_PROCESS = 2
-
-
-def transports() -> list[str]:
-    """What the environment asks for (``NBRPC_TENSORPIPE_TRANSPORTS``), else the default."""
-    return _listed("NBRPC_TENSORPIPE_TRANSPORTS") or list(DEFAULT_TRANSPORTS)
-
-
-def transports_for(cuda: bool, processes: int, cores: int | None = None) -> list[str]:
-    """The transports a cluster's processes join with: torch's choice ("shm" first) when
-    CUDA tensors travel (``cuda``) and this host has :data:`SHM_CORES_PER_PROCESS` cores
-    for each of the cluster's ``processes`` on it (``cores``: this process's usable ones
-    if not said), else "uv" alone (idle processes use no CPU). The environment's
-    ``NBRPC_TENSORPIPE_TRANSPORTS`` wins. The kernel's are fixed at its first join."""
-    if _listed("NBRPC_TENSORPIPE_TRANSPORTS"):
-        return transports()
-    if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-    if cuda and cores >= SHM_CORES_PER_PROCESS * processes:
-        return list(CUDA_TRANSPORTS)
-    return list(DEFAULT_TRANSPORTS)
-
-
-#: TensorPipe channels nbrpc asks for (how a tensor's bytes travel once a pipe is open),
-#: only those a cluster uses. torch's default also registers "mpt_uv", which listens on 16
-#: lanes of its own: a local worker listened on 18 TCP ports, each a door a stray
-#: connection could reach (TensorPipe aborts on malformed input), for a channel a local
-#: cluster never picks: "cma" (one copy between processes of one host, same user) wins, and
-#: "basic" (through the pipe's own connection) needs no port either. Across hosts "mpt_uv"
-#: is the one used for large tensors (its lanes run in parallel: 64 MB round trips 94-97 ms
-#: against 101-103 ms with "basic" alone, between fake hosts here), and the member filter
-#: guards its ports (nbrpc._fence): it stays there.
-LOCAL_CHANNELS = ("cma", "basic")
-ACROSS_HOSTS_CHANNELS = ("mpt_uv", "cma", "basic")
-#: with CUDA tensors: device to device on one host ("cuda_ipc"), staged through the CPU
-#: between hosts ("cuda_basic")
-CUDA_CHANNELS = ("cuda_ipc", "cuda_basic")
-
-
-def channels(cuda: bool, across_hosts: bool) -> list[str]:
-    """The channels this process asks for (``NBRPC_TENSORPIPE_CHANNELS`` overrides)."""
-    return _listed("NBRPC_TENSORPIPE_CHANNELS") or [
-        *(CUDA_CHANNELS if cuda else ()),
-        *(ACROSS_HOSTS_CHANNELS if across_hosts else LOCAL_CHANNELS),
-    ]
-
-
-def _listed(variable: str) -> list[str]:
-    return [t.strip() for t in os.environ.get(variable, "").split(",") if t.strip()]
-
-
-def loopback_ifname() -> str:
-    for _, name in socket.if_nameindex():
-        if name == "lo" or name.startswith("lo"):
-            return name
-    return "lo"
 
 
 def local_cuda_devices(device_maps: dict | None, devices: list | None) -> tuple[str, ...]:
@@ -343,8 +203,9 @@ def join(
     """``init_rpc`` this process into the group described by ``spec``.
 
     ``store``: one already opened (the kernel opens a TCP store first to learn its port).
-    ``transport_names``: TensorPipe's transports (:func:`transports_for`; None:
-    :func:`transports`); this process's own ``NBRPC_TENSORPIPE_TRANSPORTS`` wins.
+    ``transport_names``: TensorPipe's transports (:func:`nbrpc._network.transports_for`;
+    None: :func:`nbrpc._network.transports`); this process's own
+    ``NBRPC_TENSORPIPE_TRANSPORTS`` wins.
     ``withhold``: join with ``device_maps`` (and CUDA's channels) but no device in use and
     CUDA not brought up, until :func:`lend_devices` (the kernel's first join on a GPU host
     for a CPU cluster: :mod:`nbrpc._kernel_devices`).
@@ -361,11 +222,9 @@ def join(
         # CUDA yet aborts it in C++ (measured on an H100 with torch 2.11: "Allocator not
         # initialized for device", the worker gone, no Python error). Bring it up first.
         torch.cuda.init()
-    if _listed("NBRPC_TENSORPIPE_TRANSPORTS") or not transport_names:
-        transport_names = transports()
     options = _torch.tensorpipe_options(
-        transport_names,
-        channels(uses_cuda(device_maps, devices), not spec.loopback_only),
+        _network.transports(transport_names),
+        _network.channels(uses_cuda(device_maps, devices), not spec.loopback_only),
         init_method=f"{SCHEME}://group",
         rpc_timeout=rpc_timeout,
         num_worker_threads=num_worker_threads,
@@ -377,7 +236,7 @@ def join(
             store = spec.open(is_master=(rank == 0), timeout_s=rpc_timeout)
         _membership.handed.append(store)
         withheld = _torch.devices_withheld() if withhold else contextlib.nullcontext()
-        with _tensorpipe_interface(spec.interface()), withheld:
+        with _network.tensorpipe_interface(spec.interface()), withheld:
             rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=options)
     _membership.joined = name
     lend_devices(() if withhold else local_cuda_devices(device_maps, devices), device_maps)
@@ -542,7 +401,7 @@ def kernel_membership(
     owned_dir = None
     store = None
     if listen:
-        interface_for(listen)  # refuse an address this host does not have, before binding
+        _network.interface_for(listen)  # refuse an address this host does not have, before binding
         init_method = init_method or f"tcp://{listen}:0"  # other hosts cannot see a file
     if init_method:
         spec = spec_from_init_method(init_method)

@@ -18,7 +18,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from traitlets import Bool
 
-from . import _cells, _options, _process
+from . import _cells, _option_text, _process
 from ._debugger import postmortem
 from ._engines import local
 from ._errors import raised_in_rpc_code, show_short
@@ -60,7 +60,7 @@ class RpcMagics(Magics):
         return _cells.run(cell, ",".join(args.targets) or "all")
 
     @magic_arguments()
-    @_options.magic_arguments
+    @_option_text.magic_arguments
     @argument("--quiet", action="store_true", help="no progress display and no summary")
     @line_magic
     def rpc_init(self, line: str) -> None:
@@ -69,7 +69,7 @@ class RpcMagics(Magics):
         Every option of nbrpc.init() with a flag is an argument here (docs/options.md).
         """
         args = _parse(self.rpc_init, line)
-        options = _options.from_flags(args)
+        options = _option_text.from_flags(args)
         if args.quiet:
             options["progress"] = "off"
         cluster = lifecycle.init(**options)

@@ -6,8 +6,8 @@ the flag's text becomes the value. From it come:
 
 * the keyword arguments of :func:`nbrpc.init` and :class:`nbrpc.Cluster`, typed
   (``**options: Unpack[Options]``), and the options part of their docstrings;
-* ``%rpc_init``'s arguments and ``--help`` (:func:`magic_arguments`);
-* ``docs/options.md`` (:func:`options_doc`, checked by ``tests/unit/test_options.py``).
+* ``%rpc_init``'s arguments and ``--help``, and ``docs/options.md``: the options as text,
+  in :mod:`nbrpc._option_text`.
 
 :class:`Settings` is what a cluster was asked for once checked: one frozen object whose
 fields are the options' names (the test holds the two together), with defaults worked out
@@ -29,13 +29,12 @@ fields are in the source's options class), and its use.
 
 from __future__ import annotations
 
-import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Annotated, Any, TypedDict, get_type_hints
 
-from . import _devices, _group, _option_checks as _checks
+from . import _devices, _group, _network, _option_checks as _checks
 from ._errors import ConfigError
 from ._placement import Opts, SourceOptions, source_options, where
 from ._source_options import Attached, Slurm
@@ -364,62 +363,6 @@ def declared() -> dict[str, Opt]:
     return {name: hint.__metadata__[0] for name, hint in hints.items()}
 
 
-def annotation(name: str) -> str:
-    """The type an option is given as, as source text (``"int | None"``)."""
-    raw = Options.__annotations__[name]
-    text = getattr(raw, "__forward_arg__", raw)  # TypedDict keeps them as ForwardRefs
-    return re.sub(r"^Annotated\[\s*(.*?),\s*Opt\(.*$", r"\1", str(text), flags=re.S)
-
-
-def options_doc() -> str:
-    """The options as a reStructuredText-ish list, for docstrings and docs/options.md."""
-    lines = []
-    for name, opt in declared().items():
-        flag = f" (``%rpc_init {opt.flag}``)" if opt.flag else " (Python only)"
-        default = "" if opt.default is None else f" Default: ``{opt.default!r}``."
-        text = opt.doc or (opt.help[0].upper() + opt.help[1:] + ".")
-        lines.append(f"- ``{name}: {annotation(name)}``{flag}: {text}{default}")
-    return "\n".join(lines)
-
-
-def from_flags(args: Any) -> dict[str, Any]:
-    """The options ``%rpc_init``'s parsed arguments give (argparse's namespace)."""
-    given: dict[str, Any] = {}
-    for name, opt in declared().items():
-        if opt.flag is None:
-            continue
-        value = getattr(args, name)
-        if opt.switch is not None:
-            given[name] = opt.switch[1] if value else opt.switch[0]
-        elif opt.repeat and value:
-            given[name] = opt.parse(value) if opt.parse else value
-        elif not opt.repeat and value is not None:
-            given[name] = value  # argparse ran opt.parse
-    return given
-
-
-def magic_arguments(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Give an IPython magic one ``@argument`` per option that has a flag."""
-    from IPython.core.magic_arguments import argument
-
-    for name, opt in reversed(declared().items()):
-        if opt.flag is None:
-            continue
-        kwargs: dict[str, Any] = {"dest": name, "help": opt.help}
-        if opt.switch is not None:
-            kwargs["action"] = "store_true"
-        else:
-            kwargs["default"] = [] if opt.repeat else None
-            if opt.repeat:
-                kwargs["action"] = "append"
-            elif opt.parse is not None:
-                kwargs["type"] = opt.parse  # a bad value is a UsageError, before anything
-            if opt.metavar:
-                kwargs["metavar"] = opt.metavar
-        func = argument(opt.flag, **kwargs)(func)
-    return func
-
-
 @dataclass(frozen=True)
 class Settings:
     """A cluster's options, checked (see :class:`Options` for what each one means)."""
@@ -480,7 +423,7 @@ class Settings:
         if init_method:
             _group.spec_from_init_method(init_method)  # refuse a bad URL before any start
         if listen:
-            _group.interface_for(listen)  # refuse an address this host lacks
+            _network.interface_for(listen)  # refuse an address this host lacks
         if gpus not in (None, "auto"):
             raise ConfigError(f"--gpus {gpus!r}: only 'auto' is supported (one GPU per process)")
         if shm_threshold is not None and shm_threshold < 1:

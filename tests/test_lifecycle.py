@@ -188,16 +188,16 @@ def test_listen_on_an_explicit_address(tmp_path):
 def test_listen_address_checks_are_pure():
     from types import SimpleNamespace
 
-    from nbrpc import _group
+    from nbrpc import _network
 
     fake = {
         "lo": [SimpleNamespace(family=socket.AF_INET, address="127.0.0.1")],
         "eth0": [SimpleNamespace(family=socket.AF_INET, address="10.0.0.5")],
     }
-    assert _group.interface_for("10.0.0.5", fake) == "eth0"
+    assert _network.interface_for("10.0.0.5", fake) == "eth0"
     with pytest.raises(ValueError, match=r"It has: lo 127\.0\.0\.1, eth0 10\.0\.0\.5"):
-        _group.interface_for("10.0.0.6", fake)
-    assert _group.interface_toward("127.0.0.1").startswith("lo")
+        _network.interface_for("10.0.0.6", fake)
+    assert _network.interface_toward("127.0.0.1").startswith("lo")
 
 
 def test_workers_exit_when_the_kernel_is_killed(tmp_path):

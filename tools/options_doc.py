@@ -9,7 +9,7 @@ from __future__ import annotations
 import pathlib
 import sys
 
-from nbrpc import _options
+from nbrpc import _option_text
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "options.md"
 
@@ -27,7 +27,7 @@ are refused with a `ConfigError` before anything starts.
 
 
 def render() -> str:
-    return HEAD + _options.options_doc() + "\n"
+    return HEAD + _option_text.options_doc() + "\n"
 
 
 def main(argv: list[str]) -> int:

@@ -28,7 +28,7 @@ import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from nbrpc import _fence, _group
+from nbrpc import _fence, _network
 from nbrpc._errors import BootError, ConfigError
 
 CONNECT_TIMEOUT_S = 5
@@ -95,7 +95,7 @@ def infer_listen(first: str, ssh_args: tuple[str, ...] = ()) -> str:
             "Give it with --listen ADDR (listen=ADDR): an address of this host that every "
             "worker host can connect to."
         ) from exc
-    if _group.is_loopback(local):
+    if _network.is_loopback(local):
         raise ConfigError(
             f"{first} resolves to this host's loopback ({name}); workers there could not "
             "tell this host from their own. Give --listen ADDR with an address the hosts "

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbrpc import _departures, _devices, _fence, _group, _kernel_devices, _setup, _states
+from nbrpc import _departures, _devices, _fence, _group, _kernel_devices, _network, _setup, _states
 from nbrpc._engines import JOIN_TIMEOUT_S, Engines, remote_message, worker
 from nbrpc._engines.watchdog import hold_store, segment_prefix, sweep_dead_kernels_stores
 from nbrpc._errors import BootError
@@ -62,7 +62,7 @@ class Booted:
     fast_path: bool = False  # large CPU tensors through shared memory
     lanes: bool = False  # small calls through Unix sockets (nbrpc._wire.lanes)
     #: TensorPipe's transports the workers join with (empty: the default), chosen at
-    #: the boot (:func:`nbrpc._group.transports_for`); a restart's or a scale's too
+    #: the boot (:func:`nbrpc._network.transports_for`); a restart's or a scale's too
     transports: list[str] = field(default_factory=list)
     #: across hosts: each process's peers that see its /dev/shm (the fast path's reach)
     shm_peers: dict[str, list[str]] = field(default_factory=dict)
@@ -86,7 +86,7 @@ class _Boot:
         #: the addresses admitted to the cluster's sockets (None: it listens on loopback
         #: only, where a filter could not tell anyone apart; see nbrpc._fence)
         self.members: set[str] | None = None
-        if settings.listen and not _group.is_loopback(settings.listen):
+        if settings.listen and not _network.is_loopback(settings.listen):
             self.members = {settings.listen}
 
     def run(self) -> None:
@@ -212,7 +212,7 @@ class _Boot:
                 raise BootError(f"{name} could not describe its devices: {exc}") from exc
         maps, chosen = _devices.plan(described, self.settings.gpus, self.settings.device_maps)
         here = sum(info["host"] == self.kernel["host"] for info in described.values())
-        self.booted.transports = _group.transports_for(bool(maps), here)
+        self.booted.transports = _network.transports_for(bool(maps), here)
         return maps, chosen
 
     def join_workers(

@@ -33,7 +33,8 @@ from nbrpc._errors import (
     counted,
 )
 from nbrpc._gather import census, stacks as gathered_stacks
-from nbrpc._options import Options, Settings, options_doc
+from nbrpc._option_text import options_doc
+from nbrpc._options import Options, Settings
 from nbrpc._rows import StackRow, StatusRow, WorkerRecord, WorkerState
 from nbrpc._wire import lanes, native_output, shm
 

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from nbrpc import _group
+from nbrpc import _network
 from nbrpc._errors import ConfigError
 from nbrpc._placement import SourceOptions, split_args
 
@@ -83,7 +83,7 @@ class Slurm(SourceOptions):
                 f"--time {self.time!r}: Slurm takes minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or "
                 "D-HH:MM:SS"
             )
-        if (v["listen"] or "") and _group.is_loopback(v["listen"]):
+        if (v["listen"] or "") and _network.is_loopback(v["listen"]):
             raise ConfigError(
                 f"--listen {v['listen']} with --slurm: workers on the cluster's nodes cannot "
                 "reach this host's loopback. Give an address they reach (or leave --listen "

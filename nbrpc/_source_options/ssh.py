@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from nbrpc import _group
+from nbrpc import _network
 from nbrpc._errors import ConfigError, counted
 from nbrpc._placement import SourceOptions, parse_hosts, split_args
 
@@ -65,7 +65,7 @@ class Hosts(SourceOptions):
                 "per entry (a host listed twice gets two workers)"
             )
         listen = v["listen"]
-        if listen and _group.is_loopback(listen):
+        if listen and _network.is_loopback(listen):
             raise ConfigError(
                 f"--listen {listen} with --hosts: workers on other hosts cannot reach this "
                 "host's loopback. Give an address they reach (or leave --listen out: it "

@@ -194,18 +194,18 @@ def test_a_refusal_names_the_first_maps_and_counts_the_rest():
 
 
 def test_a_cuda_cluster_with_cores_to_spare_takes_torchs_transports(monkeypatch):
-    from nbrpc import _group
+    from nbrpc import _network
 
     monkeypatch.delenv("NBRPC_TENSORPIPE_TRANSPORTS", raising=False)
     # 16 cores, a kernel and one worker: "shm" (its reactor polls a core per process)
-    assert _group.transports_for(True, 2, cores=16) == ["shm", "uv"]
-    assert _group.transports_for(True, 8, cores=16) == ["shm", "uv"]
-    assert _group.transports_for(True, 9, cores=16) == ["uv"]  # not 2 cores each
-    assert _group.transports_for(True, 3, cores=2) == ["uv"]  # this machine's kind
-    assert _group.transports_for(False, 1, cores=64) == ["uv"]  # CPU tensors: "uv"
+    assert _network.transports_for(True, 2, cores=16) == ["shm", "uv"]
+    assert _network.transports_for(True, 8, cores=16) == ["shm", "uv"]
+    assert _network.transports_for(True, 9, cores=16) == ["uv"]  # not 2 cores each
+    assert _network.transports_for(True, 3, cores=2) == ["uv"]  # this machine's kind
+    assert _network.transports_for(False, 1, cores=64) == ["uv"]  # CPU tensors: "uv"
     monkeypatch.setenv("NBRPC_TENSORPIPE_TRANSPORTS", "uv,shm")
-    assert _group.transports_for(True, 2, cores=16) == ["uv", "shm"]  # the user's word wins
-    assert _group.transports_for(False, 2, cores=2) == ["uv", "shm"]
+    assert _network.transports_for(True, 2, cores=16) == ["uv", "shm"]  # the user's word wins
+    assert _network.transports_for(False, 2, cores=2) == ["uv", "shm"]
 
 
 def test_a_worker_joins_with_the_devices_maps_send_to_it():

@@ -17,7 +17,7 @@ import pytest
 from IPython.core.magic_arguments import parse_argstring
 
 import nbrpc
-from nbrpc import _options, _placement
+from nbrpc import _option_text, _options, _placement
 from nbrpc._magics import RpcMagics
 
 OPTIONS = _options.declared()
@@ -243,7 +243,7 @@ def test_a_thread_count_under_1_and_a_negative_timeout_are_refused(options, says
 )
 def test_the_magic_and_init_make_the_same_settings(line, kwargs):
     args = parse_argstring(RpcMagics.rpc_init, line)
-    given = _options.from_flags(args)
+    given = _option_text.from_flags(args)
     if "hosts" in kwargs:  # loopback cannot serve other hosts: both refuse it alike
         with pytest.raises(nbrpc.ConfigError, match="loopback") as magic:
             _options.Settings.make(**given)
