@@ -9,7 +9,7 @@ place:
   turns on once joined; run by ``_engines.worker.join``;
 * :func:`fast_path` -- run by the kernel once workers joined (a boot's, or a restart's):
   shared memory for large tensors and, in a local cluster, lanes for small calls, set up
-  on those workers over RPC (:mod:`nbrpc._wire.shm`, :mod:`nbrpc._wire.lanes`);
+  on those workers over RPC (:mod:`nbrpc._wire.shm_setup`, :mod:`nbrpc._wire.lanes`);
 * :func:`device_replies` -- run by the kernel whenever a cluster with device maps changed
   (its boot, a restart, a shrink): what torch's dynamic group lost, back in every process.
 
@@ -28,7 +28,17 @@ from typing import Any
 from . import _devices, _fence, _group, _process, _torch, autograd
 from ._calls import cancel, facade, rrefs, spelling
 from ._debugger import remote_pdb
-from ._wire import bars, cancelling, lanes, namespace, native_output, output, pickling, shm, stacks
+from ._wire import (
+    bars,
+    cancelling,
+    lanes,
+    namespace,
+    native_output,
+    output,
+    pickling,
+    shm_setup,
+    stacks,
+)
 
 
 def _both() -> None:
@@ -120,10 +130,10 @@ def fast_path(
     peers are worked out again); in a local cluster on loopback, lanes for small calls
     when ``lanes_asked`` (the settings ask for them)."""
     if remote:
-        peers = shm.set_up_by_host(prefix, threshold, kernel_name, names)
+        peers = shm_setup.set_up_by_host(prefix, threshold, kernel_name, names)
         done = FastPath(any(peers.values()), shm_peers=peers)
     else:
-        done = FastPath(shm.set_up(prefix, threshold, names, loopback))
+        done = FastPath(shm_setup.set_up(prefix, threshold, names, loopback))
     if lanes_asked and not remote and loopback:
         done.lanes = lanes.set_up(prefix, names, threads)
     return done

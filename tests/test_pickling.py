@@ -7,7 +7,7 @@ import torch
 from torch.distributed.rpc.internal import PythonUDF
 
 from nbrpc import SerializationError, _torch
-from nbrpc._wire import pickling, shm
+from nbrpc._wire import pickling, sent_code, shm
 
 
 @pytest.fixture(autouse=True)
@@ -70,10 +70,10 @@ def test_unpicklable_argument_names_the_call_and_the_fix():
 def test_code_is_marshalled_once_while_globals_travel_every_call(nb):
     cell = nb("OFFSET = 5\ndef add(x):\n    return x + OFFSET\n")
     first, _ = pickling.serialize(PythonUDF(cell.add, (1,), {}))
-    key = pickling.code_key(cell.add.__code__)
+    key = sent_code.code_key(cell.add.__code__)
     cell.add.__globals__["OFFSET"] = 9  # a later cell changes the global
     second, _ = pickling.serialize(PythonUDF(cell.add, (1,), {}))
-    assert pickling.code_key(cell.add.__code__) == key  # the same code: one key
+    assert sent_code.code_key(cell.add.__code__) == key  # the same code: one key
     got_first, got_second = pickle.loads(first).func, pickle.loads(second).func
     assert got_first(1) == 6
     assert got_second(1) == 10  # the changed global arrived
@@ -112,12 +112,12 @@ def test_a_forked_process_sends_code_under_keys_of_its_own(nb):
     import os
 
     cell = nb("def one():\n    return 1\n")
-    parent_key = pickling.reduce_code(cell.one.__code__)[1][0]
+    parent_key = sent_code.reduce_code(cell.one.__code__)[1][0]
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: the same code object, as a forked worker would send it
         try:
-            os.write(write_end, pickling.reduce_code(cell.one.__code__)[1][0].encode())
+            os.write(write_end, sent_code.reduce_code(cell.one.__code__)[1][0].encode())
         finally:
             os._exit(0)
     os.close(write_end)

@@ -16,7 +16,7 @@ import pytest
 from conftest import wait_until
 
 import nbrpc
-from nbrpc._wire import stacks as dumps
+from nbrpc._wire import stack_dumps, stacks as dumps
 
 CELL = """
 import time
@@ -144,7 +144,7 @@ def test_asking_a_process_whose_threads_come_and_go_100_times_never_crashes_it()
             assert "error" not in part, part
             hows.append(part["how"])
         assert set(hows) == {"thread"}, hows
-        threads = dumps.parse(part["dump"])
+        threads = stack_dumps.parse(part["dump"])
         spinning = [t for t in threads if "spin" in [f["function"] for f in t["frames"]]]
         assert len(spinning) == 8, threads
         assert not [t for t in threads if t["name"] == "nbrpc-stacks"]  # nbrpc's, hidden
@@ -184,7 +184,7 @@ def test_two_readers_at_once_each_get_a_whole_dump_larger_than_the_first_map():
             assert "error" not in part, part
             assert part["how"] == "thread"
             assert len(part["dump"].encode()) > dumps.ANSWER_BYTES
-            deep = [t for t in dumps.parse(part["dump"]) if len(t["frames"]) > 95]
+            deep = [t for t in stack_dumps.parse(part["dump"]) if len(t["frames"]) > 95]
             assert len(deep) == 80, part["dump"][-2000:]
         assert proc.poll() is None
 
@@ -214,7 +214,7 @@ def test_a_faulthandler_dump_parses_into_threads_innermost_last(tmp_path):
     out = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=30, env=os.environ
     )
-    threads = dumps.parse(out.stderr)
+    threads = stack_dumps.parse(out.stderr)
     assert len(threads) == 2, out.stderr
     (current,) = [t for t in threads if t["current"]]
     assert [f["function"] for f in current["frames"]][-3:] == ["<module>", "middle", "deep"]

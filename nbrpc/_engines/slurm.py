@@ -45,7 +45,7 @@ from ipyparallel.cluster.launcher import MPIEngineSetLauncher, SlurmEngineSetLau
 from nbrpc import _fence, _options, _process
 from nbrpc._errors import BootError, ConfigError, counted
 from nbrpc._source_options import Slurm
-from nbrpc._wire import stacks
+from nbrpc._wire import stack_dumps
 
 from . import worker
 from .controller import ENGINE_ARGS, Controller, ControllerSource, tail
@@ -432,7 +432,7 @@ class SlurmController(Controller):
             return done.stdout
 
         on = {eid: f"{self.job_of(eid)}@{self.node_of(eid)}" for eid in engine_ids}
-        return stacks.gather(
+        return stack_dumps.gather(
             {eid: (on[eid], pid) for eid, pid in zip(engine_ids, pids, strict=True)}, run
         )
 

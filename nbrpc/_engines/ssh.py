@@ -47,7 +47,7 @@ from ipyparallel.cluster.launcher import SSHEngineLauncher, SSHEngineSetLauncher
 from nbrpc import _fence, _options, _process
 from nbrpc._errors import BootError, ConfigError, counted
 from nbrpc._source_options import Hosts
-from nbrpc._wire import stacks
+from nbrpc._wire import stack_dumps
 
 from . import controller, hosts, watchdog, worker
 from .controller import ENGINE_ARGS, Controller, ControllerSource, tail
@@ -382,7 +382,9 @@ class HostController(Controller):
             return _ssh(launcher, script, timeout=timeout + SSH_TIMEOUT_S)
 
         where = zip(engine_ids, pids, strict=True)
-        return stacks.gather({eid: (self.entry_of.get(eid, ""), pid) for eid, pid in where}, run)
+        return stack_dumps.gather(
+            {eid: (self.entry_of.get(eid, ""), pid) for eid, pid in where}, run
+        )
 
     def retire(self, engine_ids: list[int], pids: list[int]) -> None:
         """Stop the engines (ask, then kill what is left on each host: the pids its

@@ -21,7 +21,7 @@ from nbrpc._calls import facade as calls
 from nbrpc._engines import EngineSource
 from nbrpc._errors import NbrpcError, UnknownWorkerError
 from nbrpc._rows import StackRow, ThreadStack, WorkerRecord, WorkerState
-from nbrpc._wire import stacks as _dumps
+from nbrpc._wire import stack_dumps, stacks as _dumps
 
 TIMEOUT_S = 2.0
 
@@ -68,7 +68,7 @@ def _row(name: str, pid: int, host: str, how: str, part: dict[str, Any]) -> Stac
         return StackRow(name=name, pid=pid, host=host, how=how, threads=[], error=part["error"])
     labels = {int(k): v for k, v in part.get("labels", {}).items()}
     threads: list[ThreadStack] = []
-    for t in _dumps.parse(part["dump"]):
+    for t in stack_dumps.parse(part["dump"]):
         if t["current"] and not t["frames"]:
             continue  # the thread that took the signal, outside Python: not the program's
         threads.append(

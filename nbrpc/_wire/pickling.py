@@ -13,7 +13,7 @@ notebook code once nbrpc is initialized.
 
 Two costs are paid once instead of per call (a notebook function's call pickled in 13 µs
 instead of 29 µs measured): the code object of a function sent by value is marshalled once
-and sent with a key, which the receiver keeps (:func:`reduce_code`); and cloudpickle's
+and sent with a key, which the receiver keeps (:mod:`.sent_code`); and cloudpickle's
 answer "importable: by reference" for a function or class is remembered
 (:meth:`RpcPickler.reducer_override`). A function's globals, defaults and closure are still
 pickled on every call, so a changed global is seen by the next call.
@@ -30,6 +30,9 @@ A lane's messages (:mod:`nbrpc._wire.lanes.messages`) are pickled by the same pi
 where they hold plain values; a call's function then travels as a pickle made once here
 (:func:`function_head`).
 
+A message that cannot be pickled is a :class:`~nbrpc.SerializationError` that says what
+could not travel and what to do instead (:mod:`.unsendable`).
+
 The private torch names this relies on (the hooks in ``torch.distributed.rpc.internal``,
 the pickler torch instantiates) live in :mod:`nbrpc._torch`, pinned by
 ``tests/test_torch_seam.py``.
@@ -37,14 +40,8 @@ the pickler torch instantiates) live in :mod:`nbrpc._torch`, pinned by
 
 from __future__ import annotations
 
-import collections
 import io
-import itertools
-import marshal
-import os
 import pickle
-import threading
-import weakref
 from dataclasses import dataclass, field
 from types import BuiltinFunctionType, CodeType, FunctionType, MethodType, ModuleType
 from typing import Any
@@ -56,7 +53,7 @@ from torch.distributed.rpc import RRef
 from nbrpc import _ledger, _process, _torch
 from nbrpc._errors import DeviceMapError, SerializationError
 
-from . import callee, failures, namespace, recording, sent_functions, shm
+from . import callee, failures, namespace, recording, sent_code, sent_functions, shm, unsendable
 
 #: the C field behind ``dispatch_table`` (a member descriptor; typeshed calls it a Mapping)
 _C_DISPATCH_TABLE: Any = pickle.Pickler.dispatch_table
@@ -76,49 +73,6 @@ def _reduce_method(method: MethodType) -> Any:
     return _CLOUDPICKLE_TABLE[MethodType](method)
 
 
-# A code object travels once per process pair in practice: marshalled once here (cached
-# while the code object lives), under a key the receiver keeps it by.
-_code_sent: weakref.WeakKeyDictionary[CodeType, tuple[str, bytes]] = weakref.WeakKeyDictionary()
-_code_keys = itertools.count(1)
-# A forked process (every worker is forked from the zygote) sends code under keys of its
-# own (its process token): with the parent's keys, two workers would send different code
-# under one key. What the parent marshalled is forgotten with them.
-os.register_at_fork(after_in_child=_code_sent.clear)
-_code_loaded: collections.OrderedDict[str, CodeType] = collections.OrderedDict()
-_code_lock = threading.Lock()
-_CODE_KEEP = 4096  # code objects kept by a receiver (least recently used go first)
-
-
-def reduce_code(code: CodeType) -> Any:
-    """Send a code object as ``marshal`` bytes under a key (all processes run one Python
-    minor version: preflight checks it for other hosts)."""
-    sent = _code_sent.get(code)
-    if sent is None:
-        key = f"{_process.token()}.{next(_code_keys)}"
-        sent = _code_sent[code] = (key, marshal.dumps(code))
-    return _load_code, sent
-
-
-def code_key(code: CodeType) -> str | None:
-    """The key ``code`` is sent under from this process, once it was sent (else None)."""
-    sent = _code_sent.get(code)
-    return sent[0] if sent is not None else None
-
-
-def _load_code(key: str, data: bytes) -> CodeType:
-    with _code_lock:
-        code = _code_loaded.get(key)
-        if code is not None:
-            _code_loaded.move_to_end(key)
-            return code
-    code = marshal.loads(data)
-    with _code_lock:
-        _code_loaded[key] = code
-        while len(_code_loaded) > _CODE_KEEP:
-            _code_loaded.popitem(last=False)
-    return code
-
-
 def _reduce_script_function(fn: torch.jit.ScriptFunction) -> Any:
     """A TorchScript function travels by its qualified name: the receiver has one compiled
     under that name (:mod:`nbrpc._calls.scripts` sees to it for a notebook's own)."""
@@ -128,7 +82,7 @@ def _reduce_script_function(fn: torch.jit.ScriptFunction) -> Any:
 _BASE_TABLE = {
     **_CLOUDPICKLE_TABLE,
     MethodType: _reduce_method,
-    CodeType: reduce_code,
+    CodeType: sent_code.reduce_code,
     torch.jit.ScriptFunction: _reduce_script_function,
 }
 _BY_REFERENCE_KEEP = 8192
@@ -275,7 +229,7 @@ class RpcPickler(cloudpickle.Pickler):
         except (SerializationError, NotLane, DeviceMapError):
             raise
         except Exception as exc:
-            raise SerializationError(_cannot_send(obj, exc)) from exc
+            raise SerializationError(unsendable.cannot_send(obj, exc)) from exc
         if message is not None:
             recording.pickled(message, self.out.tell())
 
@@ -460,58 +414,6 @@ def register_by_value(module: ModuleType) -> None:
     an imported module.
     """
     cloudpickle.register_pickle_by_value(module)  # RpcPickler.dump then forgets its memo
-
-
-def _cannot_send(obj: Any, exc: Exception) -> str:
-    """Why ``obj`` cannot travel, and what to do: a call's arguments are made where the
-    call is sent from, a result where it runs."""
-    why = f"{type(exc).__name__}: {exc}"
-    func = _torch.udf_function(obj)  # torch's PythonUDF: the call being sent
-    if func is not None:
-        name = getattr(func, "__qualname__", type(func).__name__)
-        culprit = unsendable_global(func)
-        if culprit is not None:
-            owner, global_name, value = culprit
-            return (
-                f"cannot send a call of {name} over RPC: {owner} uses the notebook's "
-                f"global {global_name!r}, a {type(value).__name__}, which cannot travel "
-                f"({why}). Make it on the worker instead, as a script's module would: "
-                f"inside the function, or once in a %%rpc cell ({global_name} = ...); "
-                "module-level locks, events and semaphores are made there by themselves."
-            )
-        return (
-            f"cannot send a call of {name} over RPC: {why}. Objects holding locks, open "
-            "files, sockets or generators cannot travel; create them on the worker instead "
-            "(inside the function, or keep them there with nbrpc.remote)."
-        )
-    return (
-        f"cannot send a {type(obj).__name__} back from {_process.name()} as a call's result: "
-        f"{why}. Return what pickles (numbers, tensors, lists, dicts of them), or keep the "
-        "object on the worker: nbrpc.remote(...) returns an RRef to it."
-    )
-
-
-def unsendable_global(func: Any, seen: set[int] | None = None) -> tuple[str, str, Any] | None:
-    """The notebook global that keeps ``func`` from travelling, found by pickling each one
-    it names, and those of the notebook functions it names (only once a call failed):
-    ``(function name, global name, value)``, or None."""
-    seen = set() if seen is None else seen
-    if not isinstance(func, FunctionType) or func.__module__ != "__main__" or id(func) in seen:
-        return None
-    seen.add(id(func))
-    names = cloudpickle.cloudpickle._extract_code_globals(func.__code__)
-    for name in sorted(names):
-        value = func.__globals__.get(name)
-        if isinstance(value, FunctionType):
-            found = unsendable_global(value, seen)
-            if found is not None:
-                return found
-            continue
-        try:
-            cloudpickle.dumps(namespace.as_sent(value))
-        except Exception:
-            return func.__qualname__, name, value
-    return None
 
 
 # -- what a lane's call starts with (:mod:`nbrpc._wire.lanes.messages`) ---------------------

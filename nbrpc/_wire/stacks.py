@@ -40,7 +40,9 @@ default action would end it).
 
 :func:`collect` asks pids of this host and reads the files back; run as a script
 (``python stacks.py PID...``, the ssh source does that on a worker's host) it prints the
-same as JSON. This file imports only the standard library at the top, for that reason.
+same as JSON. This file imports only the standard library at the top, for that reason
+(``tests/test_stacks.py`` also loads it alone, by its path, to set a process up). What the
+kernel does with other hosts' stacks and with a dump's text is in :mod:`.stack_dumps`.
 """
 
 from __future__ import annotations
@@ -59,8 +61,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 SIGNAL = signal.SIGRTMIN + 7 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
@@ -263,8 +263,8 @@ def _answer(fd: int, answers: _Answers) -> None:
 
 def format_threads() -> str:
     """This process's threads (but the ``nbrpc-stacks`` thread: nbrpc's, not the
-    program's), in faulthandler's format (:func:`parse` reads both), each with its name
-    where :mod:`threading` knows it."""
+    program's), in faulthandler's format (:func:`.stack_dumps.parse` reads both), each
+    with its name where :mod:`threading` knows it."""
     names = {t.ident: t.name for t in threading.enumerate()}
     frames = sys._current_frames()
     frames[threading.get_ident()] = sys._getframe(1)  # this thread: from its caller on
@@ -332,11 +332,6 @@ def own_labels() -> dict[int, str]:
 
 
 # -- the reading side -----------------------------------------------------------------------
-
-_THREAD = re.compile(
-    r"^(Current thread|Thread) (0x[0-9a-f]+)(?: \[(.*)\])? \(most recent call first\):"
-)
-_FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 
 
 def collect(pids: list[int], timeout: float = DUMP_WAIT_S) -> dict[int, dict[str, Any]]:
@@ -446,35 +441,6 @@ def _signal(pid: int, base: str, signalled: dict[int, tuple[str, int]]) -> bool:
     return True
 
 
-def gather(
-    engines: dict[int, tuple[str, int]], run: Callable[[str, list[str]], str]
-) -> dict[int, dict[str, Any]]:
-    """:func:`collect` on several hosts at once. ``engines``: engine id -> (its host, its
-    pid there); ``run(host, argv)`` runs ``argv`` (``-c``, this file's source, the pids:
-    what the host's Python is given) there, over ssh or as a Slurm step, and returns its
-    stdout. The parts by engine id (pids of two hosts may be equal), or an error naming
-    the host."""
-    source = Path(__file__).read_text()
-    places: dict[str, dict[int, int]] = {}  # host -> pid -> engine id
-    for eid, (place, pid) in engines.items():
-        places.setdefault(place, {})[pid] = eid
-    found: dict[int, dict[str, Any]] = {}
-
-    def one(place: str, ids: dict[int, int]) -> None:
-        try:
-            out = json.loads(run(place, ["-c", source, *map(str, ids)]))
-            found.update({ids[int(p)]: part for p, part in out.items()})
-        except Exception as exc:  # no answer from that host: said in its rows
-            found.update({eid: {"error": f"{place}: {exc}"} for eid in ids.values()})
-
-    threads = [threading.Thread(target=one, args=item) for item in places.items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return found
-
-
 def _read_labels(path: str) -> dict[int, str]:
     with contextlib.suppress(OSError), open(path, "rb") as f:
         return _labels_of(f.read().decode(errors="replace"))
@@ -488,30 +454,6 @@ def _labels_of(text: str) -> dict[int, str]:
         if ident.isdigit() and label:
             labels[int(ident)] = label
     return labels
-
-
-def parse(dump: str) -> list[dict[str, Any]]:
-    """A dump (faulthandler's text, or :func:`format_threads`') as threads, frames
-    innermost last, as a traceback prints."""
-    threads: list[dict[str, Any]] = []
-    for line in dump.splitlines():
-        head = _THREAD.match(line)
-        if head:
-            threads.append(
-                {
-                    "thread": int(head.group(2), 16),
-                    "name": head.group(3),
-                    "current": head.group(1) == "Current thread",
-                    "frames": [],
-                }
-            )
-            continue
-        frame = _FRAME.match(line)
-        if frame and threads:
-            threads[-1]["frames"].insert(
-                0, {"file": frame.group(1), "line": int(frame.group(2)), "function": frame.group(3)}
-            )
-    return threads
 
 
 def main(argv: list[str]) -> None:

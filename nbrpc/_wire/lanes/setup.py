@@ -14,7 +14,7 @@ import socket
 import threading
 
 from nbrpc import _process
-from nbrpc._wire import shm, side_door
+from nbrpc._wire import shm_setup, side_door
 
 from .callee import accept, run
 from .pool import Pool
@@ -70,7 +70,7 @@ def set_up(prefix: str, workers: list[str], threads: int) -> bool:
         directory = make_directory(prefix)
         if directory is None or not open_here(directory, threads, made=True):
             return False
-    shm.on_each(workers, open_here, directory, threads)  # one that cannot: TensorPipe
+    shm_setup.on_each(workers, open_here, directory, threads)  # one that cannot: TensorPipe
     return True
 
 
