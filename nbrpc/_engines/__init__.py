@@ -13,9 +13,13 @@ way is an *engine source*, one module of this folder:
 Beside them: :mod:`.controller` (the controller tier: the ipyparallel controller and
 watchdog of this host that the local, ssh and Slurm sources start, with its hooks
 ``spawn`` / ``take`` / ``retire`` / ``release``, and ``ControllerSource``, which makes a
-source of them), :mod:`.zygote` (the process local engines fork from),
-:mod:`.watchdog` (stops them all if the kernel dies), :mod:`.hosts` (ssh options and the
-preflight of ``--hosts``) and :mod:`.worker` (what runs inside an engine to join).
+source of them), :mod:`.zygote` (the process local engines fork from) and :mod:`.forked`
+(the kernel's side of it: the zygote started, engines forked through ipyparallel's
+launcher), :mod:`.watchdog` (stops them all if the kernel dies), :mod:`.hosts` (ssh
+options and the preflight of ``--hosts``), :mod:`.ssh_launcher` (an engine started on
+another host in one ssh session), :mod:`.slurm_commands` (what the Slurm source asks
+Slurm: ``sbatch --test-only``, ``squeue``, ``scontrol``, ``scancel``) and :mod:`.worker`
+(what runs inside an engine to join).
 
 Every source extends :class:`~.base.EngineSource` (in :mod:`.base`), which gives a
 default to everything a source need not do; a test holds every source to its signatures.

@@ -3,7 +3,8 @@
 A host is ``[user@]address`` as ``ssh`` takes it (an alias of the user's ssh config works
 too; the entries' syntax is checked with the other options, :func:`nbrpc._placement.parse_hosts`),
 and a host listed N times gets N workers, named in list order. Engines start through
-ipyparallel's SSH launcher (:mod:`.ssh`); this module holds what comes before:
+ipyparallel's SSH launcher (:mod:`.ssh_launcher`, for :mod:`.ssh`); this module holds what
+comes before:
 
 - **ssh options.** Every ssh nbrpc runs (its own and ipyparallel's) reads the user's ssh
   config and adds ``BatchMode=yes`` (a notebook cannot answer a password prompt: it would

@@ -21,19 +21,19 @@ What nbrpc adds around them:
 * the job (or step) cancelled at shutdown, and by the watchdog if the kernel dies;
 * a worker lost because the job ended (``scancel``, its time limit) says so: Slurm's
   state and reason are its last words.
+
+Each question to Slurm (``sbatch --test-only``, ``squeue``, ``scontrol``, ``scancel``) is
+one function of :mod:`.slurm_commands`, which runs the command and reads its answer.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import pathlib
 import shlex
 import shutil
-import socket
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -49,127 +49,27 @@ from nbrpc._wire import stack_dumps
 
 from . import worker
 from .controller import ENGINE_ARGS, Controller, ControllerSource, tail
+from .slurm_commands import (
+    ENDED,
+    HOPELESS,
+    SLURM_TIMEOUT_S,
+    check,
+    controller_address,
+    ended_state,
+    in_allocation,
+    job_state,
+    node_addresses,
+    run_command,
+    watchdog_cancel,
+)
 
 log = logging.getLogger("nbrpc")
 
-SLURM_TIMEOUT_S = 30.0
 QUEUE_POLL_S = 0.5
 #: once the job runs, its engines have this long to register
 START_AFTER_RUNNING_S = 90.0
-#: Slurm's reasons for a pending job that no wait will change (with its default
-#: EnforcePartLimits=NO, a job over a partition's limits is queued, not refused)
-HOPELESS = (
-    "PartitionTimeLimit",
-    "PartitionNodeLimit",
-    "PartitionConfig",
-    "PartitionDown",
-    "PartitionInactive",
-    "BadConstraints",
-    "InvalidAccount",
-    "InvalidQOS",
-    "AccountNotAllowed",
-    "QOSMaxWallDurationPerJobLimit",
-    "QOSMaxNodePerJobLimit",
-    "QOSMaxCpuPerJobLimit",
-    "ReqNodeNotAvail",
-    "JobHeldAdmin",
-)
 #: seconds lost() waits for a job that is COMPLETING to say how it ended
 ENDING_WAIT_S = 5.0
-#: squeue states of a job that will not run (any more)
-ENDED = (
-    "CANCELLED",
-    "COMPLETED",
-    "FAILED",
-    "TIMEOUT",
-    "NODE_FAIL",
-    "PREEMPTED",
-    "BOOT_FAIL",
-    "DEADLINE",
-    "OUT_OF_MEMORY",
-)
-
-
-def _slurm(argv: list[str], timeout: float = SLURM_TIMEOUT_S) -> subprocess.CompletedProcess:
-    """Run a Slurm client command; a missing command is a ConfigError."""
-    if shutil.which(argv[0]) is None:
-        raise ConfigError(
-            f"--slurm needs Slurm's {argv[0]} on PATH (the slurm-client package, or your "
-            "site's Slurm module: `module load slurm`), and it is not there"
-        )
-    try:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
-    except subprocess.TimeoutExpired:
-        raise BootError(f"{shlex.join(argv)} did not answer within {timeout:.0f} s") from None
-
-
-def in_allocation() -> str | None:
-    """The job the kernel runs in (``SLURM_JOB_ID``), if any."""
-    return os.environ.get("SLURM_JOB_ID") or None
-
-
-def check(plan: Slurm, n: int) -> None:
-    """Ask Slurm whether it would run the job (``sbatch --test-only``); a refusal is a
-    ConfigError with Slurm's answer. Inside an allocation the step's options are checked
-    when it starts."""
-    if in_allocation():
-        _slurm(["srun", "--version"])
-        return
-    options = plan.sbatch_options(n)
-    done = _slurm(["sbatch", "--test-only", *options, "--wrap", "true"])
-    if done.returncode != 0:
-        said = (done.stderr or done.stdout).strip().replace("sbatch: error: ", "")
-        raise ConfigError(
-            f"Slurm refuses the job ({shlex.join(options)}): {said}. `sinfo` lists the "
-            "partitions, their nodes and time limits."
-        )
-
-
-def controller_address() -> str:
-    """The address of Slurm's controller (``scontrol show config``'s SlurmctldHost)."""
-    out = _slurm(["scontrol", "show", "config"]).stdout
-    for line in out.splitlines():
-        key, _, value = line.partition("=")
-        if key.strip().startswith("SlurmctldHost"):
-            value = value.strip()
-            return value.split("(", 1)[1].rstrip(")") if "(" in value else value
-    raise BootError("scontrol show config names no SlurmctldHost: give --listen ADDR")
-
-
-def job_state(job: str) -> tuple[str, str]:
-    """A job's (state, reason) as squeue says; ("", "") once Slurm no longer lists it."""
-    out = _slurm(["squeue", "-h", "-j", job, "-o", "%T|%r"]).stdout.strip()
-    if "|" not in out:
-        return "", ""
-    state, reason = out.splitlines()[0].split("|", 1)
-    return state, reason
-
-
-def node_addresses(job: str) -> list[str]:
-    """The addresses of the nodes Slurm gave the job (their NodeAddr, resolved)."""
-    fields = _fields(_slurm(["scontrol", "-o", "show", "job", job]).stdout)
-    listed = fields.get("NodeList", "")
-    if not listed or listed == "(null)":
-        return []
-    names = _slurm(["scontrol", "show", "hostnames", listed]).stdout.split()
-    found = []
-    for name in names:
-        addr = _fields(_slurm(["scontrol", "-o", "show", "node", name]).stdout).get("NodeAddr")
-        with contextlib.suppress(OSError):
-            found += sorted({str(i[4][0]) for i in socket.getaddrinfo(addr or name, None)})
-    return found
-
-
-def _fields(line: str) -> dict[str, str]:
-    return dict(item.split("=", 1) for item in line.split() if "=" in item)
-
-
-def ended_state(job: str) -> str:
-    """How a job that squeue no longer lists ended (``scontrol show job``), if known."""
-    fields = _fields(_slurm(["scontrol", "-o", "show", "job", job]).stdout)
-    state = fields.get("JobState", "")
-    reason = fields.get("Reason", "")
-    return f"{state} ({reason})" if reason and reason != "None" else state
 
 
 class _Step(MPIEngineSetLauncher):
@@ -428,7 +328,7 @@ class SlurmController(Controller):
         def run(where: str, argv: list[str]) -> str:
             job, _, node = where.partition("@")
             step = ["srun", f"--jobid={job}", "--overlap", "-n1", "-N1", f"-w{node}"]
-            done = _slurm([*step, "--quiet", self.python, *argv], timeout + SLURM_TIMEOUT_S)
+            done = run_command([*step, "--quiet", self.python, *argv], timeout + SLURM_TIMEOUT_S)
             return done.stdout
 
         on = {eid: f"{self.job_of(eid)}@{self.node_of(eid)}" for eid in engine_ids}
@@ -461,7 +361,7 @@ class SlurmController(Controller):
         if not job:
             return
         with contextlib.suppress(BootError, ConfigError):
-            _slurm(["scancel", job])
+            run_command(["scancel", job])
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and job_state(job)[0] not in ("", *ENDED):
                 time.sleep(0.2)
@@ -480,13 +380,6 @@ class SlurmController(Controller):
 def _braces(text: str) -> str:
     """``text`` as a literal in ipyparallel's template (which formats ``{...}``)."""
     return text.replace("{", "{{").replace("}", "}}")
-
-
-def watchdog_cancel(pidfile: str, argv: list[str]) -> None:
-    """Have the watchdog run ``argv`` (``scancel JOB``) should the kernel die."""
-    env = {k: v for k, v in os.environ.items() if k.startswith("SLURM_") or k == "PATH"}
-    with open(pidfile + ".on-death", "w") as f:
-        json.dump({"argv": argv, "env": env}, f)
 
 
 class SlurmSource(ControllerSource[SlurmController]):

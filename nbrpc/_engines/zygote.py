@@ -1,8 +1,9 @@
 """Where engines come from: one process imports torch once, then forks every engine.
 
 ``python -m nbrpc._engines.zygote`` is the *zygote* that :mod:`.local` starts next to the
-controller. It imports torch, nbrpc's worker side and ipyparallel's engine (about 2.6 s
-of CPU here, most of it torch), then waits on stdin for requests, one JSON line each::
+controller (through :class:`.forked.Zygote`, the kernel's side). It imports torch, nbrpc's
+worker side and ipyparallel's engine (about 2.6 s of CPU here, most of it torch), then
+waits on stdin for requests, one JSON line each::
 
     {"argv": [...ipengine options], "env": {...}, "cwd": "...", "output": "LOGFILE"}
 
@@ -32,7 +33,7 @@ from typing import Any
 
 from ipykernel.iostream import OutStream
 
-from nbrpc._engines.local import KERNEL_ENV, MARKS_ENV
+from nbrpc._engines.forked import KERNEL_ENV, MARKS_ENV
 from nbrpc._engines.watchdog import process_alive
 
 #: Modules each engine would otherwise import after the fork, when its IPython kernel
