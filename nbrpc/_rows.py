@@ -4,8 +4,8 @@ rows, stack rows; and a worker's states.
 The rows are ``TypedDict``s: at run time ordinary dicts (they travel by RPC, print,
 compare and serialise as such), for a type checker and an editor named, documented keys.
 A cluster's own record of each process (:class:`WorkerRecord`) is a small dataclass, its
-state a :class:`WorkerState`; :data:`WORKER_NEXT` lists the moves between states, which
-:mod:`nbrpc._states` (the one owner of every worker's state) enforces.
+state a :class:`WorkerState`, which changes only in :mod:`nbrpc._states` (the one owner
+of every worker's state, with the table of its moves).
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from typing import Any, Literal, NotRequired, TypedDict
-
-from ._errors import ClusterClosedError
 
 
 class CudaMemory(TypedDict):
@@ -157,23 +155,11 @@ class WorkerState(enum.StrEnum):
         return repr(self.value)  # a list of states prints as it did when they were strings
 
 
-#: The transitions a process's state may take (the cluster's own are ``_lifecycle.cluster._NEXT``).
-WORKER_NEXT: dict[WorkerState, frozenset[WorkerState]] = {
-    WorkerState.READY: frozenset(
-        {WorkerState.DEAD, WorkerState.RESTARTING, WorkerState.STOPPED, WorkerState.LEFT}
-    ),
-    WorkerState.DEAD: frozenset({WorkerState.RESTARTING, WorkerState.STOPPED, WorkerState.LEFT}),
-    WorkerState.RESTARTING: frozenset({WorkerState.READY, WorkerState.DEAD}),
-    WorkerState.STOPPED: frozenset(),
-    WorkerState.LEFT: frozenset(),
-}
-
-
 @dataclass
 class WorkerRecord:
     """One process of the group, as the notebook shows it (``cluster.records``). Its
-    ``state`` changes only through :meth:`move`, which refuses a transition that the
-    table of a worker's states (``WORKER_NEXT``) lacks.
+    ``state`` changes only in :mod:`nbrpc._states`, its owner, along the owner's table of
+    a worker's transitions.
 
     ``name`` and ``rank`` (torch's id) in the RPC group, ``pid`` and ``host`` of its
     process, ``role`` (``"kernel"`` or ``"engine N"``), its ``devices``, its ipyparallel
@@ -199,22 +185,3 @@ class WorkerRecord:
     def as_dict(self) -> dict[str, Any]:
         """The record as a plain dict, a key per field. Raises nothing."""
         return dict(self.__dict__)
-
-    def rejoin(self, fresh: WorkerRecord) -> None:
-        """A fresh process under this name (a restart): ``fresh``'s rank, process, host,
-        role, devices and engine, and ready again. Raises
-        :class:`~nbrpc.ClusterClosedError` for a record whose worker can no longer be
-        ready (stopped, or left the cluster)."""
-        self.rank, self.pid, self.host, self.role = fresh.rank, fresh.pid, fresh.host, fresh.role
-        self.devices, self.engine_id = fresh.devices, fresh.engine_id
-        self.move(WorkerState.READY)
-
-    def move(self, state: WorkerState) -> None:
-        """Change the state to ``state`` (staying where it is is no change). Raises
-        :class:`~nbrpc.ClusterClosedError` for a transition a worker cannot make (a
-        stopped worker cannot become ready)."""
-        if state is not self.state and state not in WORKER_NEXT[self.state]:
-            raise ClusterClosedError(
-                f"{self.name} is {self.state.value} and cannot become {state.value}"
-            )
-        self.state = state

@@ -19,8 +19,9 @@ def shut_down(release: bool = False) -> str:
         )
     cluster = lifecycle.current()
     cluster.shutdown(release=release)
-    return f"nbrpc: shut down ({', '.join(r.name for r in cluster.records[1:])} left)" + (
-        "; controller and spare engines released" if release else ""
+    return (
+        f"nbrpc: shut down ({', '.join(r.name for r in cluster.booted.roster.workers())} left)"
+        + ("; controller and spare engines released" if release else "")
     )
 
 

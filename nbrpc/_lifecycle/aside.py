@@ -30,7 +30,7 @@ CANCEL_REACH_S = 3.0
 
 
 class Aside:
-    """The workers of one cluster (``booted.engine_of``: their engines, kept current by
+    """The workers of one cluster (``booted.roster``: their engines, kept current by
     restarts), the kernel ``self_name`` among the processes a cancel reaches."""
 
     def __init__(self, engines: _engines.Engines, booted: Booted, self_name: str) -> None:
@@ -45,9 +45,19 @@ class Aside:
         if close or directory is None:
             side_door.forget_kept()
             return
-        paths = [side_door.path_of(directory, n) for n in self.booted.engine_of]
+        paths = [side_door.path_of(directory, n) for n in self.booted.roster.engines()]
         renewed = [side_door.path_of(directory, n) for n in renew]
         side_door.keep_open([p for p in paths if os.path.exists(p)], renew=renewed)
+
+    def on_worker_change(self, change: _states.WorkerChange) -> None:
+        """Listens to :mod:`nbrpc._states` while the cluster is ready: the doors follow
+        the workers. Once joined workers settled, their doors are open (a restart's fresh
+        process opened its door at the old path: renewed); a worker that left at a scale
+        closed its own."""
+        if change.kind is _states.Change.SETTLED:
+            self.keep_doors_open(renew=change.names)
+        elif change.kind is _states.Change.LEFT and change.at:
+            self.keep_doors_open()
 
     def ask(
         self, names: list[str], question: str, func: Callable[..., Any], args: tuple, timeout: float
@@ -64,8 +74,9 @@ class Aside:
         asked = {}
         # ipyparallel's client is the main thread's (a late report asks from a timer's)
         by_engine = threading.current_thread() is threading.main_thread()
+        engine_of = self.booted.roster.engines()
         for name in names:
-            eid = self.booted.engine_of.get(name)
+            eid = engine_of.get(name)
             if eid is None or name in found or not by_engine:
                 continue
             with contextlib.suppress(Exception):  # an engine ipyparallel lost meanwhile
@@ -86,7 +97,7 @@ class Aside:
         """:func:`nbrpc._wire.cancelling.cancel` in every live process, the kernel's own
         RPC threads included: its rows by process name."""
         here = cancelling.cancel(ranges, 0.0, ask)  # the kernel's: interrupted, not waited on
-        names = list(self.booted.engine_of)
+        names = list(self.booted.roster.engines())
         found = self.ask(
             names, "cancel", cancelling.cancel, (ranges, grace, ask), grace + CANCEL_REACH_S
         )

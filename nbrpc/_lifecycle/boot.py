@@ -40,7 +40,7 @@ from nbrpc._gather import timeline
 from nbrpc._group import KernelMembership
 from nbrpc._options import Settings
 from nbrpc._placement import validate_names
-from nbrpc._rows import WorkerRecord, WorkerState
+from nbrpc._rows import WorkerRecord
 
 from . import collective
 from .progress import BootProgress
@@ -50,10 +50,9 @@ from .progress import BootProgress
 class Booted:
     """What a boot found and made (the cluster keeps it, whole or half made)."""
 
-    #: every process of the group, the kernel first
-    records: list[WorkerRecord] = field(default_factory=list)
-    #: worker name -> its engine id, from the moment its join was asked
-    engine_of: dict[str, int] = field(default_factory=dict)
+    #: every process of the group, the kernel first, and the engines of those joining
+    #: (written by :mod:`nbrpc._states`, their one owner)
+    roster: _states.Roster = field(default_factory=_states.Roster)
     #: where the boot's time went, in seconds from its start: "controller" (connected;
     #: 0 when kept from the last cluster), "engines" (all registered), "torch import"
     #: (the zygote's imports, 0 when it ran before), "join" (its own length), "total"
@@ -133,21 +132,22 @@ class _Boot:
         fenced = sorted(self.members) if self.members is not None else None
         joining = Joining(settings, self.engines, self.booted, member, fenced, self.progress)
         infos = self.join_workers(joining, joining.places(names, engine_ids), maps, chosen)
-        _setup.device_replies(maps, names)  # what torch's dynamic group left out
-        timeline.measure_clocks(names)  # each worker's clock offset, for recordings
-        joining.set_up_fast_path(names)
+        self.booted.device_maps = maps
+        joining.after_join(names, names, fresh=True)
         if settings.process_group:
             t_pg = time.monotonic()
             devices = {name: infos[name]["devices"] for name in names}
             joining.start_process_group(settings.process_group, members, devices)
             phases["process group"] = _since(t_pg)
             self.progress.phase("process group", phases["process group"], settings.process_group)
-        self.booted.device_maps = maps
         kernel, me = self.kernel, member.name
-        self.booted.records = [
-            WorkerRecord(me, 0, kernel["pid"], kernel["host"], "kernel", kernel["devices"]),
-            *(joining.record(name, infos[name], i) for i, name in enumerate(names, 1)),
-        ]
+        _states.booted(
+            self.booted.roster,
+            [
+                WorkerRecord(me, 0, kernel["pid"], kernel["host"], "kernel", kernel["devices"]),
+                *(joining.record(name, infos[name], i) for i, name in enumerate(names, 1)),
+            ],
+        )
         phases["total"] = _since(self.t0)
 
     def registered(self, count: int, note: str = "") -> None:
@@ -294,13 +294,13 @@ class Joining:
                 self.members,
                 self.booted.transports,
             )
-            self.booted.engine_of[name] = eid
+            _states.asked_to_join(self.booted.roster, name, eid)
         return wait_for_joins(pending, self.progress, infos)
 
     def record(self, name: str, info: dict, order: int = 0) -> WorkerRecord:
         """The row of worker ``name``, from what its join reported (``info``); ``order``:
         its ``nbrpc.rank()`` (a restart keeps the old row's)."""
-        eid = self.booted.engine_of[name]
+        eid = self.booted.roster.engines()[name]
         return WorkerRecord(
             name,
             info["rank"],
@@ -312,6 +312,29 @@ class Joining:
             local=not self.engines.source.remote,
             order=order,
         )
+
+    def after_join(self, joined: list[str], ready: list[str], fresh: bool = False) -> None:
+        """What follows every join, a boot's, a grow's and a restart's, in one order
+        (``joined``: the workers that just joined; ``ready``: every ready worker, they
+        among them; ``fresh``: a boot's, whose fast path is decided now):
+
+        1. lanes and shared memory (:meth:`set_up_fast_path`): to the joined workers,
+           and across hosts to every worker (each one's peers changed);
+        2. clocks (:func:`nbrpc._gather.timeline.measure_clocks`): after the lanes, so
+           the offsets are measured on the route calls will take;
+        3. device maps (:func:`nbrpc._setup.device_replies`): every ready process gets
+           back the CUDA devices and reply maps torch's dynamic group dropped at the
+           join;
+        4. side doors: told that the joined workers settled
+           (:func:`nbrpc._states.settled`), the cluster's listener connects to their doors
+           (``Aside.on_worker_change``; a boot's, once the cluster is ready).
+        """
+        booted = self.booted
+        if fresh or booted.fast_path or booted.lanes:
+            self.set_up_fast_path(ready if self.engines.source.remote else joined)
+        timeline.measure_clocks(joined)
+        _setup.device_replies(booted.device_maps, ready)
+        _states.settled(joined)
 
     def set_up_fast_path(self, names: list[str]) -> None:
         """The workers ``names``' shared memory and lanes (:func:`nbrpc._setup.fast_path`;
@@ -359,15 +382,14 @@ class Joining:
         try:
             engines.shrink(ids, [described[eid]["pid"] for eid in ids if eid in described])
         finally:
-            stayers = [r.name for r in booted.records[1:] if r.state is WorkerState.READY]
+            stayers = booted.roster.ready()
             stayers += list(infos)  # those that joined (adopted next) heard of the others too
             ranked = {name: rank for name in missing if (rank := taken[name][0]) is not None}
             try:  # a join that got as far as telling the members: they forget it
                 _departures.tell_peers_left(ranked, stayers)
             finally:
                 _departures.forget_names(missing)
-                for name in missing:
-                    booted.engine_of.pop(name, None)
+                _states.not_joined(booted.roster, missing)
 
     def start_process_group(self, backend: str, members: list[str], devices: dict) -> None:
         """The workers' torch.distributed group among ``members`` (a boot's, or a restart's

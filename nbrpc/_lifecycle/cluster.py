@@ -114,7 +114,7 @@ class Cluster:
     attached = property(lambda self: self.settings.attached)
     shm_threshold = property(lambda self: self.settings.shm_threshold)
     # what the boot found and made
-    records = property(lambda self: self.booted.records)
+    records = property(lambda self: self.booted.roster.records)
     boot_seconds = property(lambda self: self.booted.seconds)
     device_maps = property(lambda self: self.booted.device_maps)
     fast_path = property(lambda self: self.booted.fast_path)
@@ -134,7 +134,9 @@ class Cluster:
         if state is ClusterState.READY:  # the stop button reaches the workers' calls
             cancel.set_cluster(self.aside.cancel, lambda name: stacks(name))
             self.aside.keep_doors_open()
+            _states.listen(self.aside.on_worker_change)  # the doors follow the workers
         else:
+            _states.unlisten(self.aside.on_worker_change)
             cancel.set_cluster(None)
             if state is ClusterState.CLOSED:
                 self.aside.keep_doors_open(close=True)
@@ -163,7 +165,7 @@ class Cluster:
         try:
             _setup.kernel(_torch_shutdown)  # every step the kernel installs, in order
             boot.boot(self.settings, self.engines, self.booted)
-            _states.adopt(self.records[1:])  # their states are owned there from now on
+            _states.adopt(self.booted.roster)  # their states are owned there from now on
             if self.settings.restart == "dead":
                 restarts.watch_for_dead(_restart_dead_of_current)
         except BaseException as exc:
@@ -189,12 +191,14 @@ class Cluster:
         """
         release = release or bool(self.engines.taken)
         self._enter(ClusterState.SHUTTING_DOWN)
-        names = list(self.booted.engine_of)  # every worker asked to join, joined or not
+        names = list(self.booted.roster.engines())  # every worker asked to join, joined or not
         _states.leaving(names)
         try:
             # stopped, not asked to leave: torch's leave waits for the group's join token,
             # which a worker whose join failed half way may hold (30 s, then an error)
-            self.engines.stop([r.pid for r in self.records[1:] if r.local], keep_spares=False)
+            self.engines.stop(
+                [r.pid for r in self.booted.roster.workers() if r.local], keep_spares=False
+            )
         finally:
             try:
                 if names and _torch.agent_is_set():
@@ -216,9 +220,9 @@ class Cluster:
         thread-safe, and the live views call this from their own thread.
         """
         if self.engines.client is None:
-            return [r.name for r in self.records[1:] if r.state is WorkerState.DEAD]
+            return self._dead()
         engines = self.engines.alive() if ask_ipyparallel else None
-        for record in self.records[1:]:
+        for record in self.booted.roster.workers():
             if record.state is not WorkerState.READY:
                 continue
             gone = engines is not None and record.engine_id not in engines
@@ -226,7 +230,10 @@ class Cluster:
                 gone = not process_alive(record.pid)
             if gone:
                 _states.mark_dead(record.name)
-        return [r.name for r in self.records[1:] if r.state is WorkerState.DEAD]
+        return self._dead()
+
+    def _dead(self) -> list[str]:
+        return [r.name for r in self.booted.roster.workers() if r.state is WorkerState.DEAD]
 
     def restart(self, *names: str) -> restarts.Restarted:
         """Replace workers ``names``, dead or alive, with fresh processes under the same
@@ -237,11 +244,8 @@ class Cluster:
                 f"this cluster is {self.state.value}: restart works on a running cluster. "
                 "Start one with %rpc_init."
             )
-        try:
-            with _states.changing(f"a restart of {', '.join(names)}"):
-                return restarts.run(self, list(names))
-        finally:
-            self.aside.keep_doors_open(renew=names)  # the new processes' doors, same paths
+        with _states.changing(f"a restart of {', '.join(names)}"):
+            return restarts.run(self, list(names))
 
     def scale(self, n: int | None = None, **how: Unpack[scales.How]) -> scales.Scaled:
         """Grow or shrink the running cluster to ``n`` workers (see :func:`scale`)."""
@@ -251,11 +255,8 @@ class Cluster:
                 "Start one with %rpc_init."
             )
         what = f"a scale to {counted(n, 'worker')}" if n is not None else "a scale"
-        try:
-            with _states.changing(what):
-                return scales.run(self, n, **how)
-        finally:
-            self.aside.keep_doors_open(renew=[r.name for r in self.records[1:]])
+        with _states.changing(what):
+            return scales.run(self, n, **how)
 
     def restart_dead(self) -> None:
         """``restart='dead'``: replace the workers that died, saying which and why (before
@@ -278,7 +279,7 @@ class Cluster:
         reason a crash leaves, such as a C++ abort's message, or Slurm's state of a job that
         ended. "" for a worker on another host over ssh, or one that printed nothing
         (``kill -9`` and the OOM killer leave no trace)."""
-        record = next((r for r in self.records[1:] if r.name == name), None)
+        record = self.booted.roster.find(name)
         if record is None:
             return ""
         return self.engines.source.last_output(record.pid)
@@ -306,8 +307,8 @@ class Cluster:
         # (found by the soak). The press is held through them, and delivered after.
         with _process.interrupts_deferred():
             self._enter(ClusterState.SHUTTING_DOWN)
-            leaving = [r.name for r in self.records[1:] if r.state is WorkerState.READY]
-            _states.leaving(r.name for r in self.records[1:])
+            leaving = self.booted.roster.ready()
+            _states.leaving(r.name for r in self.booted.roster.workers())
         with native_output.quiet_stderr_while_leaving(leaving):  # a script's, as a kernel's
             try:
                 try:
@@ -324,13 +325,13 @@ class Cluster:
         the controller released, if asked), shared memory swept, closed."""
         try:
             lanes.close()
-            local = [r.pid for r in self.records[1:] if r.local]
+            local = [r.pid for r in self.booted.roster.workers() if r.local]
             self.engines.stop(local, keep_spares=not release)
             if release:
                 _engines.release_kept()
             sweep_segments(segment_prefix(os.getpid()))
             shm.forget_swept()  # (mappings of the swept files, each holding a descriptor)
-            _states.stopped([r.name for r in self.records[1:] if r.state is WorkerState.READY])
+            _states.stopped(self.booted.roster.ready())
         finally:  # whatever failed above, no cluster is current any more
             self._enter(ClusterState.CLOSED)
 

@@ -20,7 +20,6 @@ from nbrpc._calls import facade as calls
 from nbrpc._departures import forget, release_stale_token
 from nbrpc._engines import worker
 from nbrpc._gather import census
-from nbrpc._rows import WorkerState
 
 from .collective import destroy as destroy_process_group
 from .running import Cluster
@@ -50,10 +49,11 @@ def stopped_while_leaving(cluster: Cluster) -> None:
 
 def leave(cluster: Cluster, graceful: bool, timeout: float) -> None:
     """The workers leave the RPC group (the dead ones are removed on their behalf)."""
-    workers = cluster.records[1:]
+    roster = cluster.booted.roster
+    workers = roster.workers()
     if graceful:  # a worker that died on another host is known by its heartbeats only
         # after seconds: one that refuses a call now is dead, and must not be waited on
-        census.probe([r.name for r in workers if r.state is WorkerState.READY])
+        census.probe(roster.ready())
     dead = cluster.dead_workers()
     if graceful:
         _wait_for_calls_in_flight(cluster, timeout)
@@ -62,7 +62,7 @@ def leave(cluster: Cluster, graceful: bool, timeout: float) -> None:
         dead = [r.name for r in workers]
         _states.stopped(dead)
     if dead:
-        live = [r.name for r in workers if r.state is WorkerState.READY]
+        live = roster.ready()
         _states.left(dead, [r.rank for r in workers if r.name in dead])
         try:
             forget(dead, live)
@@ -72,7 +72,7 @@ def leave(cluster: Cluster, graceful: bool, timeout: float) -> None:
         _release_rrefs(cluster, _release_timeout(timeout, bool(dead)))
         pg = cluster.booted.process_group
         if pg:
-            destroy_process_group(pg, [r.name for r in workers if r.state is WorkerState.READY])
+            destroy_process_group(pg, roster.ready())
         failed = cluster.engines.leave(_live_engine_ids(cluster), graceful, timeout)
         if failed:
             # torch keeps the group's join/leave token when a leave fails: the next
@@ -90,10 +90,11 @@ def leave(cluster: Cluster, graceful: bool, timeout: float) -> None:
 
 def _live_engine_ids(cluster: Cluster) -> list[int]:
     """The engines of the workers not known dead (a dead one's engine answers nothing)."""
-    if cluster.engines.client is None or not cluster.booted.engine_of:
+    engine_of = cluster.booted.roster.engines()
+    if cluster.engines.client is None or not engine_of:
         return []
     dead = set(cluster.dead_workers())
-    return [eid for name, eid in cluster.booted.engine_of.items() if name not in dead]
+    return [eid for name, eid in engine_of.items() if name not in dead]
 
 
 def _release_rrefs(cluster: Cluster, timeout_s: float) -> None:

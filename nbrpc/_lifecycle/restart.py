@@ -116,13 +116,11 @@ def run(cluster: Cluster, names: list[str]) -> Restarted:
 
 def _run(cluster: Cluster, names: list[str]) -> Restarted:
     t0 = time.monotonic()
-    records = {r.name: r for r in cluster.records[1:]}
+    records = {r.name: r for r in cluster.booted.roster.workers()}
     _check(cluster, names, records)
     settings, booted, engines = cluster.settings, cluster.booted, cluster.engines
     pg = booted.process_group
-    others = [
-        r.name for r in cluster.records[1:] if r.name not in names and r.state is WorkerState.READY
-    ]
+    others = [n for n in cluster.booted.roster.ready() if n not in names]
     old = {n: (records[n].pid, records[n].rank) for n in names}
     live = [n for n in names if records[n].state is WorkerState.READY]  # their pipes close now
 
@@ -163,10 +161,7 @@ def _run(cluster: Cluster, names: list[str]) -> Restarted:
             _give_devices_back(cluster)  # to the workers that stay
         raise
     _states.rejoined([joining.record(name, infos[name]) for name in names])
-    _give_devices_back(cluster)
-    if booted.fast_path or booted.lanes:  # across hosts: every worker's peers, again
-        remote = engines.source.remote
-        joining.set_up_fast_path([r.name for r in cluster.records[1:]] if remote else names)
+    joining.after_join(names, booted.roster.ready())
     result = Restarted(
         list(names),
         old,
@@ -174,7 +169,7 @@ def _run(cluster: Cluster, names: list[str]) -> Restarted:
         {n: records[n].order for n in names},
     )
     if pg:
-        devices = {r.name: r.devices for r in cluster.records[1:]}
+        devices = {r.name: r.devices for r in cluster.booted.roster.workers()}
         joining.start_process_group(pg["backend"], list(pg["ranks"]), devices)
         result.process_group = True
     result.seconds = time.monotonic() - t0
@@ -184,8 +179,7 @@ def _run(cluster: Cluster, names: list[str]) -> Restarted:
 def _give_devices_back(cluster: Cluster) -> None:
     """What the leave (and the join) took from the ready processes' agents: their CUDA
     devices and reply maps (:func:`nbrpc._setup.device_replies`)."""
-    live = [r.name for r in cluster.records[1:] if r.state is WorkerState.READY]
-    _setup.device_replies(cluster.booted.device_maps, live)
+    _setup.device_replies(cluster.booted.device_maps, cluster.booted.roster.ready())
 
 
 def _check(cluster: Cluster, names: list[str], records: dict[str, WorkerRecord]) -> None:

@@ -36,14 +36,10 @@ from typing import Any, TypedDict
 
 from nbrpc import _departures, _fence, _group, _process, _setup, _states, _torch
 from nbrpc._engines import JOIN_TIMEOUT_S, worker
-from nbrpc._errors import ConfigError, counted
-from nbrpc._gather import timeline
-from nbrpc._options import Settings
-from nbrpc._placement import check_named, validate_names
 from nbrpc._rows import WorkerRecord, WorkerState
 from nbrpc._wire import cancelling, native_output
 
-from . import collective
+from . import collective, scale_checks
 from .aside import Aside
 from .boot import Joining
 from .progress import BootProgress
@@ -117,102 +113,16 @@ def run(
     """Take ``cluster`` to ``n`` workers, or without the workers ``remove`` (see the
     module doc). Bad input is a :class:`ConfigError` before anything changes."""
     t0 = time.monotonic()
-    workers = cluster.records[1:]
-    leavers, count = check(cluster, workers, n, remove or [], names, hosts)
+    workers = cluster.booted.roster.workers()
+    leavers, count = scale_checks.check(cluster, workers, n, remove or [], names, hosts)
     result = Scaled()
     if leavers:
         _shrink(cluster, leavers, force, result)
     if count:
         _grow(cluster, count, names, hosts, result)
-    result.workers = len(cluster.records) - 1
+    result.workers = len(cluster.booted.roster.workers())
     result.seconds = time.monotonic() - t0
     return result
-
-
-def check(
-    cluster: Cluster,
-    workers: list[WorkerRecord],
-    n: int | None,
-    remove: list[str],
-    names: list[str] | None,
-    hosts: tuple[str, ...],
-) -> tuple[list[WorkerRecord], int]:
-    """Refuse, before anything changes, what a scale cannot do; the leavers and how many
-    join."""
-    current = [r.name for r in workers]
-    if n is None and not remove:
-        raise ConfigError(
-            "say the new size (%rpc_scale 4) or the workers to remove (%rpc_scale --remove worker3)"
-        )
-    if n is not None and n < 1:
-        raise ConfigError(
-            f"%rpc_scale {n}: a cluster keeps at least 1 worker. %rpc_shutdown stops them all."
-        )
-    check_named(remove, current, "remove", "the kernel cannot leave its own cluster")
-    if remove and n is not None and n != len(current) - len(remove):
-        raise ConfigError(
-            f"%rpc_scale {n} --remove {','.join(remove)}: removing {len(remove)} of "
-            f"{counted(len(current), 'worker')} leaves {len(current) - len(remove)}, not {n}"
-        )
-    target = n if n is not None else len(current) - len(remove)
-    if target < 1:
-        raise ConfigError("a cluster keeps at least 1 worker: %rpc_shutdown stops them all")
-    if remove:
-        leavers = [r for r in workers if r.name in remove]
-    else:  # the highest ranks leave first
-        leavers = sorted(workers, key=lambda r: r.order)[target:] if target < len(workers) else []
-    count = max(0, target - len(current))
-    if (names or hosts) and not count:
-        flag = "--names" if names else "--hosts"
-        raise ConfigError(f"{flag} says where new workers go, but %rpc_scale {target} adds none")
-    settings, source = cluster.settings, cluster.engines.source
-    if source.cannot_scale:
-        raise ConfigError(f"cannot scale this cluster: {source.cannot_scale}")
-    if count and settings.wants_devices:
-        raise ConfigError(
-            "cannot grow a cluster with device maps (--gpus, --device-map): torch fixed "
-            "the kernel's maps when it joined, and they cannot name new workers. Shrinking "
-            "works; for more workers, %rpc_shutdown then %rpc_init -n N with the maps."
-        )
-    if names is not None:
-        if len(names) != count:
-            raise ConfigError(
-                f"--names {','.join(names)}: {counted(len(names), 'name')} for "
-                f"{counted(count, 'new worker')}"
-            )
-        taken = [name for name in names if name in current]
-        if taken:
-            are = "is already a worker" if len(taken) == 1 else "are already workers"
-            raise ConfigError(
-                f"--names {','.join(names)}: {', '.join(taken)} {are} of this cluster"
-            )
-        validate_names(names, settings.self_name)
-    if count:
-        source.check_hosts(hosts)
-        source.check_room(count)
-        _refuse_beside_dead(cluster)
-    pg = cluster.booted.process_group
-    if pg and pg["backend"] not in collective.REBUILDABLE:
-        raise ConfigError(
-            f"cannot scale: the workers' {pg['backend']} process group cannot be made again "
-            "at a new size. Nothing changed; run %rpc_shutdown then %rpc_init."
-        )
-    return leavers, count
-
-
-def _refuse_beside_dead(cluster: Cluster) -> None:
-    """A new worker joins by reaching every member, and a dead one never answers (its
-    join waited 90 s for it, then failed): a grow beside a dead worker that stays is
-    refused at once, naming it and the fixes."""
-    dead = cluster.dead_workers()
-    if dead:
-        names, one = ", ".join(dead), len(dead) == 1
-        raise ConfigError(
-            f"cannot add workers: {names} {'is' if one else 'are'} dead (the process is "
-            "gone), and a new worker joins by reaching every member. Nothing changed. Run "
-            f"%rpc_restart {' '.join(dead)} first, or %rpc_scale --remove {','.join(dead)} "
-            "to go on without " + ("it." if one else "them.")
-        )
 
 
 # -- shrink ------------------------------------------------------------------------------
@@ -221,7 +131,7 @@ def _refuse_beside_dead(cluster: Cluster) -> None:
 def _shrink(cluster: Cluster, leavers: list[WorkerRecord], force: bool, result: Scaled) -> None:
     booted = cluster.booted
     names = [r.name for r in leavers]
-    stayers = [r.name for r in cluster.records[1:] if r.name not in names]
+    stayers = [r.name for r in cluster.booted.roster.workers() if r.name not in names]
     live = [r.name for r in leavers if r.state is WorkerState.READY]
     pg = booted.process_group
     stopped = False
@@ -344,9 +254,6 @@ def _leave(
         with _process.interrupts_deferred():  # the next grow failed on them (BootError)
             engines.shrink(list(ids.values()), [r.pid for r in leavers])
     finally:
-        booted.records[:] = [r for r in booted.records if r.name not in names]
-        for name in names:
-            booted.engine_of.pop(name, None)
         result.left.extend(names)
 
 
@@ -358,8 +265,8 @@ def _grow(
 ) -> None:
     settings, booted, engines = cluster.settings, cluster.booted, cluster.engines
     current = {r.name for r in cluster.records}
-    new = names or free_names(settings, current, count)
-    orders = free_orders({r.order for r in cluster.records}, count)
+    new = names or scale_checks.free_names(settings, current, count)
+    orders = scale_checks.free_orders({r.order for r in cluster.records}, count)
     reused = [name for name in new if name in _states.departed]
     if reused:  # their entries in torch's list of names, should one be left
         _departures.forget_names(reused)
@@ -429,29 +336,6 @@ def _complete(
     _tell_ranks(cluster)
 
 
-def free_names(settings: Settings, current: set[str], count: int) -> list[str]:
-    """The lowest free default names (``worker1``, ``worker2``, ...)."""
-    found: list[str] = []
-    i = 1
-    while len(found) < count:
-        name = f"worker{i}"
-        if name not in current and name != settings.self_name:
-            found.append(name)
-        i += 1
-    return found
-
-
-def free_orders(used: set[int], count: int) -> list[int]:
-    """The lowest free ``nbrpc.rank()`` values (0 is the kernel's)."""
-    found: list[int] = []
-    i = 1
-    while len(found) < count:
-        if i not in used:
-            found.append(i)
-        i += 1
-    return found
-
-
 def _admit(cluster: Cluster, engine_ids: list[int]) -> list[str] | None:
     """Across hosts: the addresses the new engines reach the kernel from join the
     members, in the kernel, its controller and every worker that stays, before any of
@@ -465,10 +349,12 @@ def _admit(cluster: Cluster, engine_ids: list[int]) -> list[str] | None:
     if members != admitted:
         _fence.admit(members)
         engines.fence_controller()
+        roster = cluster.booted.roster
+        engine_of = roster.engines()
         told = [
-            engines.apply(r.engine_id, _fence.admit, sorted(members))
-            for r in cluster.records[1:]
-            if r.engine_id is not None and r.state is WorkerState.READY
+            engines.apply(engine_of[name], _fence.admit, sorted(members))
+            for name in roster.ready()
+            if name in engine_of
         ]
         for ar in told:
             ar.get(timeout=JOIN_TIMEOUT_S)
@@ -482,18 +368,11 @@ def _adopt(
     orders: dict[str, int],
     result: Scaled,
 ) -> None:
-    """The workers that joined become the cluster's: records, states, clocks, fast path."""
-    booted = cluster.booted
+    """The workers that joined become the cluster's: records and states, then what follows
+    every join (``Joining.after_join``)."""
     records = [joining.record(name, info, orders[name]) for name, info in infos.items()]
-    booted.records[1:] = sorted([*booted.records[1:], *records], key=lambda r: r.order)
     _states.grew(records)
-    joined = list(infos)
-    if booted.fast_path or booted.lanes:  # across hosts: every worker's peers, again
-        remote = cluster.engines.source.remote
-        joining.set_up_fast_path([r.name for r in booted.records[1:]] if remote else joined)
-    # after the lanes: a call to a worker whose lane is not open yet takes TensorPipe
-    # from then on
-    timeline.measure_clocks(joined)
+    joining.after_join(list(infos), cluster.booted.roster.ready())
     result.joined.update({r.name: (r.pid, r.order) for r in records})
 
 
@@ -509,7 +388,7 @@ def _rebuild_process_group(
     """The process group among its members at the new size: the old members that stay,
     then the new workers (a grow's), in rank order."""
     booted = cluster.booted
-    workers = [r.name for r in booted.records[1:] if r.state is WorkerState.READY]
+    workers = cluster.booted.roster.ready()
     old = [name for name in pg["ranks"] if name in workers]
     added = list(result.joined) if joining is not None else []
     members = old + [name for name in added if name not in old]
@@ -522,7 +401,7 @@ def _rebuild_process_group(
             cluster.settings, cluster.engines, booted, member, None, BootProgress([], "off")
         )
         joining.first_rank = member.allocate_ranks(1)[0]  # names the group's store keys
-    devices = {r.name: r.devices for r in booted.records[1:]}
+    devices = {r.name: r.devices for r in cluster.booted.roster.workers()}
     joining.start_process_group(pg["backend"], members, devices)
     result.process_group = len(members)
 
@@ -531,7 +410,9 @@ def _tell_ranks(cluster: Cluster) -> None:
     """Every worker learns the ranks as they are now (``nbrpc.rank()`` asks the kernel
     once, then keeps what it was told)."""
     order = {r.name: r.order for r in cluster.records}
-    _tell_ready([r.name for r in cluster.records[1:]], set_order, order, ORDER_TIMEOUT_S)
+    _tell_ready(
+        [r.name for r in cluster.booted.roster.workers()], set_order, order, ORDER_TIMEOUT_S
+    )
 
 
 def _tell_ready(names: list[str], func: Callable[[Any], None], arg: Any, timeout: float) -> None:
@@ -552,10 +433,6 @@ def _destroy_group(
 ) -> None:
     """Every ready member leaves the process group (the ``joined`` workers of a grow are
     not members yet); it is made again afterwards (:func:`_rebuild_process_group`)."""
-    ready = [
-        r.name
-        for r in cluster.records[1:]
-        if r.state is WorkerState.READY and r.name not in (joined or {})
-    ]
+    ready = [name for name in cluster.booted.roster.ready() if name not in (joined or {})]
     collective.destroy(pg, ready)
     cluster.booted.process_group = None

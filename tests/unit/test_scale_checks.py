@@ -1,5 +1,5 @@
 """What ``%rpc_scale`` refuses before anything changes, and the names and ranks it hands
-out (``nbrpc._lifecycle.scale``; no workers needed: a pretend cluster's records)."""
+out (``nbrpc._lifecycle.scale_checks``; no workers needed: a pretend cluster's records)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from nbrpc import _process
 from nbrpc._engines.base import EngineSource
 from nbrpc._engines.local import LocalSource
 from nbrpc._errors import ConfigError
-from nbrpc._lifecycle import scale
+from nbrpc._lifecycle import scale, scale_checks
 from nbrpc._options import Settings
 from nbrpc._rows import WorkerRecord, WorkerState
 
@@ -53,7 +53,7 @@ def _cluster(
 
 
 def _check(cluster, n=None, remove=(), names=None, hosts=()):
-    return scale.check(cluster, cluster.records[1:], n, list(remove), names, hosts)
+    return scale_checks.check(cluster, cluster.records[1:], n, list(remove), names, hosts)
 
 
 def test_the_highest_ranks_leave_first_or_the_named_ones():
@@ -136,11 +136,11 @@ def test_a_source_that_cannot_scale_and_a_group_that_cannot_be_rebuilt_are_refus
 
 def test_new_workers_take_the_lowest_free_names_and_ranks():
     settings = Settings.make(2)
-    assert scale.free_names(settings, {"worker0", "worker1", "worker3"}, 2) == [
+    assert scale_checks.free_names(settings, {"worker0", "worker1", "worker3"}, 2) == [
         "worker2",
         "worker4",
     ]
-    assert scale.free_orders({0, 1, 3}, 3) == [2, 4, 5]
+    assert scale_checks.free_orders({0, 1, 3}, 3) == [2, 4, 5]
 
 
 def test_the_summary_says_who_joined_and_left_and_the_size():

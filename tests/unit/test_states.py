@@ -17,10 +17,15 @@ def told():
     heard: list[WorkerChange] = []
     _states.listen(heard.append)
     _states.listen(heard.append)  # registered once however often it is asked
-    _states.adopt([WorkerRecord(n, r, 100 + r, "h", f"engine {r}") for n, r in _WORKERS])
+    kernel = WorkerRecord("test-kernel", 0, 100, "h", "kernel")
+    workers = [
+        WorkerRecord(n, r, 100 + r, "h", f"engine {r}", order=i)
+        for i, (n, r) in enumerate(_WORKERS, 1)
+    ]
+    _states.adopt(_states.Roster([kernel, *workers]))
     yield heard
     _states.unlisten(heard.append)
-    _states.adopt([])  # the owner forgets them: nothing of theirs fails later calls
+    _states.adopt(_states.Roster())  # the owner forgets them: nothing of theirs fails later calls
     assert not _states.unreachable
 
 
@@ -51,7 +56,7 @@ def test_a_name_the_cluster_does_not_have_still_fails_its_calls():
         assert _states.unreachable["test-elsewhere"] == "ECONNRESET"
         assert _states.state_of("test-elsewhere") is None
     finally:
-        _states.adopt([])
+        _states.adopt(_states.Roster())
 
 
 def test_a_restart_is_told_in_its_steps_and_ready_again_at_the_end(told):
@@ -151,3 +156,51 @@ def test_one_change_of_the_workers_at_a_time(told):
         pass
     with _states.changing("a restart of test-w1"):  # the first one ended
         pass
+
+
+def test_a_workers_state_moves_only_along_the_owner_s_transitions(told):
+    assert _states.state_of("test-w1") == "ready"  # a str: rows print and compare as text
+    _states.mark_dead("test-w1", "EOF")
+    _states.restarting(["test-w1"], "being restarted")
+    _states.rejoined([WorkerRecord("test-w1", 9011, 111, "h", "engine 11")])
+    _states.stopped(["test-w1"])
+    assert _states.state_of("test-w1") is WorkerState.STOPPED
+    with pytest.raises(ClusterClosedError, match="test-w1 is stopped and cannot become ready"):
+        _states.rejoined([WorkerRecord("test-w1", 9012, 112, "h", "engine 12")])
+    assert f"{WorkerState.DEAD}" == "dead"
+
+
+def test_the_roster_is_the_one_list_a_boot_a_grow_a_restart_and_a_leave_write():
+    """One cluster's processes in one place: the engine of a worker still joining, its
+    record once it joined, in rank order; a failed join forgets its engine."""
+    roster = _states.Roster()
+    _states.asked_to_join(roster, "test-w1", 7)
+    _states.asked_to_join(roster, "test-w2", 8)
+    assert roster.engines() == {"test-w1": 7, "test-w2": 8}
+    kernel = WorkerRecord("test-kernel", 0, 100, "h", "kernel")
+    _states.booted(
+        roster, [kernel, WorkerRecord("test-w2", 2, 102, "h", "engine 8", engine_id=8, order=1)]
+    )
+    _states.not_joined(roster, ["test-w1"])
+    assert roster.engines() == {"test-w2": 8}
+    assert not roster.joining
+    _states.adopt(roster)
+    try:
+        _states.asked_to_join(roster, "test-w3", 9)
+        _states.grew([WorkerRecord("test-w3", 3, 103, "h", "engine 9", engine_id=9, order=2)])
+        assert [r.name for r in roster.records] == ["test-kernel", "test-w2", "test-w3"]
+        _states.restarting(["test-w2"], "being restarted")
+        _states.asked_to_join(roster, "test-w2", 10)  # its fresh process's engine, at once
+        assert roster.engines()["test-w2"] == 10
+        assert roster.ready() == ["test-w3"]
+        _states.rejoined([WorkerRecord("test-w2", 4, 104, "h", "engine 10", engine_id=10)])
+        record = roster.find("test-w2")
+        assert record is not None
+        assert (record.pid, record.engine_id, record.order) == (104, 10, 1)
+        assert roster.ready() == ["test-w2", "test-w3"]
+        assert not roster.joining
+        _states.departed_at_scale(["test-w2"], [4], "12:00:02")
+        assert [r.name for r in roster.workers()] == ["test-w3"]
+        assert record.state is WorkerState.LEFT
+    finally:
+        _states.adopt(_states.Roster())

@@ -3,7 +3,6 @@ HTML/SVG/text out (``nbrpc/_views/``), and a process's state transitions."""
 
 import pytest
 
-import nbrpc
 from nbrpc import _views
 
 TRACE = {
@@ -113,20 +112,6 @@ def test_the_headline_says_ready_only_when_every_process_is(states, cluster, lin
     assert _views.cluster_text(rows, cluster).splitlines()[0] == f"nbrpc cluster: {line}"
     table = [{**r, "rank": i, "pid": i, "host": "h", "role": "r"} for i, r in enumerate(rows)]
     assert _views.records_text(table, cluster, None, []).startswith(f"nbrpc RPC group: {line}")
-
-
-def test_a_workers_state_moves_only_along_its_transitions():
-    from nbrpc._rows import WorkerRecord, WorkerState
-
-    record = WorkerRecord("worker1", 1, 10, "h", "engine 0")
-    assert record.state == "ready"  # a str: rows print and compare as text
-    record.move(WorkerState.DEAD)
-    record.move(WorkerState.RESTARTING)
-    record.move(WorkerState.READY)
-    record.move(WorkerState.STOPPED)
-    with pytest.raises(nbrpc.ClusterClosedError, match="worker1 is stopped and cannot become"):
-        record.move(WorkerState.READY)
-    assert f"{WorkerState.DEAD}" == "dead"
 
 
 def _thread(name, files, serving=None):
