@@ -22,6 +22,7 @@ from typing import Any
 
 import torch.distributed.rpc as rpc
 
+from . import _fork, _timers
 from ._errors import SharedHostWarning
 
 _named: list[str] = []  # this process's name once it joined: it keeps it for life
@@ -50,8 +51,8 @@ class _Identity:
 
 _identity = _Identity()
 _identity.renew()
-os.register_at_fork(after_in_child=_identity.renew)  # workers are forked from the zygote
-os.register_at_fork(after_in_child=_named.clear)
+_fork.in_child(_identity.renew)  # workers are forked from the zygote
+_fork.in_child(_named.clear)
 
 
 def token() -> str:
@@ -204,9 +205,7 @@ def keep_stops() -> None:
         )
         if swallowed and threading.current_thread() is threading.main_thread():
             _stops.again += 1
-            again = threading.Timer(STOP_AGAIN_S, _interrupt_if_a_cell_runs)
-            again.name, again.daemon = "nbrpc-stop-again", True
-            again.start()
+            _timers.after(STOP_AGAIN_S, _interrupt_if_a_cell_runs)
             return
         previous(unraisable)
 

@@ -24,7 +24,7 @@ from typing import Any
 import anywidget
 import traitlets
 
-from . import _process, _states, _views
+from . import _process, _states, _timers, _views
 from ._errors import NbrpcError
 from ._gather import census, timeline
 from ._lifecycle import actions, cluster as lifecycle
@@ -429,6 +429,4 @@ def panel(*, interval: float = 1.0) -> None:
             view.card = ClusterView()
             here.append_display_data(view.card)
 
-    timer = threading.Timer(CONFIRM_S, card_unless_drawn)
-    timer.daemon = True
-    timer.start()
+    _timers.after(CONFIRM_S, card_unless_drawn)

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from nbrpc import _process
+from nbrpc import _process, _timers
 from nbrpc._errors import library_dirs, show_short
 from nbrpc._wire import cancelling
 
@@ -143,11 +143,15 @@ def _report(rows: dict[str, list[dict[str, Any]]], origins: tuple[int, int]) -> 
         print("\n".join(lines), file=sys.stderr, flush=True)
     if running:
         context = contextvars.copy_context()  # the cell's: the late report goes there
-        timer = threading.Timer(
-            REPORT_AFTER_S - cancelling.GRACE_S, context.run, (_late_report, origins)
-        )
-        timer.daemon = True
-        timer.start()
+        # the report asks every process and reads stacks (seconds at most): on a thread
+        # of its own, not the timer service's, whose deadlines must not wait for it
+        _timers.after(REPORT_AFTER_S - cancelling.GRACE_S, _report_later, context, origins)
+
+
+def _report_later(context: contextvars.Context, origins: tuple[int, int]) -> None:
+    threading.Thread(
+        target=context.run, args=(_late_report, origins), name="nbrpc-late-report", daemon=True
+    ).start()
 
 
 def _late_report(origins: tuple[int, int]) -> None:

@@ -6,10 +6,12 @@ pdb commands. So nbrpc's calls go to torch with no timeout (0), and this module 
 theirs instead, measured on :data:`clock`, which :mod:`nbrpc._debugger.prompts` pauses for as long
 as a debugger session is open and resumes when it ends (``c`` or ``q``).
 
-One daemon thread serves every deadline from a heap; a deadline whose future finished
-first is dropped when it comes due (or when the heap is compacted, amortized over pushes),
-and holds the future only weakly, so a finished call's result is not kept alive for the
-length of its timeout.
+The deadlines are a heap here, on :data:`clock`; the process's timer service
+(:mod:`nbrpc._timers`, one thread for everything done later) wakes it when the earliest
+is due, and not while the clock is paused (a resume wakes it again). A deadline whose
+future finished first is dropped when it comes due (or when the heap is compacted,
+amortized over pushes), and holds the future only weakly, so a finished call's result is
+not kept alive for the length of its timeout.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from nbrpc import _timers
 
 
 class Clock:
@@ -68,12 +72,12 @@ COMPACT_AT = 4096  # entries; below this, finished calls' entries wait for their
 @dataclass
 class _Deadlines:
     """Every pending deadline, in a heap of ``[due on clock, sequence, weakref to the
-    future, make_error]``, served by one daemon thread started at the first one."""
+    future, make_error]``; ``wake``: the timer service's entry for the earliest."""
 
     heap: list[list[Any]] = field(default_factory=list)
-    cv: threading.Condition = field(default_factory=threading.Condition)
+    lock: threading.Lock = field(default_factory=threading.Lock)
     seq: itertools.count = field(default_factory=itertools.count)
-    thread: threading.Thread | None = None
+    wake: _timers.Timer | None = None
     compact_at: int = COMPACT_AT
 
 
@@ -85,22 +89,19 @@ def expire_after(seconds: float, future: Any, make_error: Callable[[], BaseExcep
     on :data:`clock`."""
     d = _pending_deadlines
     entry = [clock.now() + seconds, next(d.seq), weakref.ref(future), make_error]
-    with d.cv:
-        if d.thread is None:
-            d.thread = threading.Thread(target=_serve, name="nbrpc-deadlines", daemon=True)
-            d.thread.start()
+    with d.lock:
         if len(d.heap) >= d.compact_at:  # drop finished calls' entries (amortized)
             d.heap[:] = [e for e in d.heap if _pending(e[2])]
             heapq.heapify(d.heap)
             d.compact_at = max(COMPACT_AT, 2 * len(d.heap))
         heapq.heappush(d.heap, entry)
         if d.heap[0] is entry:
-            d.cv.notify()
+            _wake_at_the_earliest()
 
 
 def pending() -> int:
     """Deadlines kept now (finished calls' entries included until the heap is compacted)."""
-    with _pending_deadlines.cv:
+    with _pending_deadlines.lock:
         return len(_pending_deadlines.heap)
 
 
@@ -110,37 +111,50 @@ def _pending(ref: Any) -> bool:
 
 
 def _wake() -> None:
-    with _pending_deadlines.cv:
-        _pending_deadlines.cv.notify()
+    with _pending_deadlines.lock:
+        _wake_at_the_earliest()
 
 
-def _serve() -> None:
+def _wake_at_the_earliest() -> None:
+    """(holding the lock) The timer service wakes :func:`_due` when the earliest deadline
+    is due; none while the clock is paused."""
     d = _pending_deadlines
-    while True:
-        with d.cv:
-            while True:
-                if not d.heap or clock.paused:
-                    d.cv.wait()
-                    continue
-                due = d.heap[0][0] - clock.now()
-                if due <= 0:
-                    ref, make_error = heapq.heappop(d.heap)[2:]
-                    break
-                d.cv.wait(due)
-        future = ref()
-        if future is None or future.done():
-            continue
-        error = make_error()
+    if d.wake is not None:
+        d.wake.cancel()
+        d.wake = None
+    if d.heap and not clock.paused:
+        d.wake = _timers.after(d.heap[0][0] - clock.now(), _due)
+
+
+def _due() -> None:
+    """On the timer service's thread: each deadline that passed fails its future, on a
+    thread of its own (:func:`_fail`)."""
+    d = _pending_deadlines
+    expired = []
+    with d.lock:
+        d.wake = None
+        if clock.paused:
+            return
+        now = clock.now()
+        while d.heap and d.heap[0][0] <= now:
+            ref, make_error = heapq.heappop(d.heap)[2:]
+            future = ref()
+            if future is not None and not future.done():
+                expired.append((future, make_error))
+            del future
+        _wake_at_the_earliest()
+    for future, make_error in expired:
         threading.Thread(
-            target=_fail, args=(future, error), name="nbrpc-deadline-expired", daemon=True
+            target=_fail, args=(future, make_error()), name="nbrpc-deadline-expired", daemon=True
         ).start()
-        del future
+    del expired
 
 
 def _fail(future: Any, error: BaseException) -> None:
     """Fail ``future`` with ``error``, on a thread of its own: ``set_exception`` runs the
     future's callbacks on the thread that calls it, and a callback that waits on another
-    call (a ``then`` that makes one) would hold this module's one thread, and with it
-    every other deadline in the process. Expiries are rare: a thread each is cheap."""
+    call (a ``then`` that makes one) would hold the timer service's one thread, and with
+    it every other deadline and delayed action in the process. Expiries are rare: a
+    thread each is cheap."""
     with contextlib.suppress(Exception):  # finished meanwhile: the result won
         future.set_exception(error)

@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from nbrpc import _fork
+
 HEADER = 4096  # bytes before the data: the slot records
 RECORDS = 1024  # slots in use at once, at most
 ALIGN = 4096  # slots start on page boundaries
@@ -227,7 +229,7 @@ class _Copiers:
 
 
 _copiers = _Copiers()
-os.register_at_fork(after_in_child=_copiers.forget)
+_fork.in_child(_copiers.forget)
 
 
 def copy(dst: int, src: int, nbytes: int) -> None:

@@ -42,6 +42,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbrpc import _fork
+
 from . import side_door
 
 #: origins are this process's prefix (random: unique in a cluster, for all practical
@@ -118,7 +120,7 @@ def _after_fork() -> None:
 _here = _Here()
 # a worker is a fork of a zygote that imported this: each process draws its own prefix
 # (run after threading's own handler, which makes the forking thread the main thread)
-os.register_at_fork(after_in_child=_after_fork)
+_fork.in_child(_after_fork)
 _thread = _Thread()
 
 

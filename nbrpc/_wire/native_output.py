@@ -49,7 +49,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbrpc import _process, _states, _torch
+from nbrpc import _process, _states, _timers, _torch
 
 from . import output
 
@@ -443,9 +443,7 @@ def show(worker: str, text: str) -> None:
     held = Held()
     _show(worker, sift(output.lines_of(text), held, time.monotonic()))
     if held.lines:
-        later = threading.Timer(DEATH_REPORT_S, _show_held, args=(worker, held))
-        later.daemon = True
-        later.start()
+        _timers.after(DEATH_REPORT_S, _show_held, worker, held)
 
 
 def _show_held(worker: str, held: Held) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from html import escape
 from typing import Any
 
-from nbrpc import _process, _torch
+from nbrpc import _process, _timers, _torch
 from nbrpc._views import widget_bundle
 
 
@@ -141,7 +141,7 @@ class _CallOutput:
         # made at the first message: most calls print nothing (an Event costs ~4 us a call)
         self._idle: threading.Event | None = None
         self._delivered = 0  # messages the kernel has printed
-        self._partial: threading.Timer | None = None  # sends a line updated in place
+        self._partial: _timers.Timer | None = None  # sends a line updated in place
         self._sent_partial = {"stdout": "", "stderr": ""}
 
     def write(self, stream: str, text: str) -> None:
@@ -154,9 +154,7 @@ class _CallOutput:
                 self._sent_partial[stream] = ""
                 self._queue(stream, buf[:cut])
             if "\r" in self.buffers[stream] and self._partial is None:
-                self._partial = threading.Timer(PARTIAL_EVERY_S, self._send_partial)
-                self._partial.daemon = True
-                self._partial.start()
+                self._partial = _timers.after(PARTIAL_EVERY_S, self._send_partial)
 
     def write_bar(self, state: dict[str, Any]) -> None:
         """A tqdm bar's state (:mod:`.bars`), in order with the call's text."""

@@ -14,13 +14,12 @@ from __future__ import annotations
 import collections
 import itertools
 import marshal
-import os
 import threading
 import weakref
 from types import CodeType
 from typing import Any
 
-from nbrpc import _process
+from nbrpc import _fork, _process
 
 # A code object travels once per process pair in practice: marshalled once here (cached
 # while the code object lives), under a key the receiver keeps it by.
@@ -29,7 +28,7 @@ _code_keys = itertools.count(1)
 # A forked process (every worker is forked from the zygote) sends code under keys of its
 # own (its process token): with the parent's keys, two workers would send different code
 # under one key. What the parent marshalled is forgotten with them.
-os.register_at_fork(after_in_child=_code_sent.clear)
+_fork.in_child(_code_sent.clear)
 _code_loaded: collections.OrderedDict[str, CodeType] = collections.OrderedDict()
 _code_lock = threading.Lock()
 _CODE_KEEP = 4096  # code objects kept by a receiver (least recently used go first)

@@ -68,26 +68,23 @@ def open_here(directory: str, name: str) -> None:
         listener.close()
         return
     _door.listener, _door.path = listener, path
-    threading.Thread(target=_serve, args=(listener,), name="nbrpc-side-door", daemon=True).start()
+    # peers are served on threads of their own: the kernel keeps its connection open, so
+    # a question finds a thread blocked in ``recv`` and takes the GIL once before its
+    # answer is made (an ``accept`` would take it once more)
+    same_user.listen(listener, _answer, "nbrpc-side-door")
 
 
 def close() -> None:
     listener, path = _door.listener, _door.path
     _door.listener = _door.path = None
     if listener is not None:
+        same_user.stop_listening(listener)
         with contextlib.suppress(OSError):
             listener.shutdown(socket.SHUT_RDWR)
         listener.close()
     if path is not None:
         with contextlib.suppress(OSError):
             os.unlink(path)
-
-
-def _serve(listener: socket.socket) -> None:
-    """Admit peers (a process of this user only), each on a thread of its own: the kernel
-    keeps its connection open, so a question finds a thread blocked in ``recv`` and takes
-    the GIL once before its answer is made (an ``accept`` would take it once more)."""
-    same_user.accept(listener, _answer, "nbrpc-side-door")
 
 
 def _answer(conn: socket.socket) -> None:

@@ -27,15 +27,16 @@ from .frames import FRAME, MAX_PAYLOAD, Frames, Outbox
 from .state import CALLS, FETCH, INLINE, ON_DEVICE, RETRY, VALUE, here, shut
 
 
-def accept(listener: socket.socket) -> None:
-    """Admit peers on ``listener`` until it closes (a thread of its own): only a process
-    of this user (``SO_PEERCRED``), each served on a thread of its own."""
+def listen(listener: socket.socket) -> None:
+    """Admit peers on ``listener`` until it closes (on the process's accept loop,
+    :mod:`nbrpc._wire.same_user`): only a process of this user (``SO_PEERCRED``), each
+    served on a thread of its own."""
+    same_user.listen(listener, _serve, "nbrpc-lane", _admitted)
 
-    def admitted(conn: socket.socket) -> None:
-        with here.lock:
-            here.served.add(conn)
 
-    same_user.accept(listener, _serve, "nbrpc-lane", admitted)
+def _admitted(conn: socket.socket) -> None:
+    with here.lock:
+        here.served.add(conn)
 
 
 def _serve(conn: socket.socket) -> None:

@@ -11,12 +11,11 @@ import contextlib
 import os
 import shutil
 import socket
-import threading
 
 from nbrpc import _process
-from nbrpc._wire import shm_setup, side_door
+from nbrpc._wire import same_user, shm_setup, side_door
 
-from .callee import accept, run
+from .callee import listen, run
 from .pool import Pool
 from .state import here, shut, socket_path
 
@@ -57,7 +56,7 @@ def open_here(directory: str, threads: int, made: bool = False) -> bool:
     side_door.open_here(directory, _process.name())  # questions a busy process answers
     here.made_directory = made
     here.pool = Pool(threads, run)  # runs pooled calls: torch's num_worker_threads
-    threading.Thread(target=accept, args=(listener,), name="nbrpc-lanes", daemon=True).start()
+    listen(listener)
     return True
 
 
@@ -93,6 +92,7 @@ def close() -> None:
     side_door.close()
     here.paused = False
     if listener is not None:
+        same_user.stop_listening(listener)
         shut(listener)
         if directory is not None:
             with contextlib.suppress(OSError):
