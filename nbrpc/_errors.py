@@ -329,7 +329,7 @@ class ConfigError(NbrpcError, ValueError):
 
 
 class UnknownWorkerError(NbrpcError, ValueError, RuntimeError):
-    """A destination (a name or a rank) that is not a member of the RPC group: a typo, or
+    """A destination (a name, or torch's id) that is not a member of the RPC group: a typo, or
     a worker that left at ``%rpc_scale`` (``left_at`` says when). ``name`` is what was
     asked for, ``known`` the members' names then. A ``ValueError`` and, as torch's own
     error for it, a ``RuntimeError``."""
@@ -345,9 +345,17 @@ class UnknownWorkerError(NbrpcError, ValueError, RuntimeError):
                 f"%rpc_scale --names {name} brings a new worker of that name."
             )
             return
-        what = f"with rank {name}" if isinstance(name, int) else f"named {name!r}"
+        if isinstance(name, int):  # as torch takes it: torch's id, not nbrpc.rank()
+            super().__init__(
+                f"No worker with torch id {name} in this RPC group (an integer destination "
+                "is torch's id, get_worker_info().id, which is not nbrpc.rank() from a "
+                "kernel's second cluster on, nor after a restart). "
+                f"Known workers: {', '.join(known) or '(none)'}. "
+                "Name the worker instead, or list them with nbrpc.workers()."
+            )
+            return
         super().__init__(
-            f"No worker {what} in this RPC group. "
+            f"No worker named {name!r} in this RPC group. "
             f"Known workers: {', '.join(known) or '(none)'}. "
             "Check the spelling, or list them with nbrpc.workers()."
         )
@@ -391,10 +399,10 @@ class WorkerDiedError(NbrpcError, ConnectionError, RuntimeError):
                 "worker of the cluster (nbrpc.workers() lists them)."
             )
             return
-        if restarted is not None:  # nbrpc.restart replaced the process (rank ``restarted``)
+        if restarted is not None:  # nbrpc.restart replaced the process (torch id ``restarted``)
             super().__init__(
-                f"{worker} was restarted (nbrpc.restart): the process this refers to (rank "
-                f"{restarted}) is gone, and the objects it owned (RRefs) with it. The new "
+                f"{worker} was restarted (nbrpc.restart): the process this refers to (torch "
+                f"id {restarted}) is gone, and the objects it owned (RRefs) with it. The new "
                 f"{worker} answers calls: make what you need again there."
             )
             return

@@ -28,7 +28,10 @@ class StatusRow(TypedDict):
     """One process of the cluster (``nbrpc.status()``)."""
 
     name: str
-    rank: int
+    rank: int  # nbrpc.rank(): 0 for the kernel, 1..N for the workers, kept for life
+    #: torch's id (get_worker_info().id): the rank only in a kernel's first cluster, and
+    #: new after a restart
+    torch_id: int
     pid: int
     host: str
     role: str  # "kernel" or "engine N"
@@ -97,7 +100,7 @@ class CallRow(TypedDict):
     """One call recorded by ``nbrpc.record()`` (``rec.calls``). Times are seconds since the
     recording started, on the kernel's clock (each process's offset taken out)."""
 
-    id: int  # unique in the cluster: the caller's rank << 40 | its count
+    id: int  # unique in the cluster: the caller's torch id << 40 | its count
     parent: int | None  # the call this one was made inside (on the caller's thread)
     caller: str
     callee: str

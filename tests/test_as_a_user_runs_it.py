@@ -229,7 +229,7 @@ def test_a_rank_or_a_worker_info_names_a_destination_as_in_torch(kernel):
     assert "by info 4" in out
     assert "remote by rank [1.0, 1.0]" in out
     assert "info by rank worker2" in out
-    assert "unknown: UnknownWorkerError No worker with rank 42" in out
+    assert "unknown: UnknownWorkerError No worker with torch id 42" in out  # as torch takes it
 
 
 def test_tracebacks_show_the_users_lines_not_nbrpcs(kernel):

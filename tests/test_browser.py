@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -403,6 +404,15 @@ WORKER_IS = """([name, state, notPid]) => {
 }"""
 
 
+#: the panel's ownership view and its side bar, as the page lays them out
+SIDE_BAR_OWNERSHIP = """() => {
+  const side = document.querySelector('.jupyterlab-sidecar');
+  const box = (e) => { const r = e.getBoundingClientRect();
+    return {width: r.width, height: r.height, right: r.right}; };
+  return [box(side.querySelector('.nbrpc-ownership')), box(side)];
+}"""
+
+
 def _panel_notebook(path: Path) -> None:
     cells = [
         {"cell_type": "code", "metadata": {}, "source": src, "outputs": [], "execution_count": None}
@@ -461,6 +471,16 @@ def test_the_cluster_panel_follows_the_cluster_beside_the_notebook(lab):
             timeout_s=30,
         )
         timings["restart from the panel"] = time.monotonic() - t1
+        # its card: the rank a script has, kept; torch's new id, labelled as torch's
+        card = page.inner_text(".jupyterlab-sidecar .nbrpc-worker[data-worker='worker1']")
+        shown = re.search(r"rank (\d+) · torch id (\d+)", card)
+        assert shown, card
+        assert (shown[1], int(shown[2]) > 2) == ("1", True), card  # ids 0-2: the first three
+        # the ownership view is as wide as the side bar at most: scaled, not cut off
+        svg, side = page.evaluate(SIDE_BAR_OWNERSHIP)
+        assert 0 < svg["width"] <= side["width"], (svg, side)
+        assert svg["right"] <= side["right"], (svg, side)
+        assert svg["height"] > 0, svg
         page.locator(".jupyterlab-sidecar").first.screenshot(path=str(ARTIFACTS / "panel.png"))
 
         page.evaluate(RUN_CELL, "%rpc_shutdown")

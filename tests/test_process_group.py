@@ -79,7 +79,9 @@ def _ddp_twin(world_size: int = 2) -> list[torch.Tensor]:
 
 def test_collectives_and_ddp_in_cells_match_one_process(shell, gloo_cluster):
     assert gloo_cluster.process_group["ranks"] == {"worker1": 0, "worker2": 1}
-    assert "process group (gloo): worker1 (rank 0), worker2 (rank 1)" in gloo_cluster.summary()
+    summary = gloo_cluster.summary()  # the group's own ranks, told apart from nbrpc.rank()
+    line = "process group (gloo): worker1 (dist.get_rank() 0), worker2 (dist.get_rank() 1)"
+    assert line in summary, summary
     out = rpc(
         shell,
         "import torch, torch.distributed as dist\n"

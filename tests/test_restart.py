@@ -54,9 +54,17 @@ def test_restart_keeps_the_rest_and_every_path_to_the_new_process_works(kernel):
     out = k.run("%rpc_restart worker2")
     took = time.monotonic() - t0
     assert "worker2 restarted" in out, out
-    assert "nbrpc.rank() 2; torch's id" in out, out  # the rank a script has stays 2
-    assert "%%rpc namespace are gone" in out, out
+    assert "nbrpc.rank() 2; torch id 2 -> " in out, out  # the rank a script has stays 2
+    assert "its RRefs and its globals (set by %%rpc cells or nbrpc.push) are gone" in out, out
     print(f"local restart, no spare: {took:.2f} s")
+    # what is shown as a rank is nbrpc.rank(); torch's new id is labelled as torch's
+    rows = {r["name"]: r for r in k.value("nbrpc.status()")}
+    assert (rows["worker2"]["rank"], rows["worker1"]["rank"]) == (2, 1), rows
+    assert rows["worker2"]["torch_id"] not in (1, 2), rows
+    table = k.run("print(nbrpc.current().summary())")
+    assert "name     rank  torch id" in table, table
+    line = next(x.split() for x in table.splitlines() if x.split()[:1] == ["worker2"])
+    assert line[1:3] == ["2", str(rows["worker2"]["torch_id"])], table
 
     # the kernel and worker1 keep their processes and state
     assert k.value("nbrpc.rpc_sync('worker1', whoami) == pids['worker1']")

@@ -60,7 +60,7 @@ CHOSEN: dict[str, str] = {
 KNOWN: dict[str, str] = {
     "RpcTest.test_send_to_rank": "after a re-init in the same kernel the workers' torch ids "
     "are no longer their ranks (4, 5, 6 in a second cluster): rpc_sync(2, ...) raises "
-    "UnknownWorkerError 'No worker with rank 2'",
+    "UnknownWorkerError 'No worker with torch id 2'",
 }
 
 #: Importing torch's test modules here (to list them) compiles TorchScript that torch

@@ -154,8 +154,8 @@ def _answers(asked: dict[str, Any]) -> dict:
 def ownership(timeout: float = SNAPSHOT_TIMEOUT_S) -> list[OwnershipRow]:
     """One dict per live RRef in the cluster, whoever made it.
 
-    Keys: ``id`` (torch's RRef id, ``"creator_rank:n"``), ``owner``, ``holders`` (processes
-    holding a user reference), ``owner_holds``, ``type`` (of the value), ``created_by``
+    Keys: ``id`` (torch's RRef id, ``"creator's torch id:n"``), ``owner``, ``holders``
+    (processes holding a user reference), ``owner_holds``, ``type`` (of the value), ``created_by``
     (e.g. ``"remote(worker1, ParameterServer)"``) and ``handles`` (Python handles in all).
     An RRef dropped everywhere and garbage-collected is gone from the list. A process
     that does not answer within ``timeout`` seconds is left out (its RRefs are unknown,
@@ -175,7 +175,8 @@ def status_rows(
         rows.append(
             StatusRow(
                 name=r.name,
-                rank=r.rank,
+                rank=r.order,
+                torch_id=r.rank,
                 pid=r.pid,
                 host=r.host,
                 role=r.role,

@@ -369,8 +369,14 @@ class Cluster:
     def _rows(self) -> list[dict[str, Any]]:
         if self.state is ClusterState.READY:
             self.dead_workers()
-        return [
-            {**r.as_dict(), "device_maps": self.device_maps.get(r.name, {})} for r in self.records
+        return [  # rank and torch_id as nbrpc.status()'s rows have them
+            {
+                **r.as_dict(),
+                "rank": r.order,
+                "torch_id": r.rank,
+                "device_maps": self.device_maps.get(r.name, {}),
+            }
+            for r in self.records
         ]
 
     def summary(self) -> str:

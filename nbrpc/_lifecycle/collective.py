@@ -117,7 +117,7 @@ def destroy(info: ProcessGroupInfo, live: list[str]) -> None:
 def describe(info: ProcessGroupInfo | None) -> str | None:
     if not info:
         return None
-    ranks = ", ".join(f"{name} (rank {rank})" for name, rank in info["ranks"].items())
+    ranks = ", ".join(f"{name} (dist.get_rank() {r})" for name, r in info["ranks"].items())
     return f"process group ({info['backend']}): {ranks}"
 
 

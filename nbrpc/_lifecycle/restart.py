@@ -64,8 +64,9 @@ class Restarted:
             (old_pid, old_id), (pid, new_id) = self.old[name], self.new[name]
             lines.append(
                 f"nbrpc: {name} restarted (pid {old_pid} -> {pid}, nbrpc.rank() "
-                f"{self.orders.get(name, '?')}; torch's id {old_id} -> {new_id}) in "
-                f"{self.seconds:.1f} s: its RRefs and %%rpc namespace are gone"
+                f"{self.orders.get(name, '?')}; torch id {old_id} -> {new_id}) in "
+                f"{self.seconds:.1f} s: its RRefs and its globals (set by %%rpc cells or "
+                "nbrpc.push) are gone"
             )
         if self.process_group:
             lines.append(

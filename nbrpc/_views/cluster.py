@@ -24,6 +24,12 @@ def _figure(value: Any) -> str:
     return "–" if value is None else str(value)
 
 
+def _torch_id(r: dict[str, Any]) -> str:
+    """ " · torch id 4": a row's torch id (``get_worker_info().id``), beside its rank
+    (``nbrpc.rank()``), which it equals only in a kernel's first cluster."""
+    return "" if r.get("torch_id") is None else f" · torch id {r['torch_id']}"
+
+
 def cluster_html(rows: list[dict[str, Any]], state: str) -> str:
     """One card per process: state, pid@host, devices, calls, RRefs."""
     if not rows:
@@ -50,7 +56,7 @@ def cluster_html(rows: list[dict[str, Any]], state: str) -> str:
             f'<div style="font-weight:600;font-size:14px">{escape(r["name"])} '
             f'<span style="color:{color};font-size:12px">● {escape(r["state"])}</span></div>'
             f'<div style="font-size:12px;color:#444">{escape(r.get("role", ""))} · rank '
-            f"{r.get('rank', '–')}</div>"
+            f"{r.get('rank', '–')}{_torch_id(r)}</div>"
             f'<div style="font-size:12px;color:#444">pid {r.get("pid", "–")} @ '
             f"{escape(str(r.get('host', '–')))}</div>"
             f'<div style="font-size:12px;color:#444">devices: {escape(devices)}</div>'
@@ -138,14 +144,24 @@ def cluster_text(rows: list[dict[str, Any]], state: str) -> str:
 def records_text(
     rows: list[dict[str, Any]], state: str, boot_s: float | None, notes: list[str]
 ) -> str:
-    """A cluster's processes as a table (``Cluster.summary()``, ``%rpc_init``'s printout)."""
+    """A cluster's processes as a table (``Cluster.summary()``, ``%rpc_init``'s printout):
+    ``rank`` is ``nbrpc.rank()``, ``torch id`` torch's (``get_worker_info().id``)."""
     booted = f" (booted in {boot_s:.1f} s)" if boot_s is not None else ""
     lines = [f"nbrpc RPC group: {headline(rows, state)}{booted}"]
-    table = [["name", "rank", "pid", "host", "role", "state"]]
+    table = [["name", "rank", "torch id", "pid", "host", "role", "state"]]
     table += [
-        [r["name"], str(r["rank"]), str(r["pid"]), r["host"], r["role"], r["state"]] for r in rows
+        [
+            r["name"],
+            str(r["rank"]),
+            _figure(r.get("torch_id")),
+            str(r["pid"]),
+            r["host"],
+            r["role"],
+            r["state"],
+        ]
+        for r in rows
     ]
-    lines += columns(table, right=frozenset({1, 2}))
+    lines += columns(table, right=frozenset({1, 2, 3}))
     lines.extend(f"  {note}" for note in notes)
     return "\n".join(lines)
 

@@ -14,8 +14,10 @@ MAX_RREFS_PER_OWNER = 16  # more are summarised as "+N more" so a 10,000-RRef lo
 _LANE_W, _LANE_GAP, _HEAD_H, _NODE_H, _NODE_GAP, _BAND = 190, 44, 34, 34, 8, 26
 
 
-def ownership_svg(workers: list[str], rrefs: list[dict[str, Any]]) -> str:
-    """Workers as columns; each RRef a box in its owner's column; an edge to each holder."""
+def ownership_svg(workers: list[str], rrefs: list[dict[str, Any]], fit: bool = False) -> str:
+    """Workers as columns; each RRef a box in its owner's column; an edge to each holder.
+    ``fit``: as wide as its container and never wider than drawn (the panel's side bar,
+    250-350 px), the whole drawing scaled to it; otherwise drawn at its own size."""
     names = list(workers) + sorted({r["owner"] for r in rrefs} - set(workers))
     x_of = {name: 10 + i * (_LANE_W + _LANE_GAP) for i, name in enumerate(names)}
     by_owner: dict[str, list[dict]] = defaultdict(list)
@@ -24,9 +26,12 @@ def ownership_svg(workers: list[str], rrefs: list[dict[str, Any]]) -> str:
     rows = max([min(len(v), MAX_RREFS_PER_OWNER + 1) for v in by_owner.values()] + [1])
     height = _HEAD_H + _BAND + 30 + rows * (_NODE_H + _NODE_GAP)
     width = 20 + len(names) * (_LANE_W + _LANE_GAP)
+    size, fitted = f'width="{width}" height="{height}"', ""
+    if fit:  # the height follows from the viewBox
+        size, fitted = 'width="100%"', f";max-width:{width}px;height:auto"
     parts = [
-        f'<svg class="nbrpc-ownership" xmlns="http://www.w3.org/2000/svg" width="{width}" '
-        f'height="{height}" viewBox="0 0 {width} {height}" style="{FONT};font-size:12px">',
+        f'<svg class="nbrpc-ownership" xmlns="http://www.w3.org/2000/svg" {size} '
+        f'viewBox="0 0 {width} {height}" style="{FONT};font-size:12px{fitted}">',
         '<defs><marker id="nbrpc-arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7"'
         ' markerHeight="7" orient="auto"><path d="M0,0L10,5L0,10z" fill="#6a1b9a"/></marker>'
         "</defs>",

@@ -55,7 +55,8 @@ def panel_html(data: dict[str, Any]) -> str:
         )
         parts.append(_section("actions", "".join(buttons)))
     if data["members"]:
-        parts.append(_section("ownership", ownership_svg(data["members"], data["rrefs"])))
+        ownership = ownership_svg(data["members"], data["rrefs"], fit=True)  # the side bar's width
+        parts.append(_section("ownership", ownership))
     timeline = data["timeline"]
     if timeline is not None:
         parts.append(

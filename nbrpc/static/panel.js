@@ -3,7 +3,9 @@
 // No imports: clusters are often offline.
 
 const SAY = {
-  restart: (t) => `restart ${t}? Its RRefs and %%rpc namespace go with its process.`,
+  restart: (t) =>
+    `restart ${t}? Its RRefs and its globals (set by %%rpc cells or nbrpc.push) go with ` +
+    "its process.",
   stacks: (t) => `show the stacks of ${t || "every process"}?`,
   shutdown: () => "shut the cluster down? Every worker leaves.",
 };

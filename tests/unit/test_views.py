@@ -114,6 +114,45 @@ def test_the_headline_says_ready_only_when_every_process_is(states, cluster, lin
     assert _views.records_text(table, cluster, None, []).startswith(f"nbrpc RPC group: {line}")
 
 
+def test_a_rank_shown_is_nbrpcs_and_torchs_id_is_labelled_as_torchs():
+    """worker2 restarted in a kernel's second cluster: nbrpc.rank() 2, torch id 7. Every
+    view shows 2 as its rank and 7 only as its torch id (they showed torch's 7 as "rank")."""
+    from nbrpc._gather import census
+    from nbrpc._rows import WorkerRecord
+
+    records = [
+        WorkerRecord("worker0", 0, 10, "h", "kernel", order=0),
+        WorkerRecord("worker1", 3, 11, "h", "engine 0", order=1),
+        WorkerRecord("worker2", 7, 12, "h", "engine 1", order=2),
+    ]
+    rows = census.status_rows(records, {}, {})  # nbrpc.status()'s rows
+    assert [(r["rank"], r["torch_id"]) for r in rows] == [(0, 0), (1, 3), (2, 7)]
+    text = _views.records_text(rows, "ready", None, [])  # %rpc_init's table
+    lines = text.splitlines()
+    assert lines[1].split()[:4] == ["name", "rank", "torch", "id"], text
+    assert lines[4].split()[:4] == ["worker2", "2", "7", "12"], text
+    html = _views.cluster_html(rows, "ready")  # %rpc_status's cards, the panel's
+    assert "engine 1 · rank 2 · torch id 7</div>" in html
+    assert "rank 7" not in html
+
+
+def test_the_panel_fits_the_ownership_view_to_the_side_bar_and_the_notebook_keeps_its_size():
+    members = ["worker0", "worker1", "worker2"]
+    rrefs = [{"id": "0:1", "owner": "worker1", "holders": ["worker0"], "type": "PS"}]
+    drawn = _views.ownership_svg(members, rrefs)
+    width = drawn.split('width="', 1)[1].split('"', 1)[0]
+    assert int(width) > 350  # wider than a side bar: the notebook's view scrolls
+    assert f'viewBox="0 0 {width} ' in drawn
+    fitted = _views.ownership_svg(members, rrefs, fit=True)
+    assert 'class="nbrpc-ownership" xmlns="http://www.w3.org/2000/svg" width="100%" ' in fitted
+    assert f'viewBox="0 0 {width} ' in fitted  # the same drawing, scaled
+    assert f"max-width:{width}px;height:auto" in fitted
+    assert fitted.split(">", 1)[1] == drawn.split(">", 1)[1]
+    data = {"state": "ready", "workers": [], "members": members, "rrefs": rrefs}
+    panel = _views.panel_html({**data, "timeline": None})
+    assert fitted in panel
+
+
 def _thread(name, files, serving=None):
     return {
         "thread": hash(name) & 0xFFFF,
