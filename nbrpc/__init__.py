@@ -51,18 +51,8 @@ from ._errors import (
 )
 from ._gather.census import ownership
 from ._gather.timeline import Recording, record
-from ._lifecycle.cluster import (
-    Cluster,
-    ClusterState,
-    current,
-    init,
-    restart,
-    scale,
-    shutdown,
-    stacks,
-    status,
-    workers,
-)
+from ._lifecycle.api import current, init, restart, scale, shutdown, stacks, status, workers
+from ._lifecycle.cluster import Cluster, ClusterState
 from ._lifecycle.ranks import rank
 from ._rows import CallRow, OwnershipRow, StackRow, StatusRow, Trace, WorkerRecord
 from ._source_options import Slurm

@@ -23,7 +23,7 @@ from ._debugger import postmortem
 from ._engines import local
 from ._errors import raised_in_rpc_code, show_short
 from ._gather import timeline
-from ._lifecycle import actions, cluster as lifecycle
+from ._lifecycle import actions, api as lifecycle
 
 #: ``NBRPC_PREWARM=0`` in the environment: ``%load_ext nbrpc`` starts nothing.
 PREWARM_ENV = "NBRPC_PREWARM"

@@ -27,7 +27,7 @@ import traitlets
 from . import _process, _states, _timers, _views
 from ._errors import NbrpcError
 from ._gather import census, timeline
-from ._lifecycle import actions, cluster as lifecycle
+from ._lifecycle import actions, api as lifecycle
 from ._rows import Trace
 
 __all__ = ["BackwardView", "ClusterPanel", "ClusterView", "OwnershipView", "TimelineView", "panel"]

@@ -32,7 +32,7 @@ def of_processes(
     """The Python stack of every thread of each process (``processes``, the kernel's
     first: the cluster's records, which ``source`` started; or ``names`` only), labelled
     with the call each thread serves and its caller. ``nbrpc.stacks()`` passes the
-    current cluster's (:func:`nbrpc._lifecycle.cluster.stacks`).
+    current cluster's (:meth:`nbrpc.Cluster.stacks`).
 
     Read from outside each worker (see the module doc): it answers within ``timeout``
     seconds also when all its RPC threads are busy or a thread holds the GIL in C++, and

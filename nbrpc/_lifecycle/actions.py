@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from nbrpc import _views
 
-from . import cluster as lifecycle
+from . import api as lifecycle
 
 
 def shut_down(release: bool = False) -> str:
