@@ -11,10 +11,13 @@ message and what happens around a call on the callee:
   process (its calls interrupted, later ones refused), and the socket it answers on
   past its RPC threads;
 * :mod:`.sent_functions` -- notebook functions a lane sends call after call, pickled once;
-* :mod:`.same_user` -- who may connect to a process's sockets;
+* :mod:`.same_user` -- who may connect to a process's sockets, and the one accept loop
+  that admits them;
 
 * :mod:`.pickling` -- notebook code by value (cloudpickle inside torch's RPC pickler),
-  tensors out-of-band, RRefs with their ledger label;
+  tensors out-of-band, RRefs with their ledger label; :mod:`.sent_code` (a function's
+  code object marshalled once, kept by the receiver) and :mod:`.unsendable` (what cannot
+  travel, said);
 * :mod:`.callee` -- what runs around the function a peer asked for (counts, hooks,
   routes) and torch's ``_run_function`` hook;
 * :mod:`.output` -- what a call prints on a worker, shown in the calling cell (lines
@@ -27,7 +30,9 @@ message and what happens around a call on the callee:
 * :mod:`.failures` -- a failed call's exception and traceback, rebuilt by the caller, and
   the last failure kept for a post-mortem;
 * :mod:`.recording` -- each process's rows of a call timeline (``nbrpc.record()``);
-* :mod:`.stacks` -- every thread's stack, read without the GIL (``nbrpc.stacks()``);
+* :mod:`.stacks` -- every thread's stack, read without the GIL (``nbrpc.stacks()``), and
+  :mod:`.stack_dumps`, the kernel's side (dumps from several hosts, read into threads);
 * :mod:`.shm` and :mod:`.arena` -- large CPU tensors through shared memory between
-  processes of one host.
+  processes of one host; :mod:`.shm_setup`, who shares memory with whom, set up once a
+  cluster forms.
 """
