@@ -27,12 +27,11 @@ import json
 import os
 import signal
 import sys
-import threading
-import time
 from typing import Any
 
 from ipykernel.iostream import OutStream
 
+from nbrpc import _timers
 from nbrpc._engines.forked import KERNEL_ENV, MARKS_ENV
 from nbrpc._engines.watchdog import process_alive
 
@@ -72,6 +71,7 @@ class EngineOutStream(OutStream):
 #: (``NBRPC_PRELOAD=transformers``), and torch's RPC test classes in the compatibility tier
 #: (2 s a fresh cluster). Set before ``%load_ext nbrpc``, which starts the zygote.
 PRELOAD_ENV = "NBRPC_PRELOAD"
+KERNEL_CHECK_S = 1.0  # how often a forked engine looks whether its kernel is alive
 
 
 def preload() -> list[str]:
@@ -131,7 +131,7 @@ def _become_engine(request: dict) -> None:
     torch.seed()
     kernel = int(os.environ.get(KERNEL_ENV) or 0)
     if kernel:  # a kernel killed before it learnt this pid cannot have it stopped
-        threading.Thread(target=_exit_with, args=(kernel,), daemon=True).start()
+        _exit_with(kernel)
     marks = os.environ.get(MARKS_ENV)
     if marks:
         with open(os.path.join(marks, str(os.getpid())), "w"):
@@ -175,10 +175,11 @@ def _run_ipengine(argv: list[str]) -> int:
 
 
 def _exit_with(kernel: int) -> None:
-    """Exit this engine once its kernel is gone (checked every second)."""
-    while process_alive(kernel):
-        time.sleep(1.0)
-    os._exit(0)
+    """Exit this engine once its kernel is gone: checked every second, on the process's
+    timer service (:mod:`nbrpc._timers`), not a thread of its own."""
+    if not process_alive(kernel):
+        os._exit(0)
+    _timers.after(KERNEL_CHECK_S, _exit_with, kernel)
 
 
 def engine(argv: list[str]) -> None:
