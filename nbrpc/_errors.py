@@ -458,6 +458,12 @@ class CallCancelledError(NbrpcError, RuntimeError):
         )
 
 
+class ConnectionLost(ConnectionError):
+    """A route's own connection to a peer closed (a lane's; torch's own are known by their
+    words): the call facade's translation makes it a :class:`WorkerDiedError`. Not a
+    public name: a user sees the translation."""
+
+
 class SharedHostWarning(UserWarning):
     """Other users run processes on this host: they can reach the cluster's loopback
     ports, and through them run code as you (docs/security.md). Filterable with Python's

@@ -21,7 +21,7 @@ from nbrpc._debugger import prompts
 from nbrpc._errors import WorkerDiedError, shown_short
 from nbrpc._wire import failures
 
-from . import facade, spelling
+from . import errors, facade, spelling
 
 
 def _owner(rref: Any) -> WorkerInfo:
@@ -59,7 +59,7 @@ def _to_here(rref: Any, timeout: float = _torch.UNSET_RPC_TIMEOUT) -> Any:
             # it left the group (died, or belonged to a cluster since shut down)
             raise WorkerDiedError("the worker that owned this RRef", f"torch said: {exc}") from None
         limit = None if timeout == _torch.UNSET_RPC_TIMEOUT else timeout
-        error = facade.translate(exc, "to_here() of an RRef", owner, limit)
+        error = errors.translate(exc, "to_here() of an RRef", owner, limit)
         if error is exc:
             raise
         raise error from None
@@ -71,7 +71,7 @@ def _await_creation(rref: Any, timeout: float) -> None:
         return
     limit = facade.given(timeout)
     if not prompts.wait_on_main_thread(created, facade.limit_of(limit)):
-        raise facade.timeout_error(None, "to_here() of an RRef", rref.owner().name, limit)
+        raise errors.timeout_error(None, "to_here() of an RRef", rref.owner().name, limit)
 
 
 def _get_type(rref: Any, timeout: float = _torch.UNSET_RPC_TIMEOUT, blocking: bool = True) -> Any:
@@ -86,7 +86,7 @@ def _get_type(rref: Any, timeout: float = _torch.UNSET_RPC_TIMEOUT, blocking: bo
         got = _torch.original_get_type(rref, timeout, blocking)
     except Exception as exc:
         error = failures.received(
-            exc, lambda e: facade.translate(e, what, owner, facade.given(timeout))
+            exc, lambda e: errors.translate(e, what, owner, facade.given(timeout))
         )
         if error is exc:
             raise
@@ -99,7 +99,7 @@ def _get_type(rref: Any, timeout: float = _torch.UNSET_RPC_TIMEOUT, blocking: bo
     out = facade.Future()
     out.dest = owner
     _type_futures[rref] = (got, out)
-    call = facade.Sent(owner, what, 0.0, facade.given(timeout))
+    call = errors.Sent(owner, what, 0.0, facade.given(timeout))
     got.add_done_callback(lambda done: failures.settle(done, out, call.translate))
     return out
 

@@ -10,7 +10,7 @@ again. A TorchScript function that calls another has that one compiled there fir
 travels by name: :mod:`nbrpc._wire.pickling` reduces a ScriptFunction to its name). Where
 that cannot be done (no source kept, a function that does not pickle, a compile that
 fails there), the call goes as torch sends it, and its error carries nbrpc's note with
-the fix (:func:`nbrpc._calls.facade.translate`).
+the fix (:func:`nbrpc._calls.errors.translate`).
 """
 
 from __future__ import annotations

@@ -11,9 +11,8 @@ import torch
 
 from nbrpc import _torch
 from nbrpc._debugger import prompts
-from nbrpc._wire import lanes
 
-from . import facade
+from . import facade, routes
 
 
 def _in_torchs_spelling(call: Callable[..., Any]) -> Callable[..., Any]:
@@ -65,8 +64,8 @@ def wait_all(futures: list) -> list:
     if threading.current_thread() is threading.main_thread():
         prompts.wait_on_main_thread(settled)
     else:
-        if not settled.done():  # a future's callback on a lane's reader: replies come there
-            lanes.hand_over_reading()
+        if not settled.done():  # e.g. a future's callback on a lane's reader: replies come there
+            routes.before_wait()
         settled.wait()
     if state["failed"] is not None:
         state["failed"].wait()  # raises its error, as the future itself would

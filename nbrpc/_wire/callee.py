@@ -80,7 +80,7 @@ class BuiltinArgumentError(TypeError, RuntimeError):
 def call_builtin(op: Any, args: tuple, kwargs: dict | None) -> Any:
     """Run a builtin sent as a Python call: one no TorchScript schema takes the arguments
     of (``torch.ones(3)``), or one with a large tensor for the shared-memory fast path, or
-    one recorded on a timeline (``calls._as_python_call``)."""
+    one recorded on a timeline (``tensorpipe_route.python_call``)."""
     try:
         return op(*args, **(kwargs or {}))
     except TypeError as exc:

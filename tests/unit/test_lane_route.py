@@ -1,9 +1,10 @@
-"""The lanes' route seam (nbrpc/_wire/lanes/caller.py): what :func:`lanes.route` answers,
-and why, for each reason a call takes no lane; a lane's :class:`Reply` for each kind of
-answer. One process: this one listens on a lane in a temporary directory and calls itself
-(no worker). In the whole suite this process is also the kernel of the shared cluster,
-whose lanes are this process's too: the cluster is shut down first (the next test that
-needs one starts one, ``conftest.ensure_cluster``)."""
+"""The lanes' side of the lane route (nbrpc/_wire/lanes/caller.py and lane.py, and
+nbrpc/_calls/lane_route.py above it): what :func:`lanes.route` answers, and why, for each
+reason a call takes no lane; a lane's :class:`Reply` for each kind of answer. One process:
+this one listens on a lane in a temporary directory and calls itself (no worker). In the
+whole suite this process is also the kernel of the shared cluster, whose lanes are this
+process's too: the cluster is shut down first (the next test that needs one starts one,
+``conftest.ensure_cluster``)."""
 
 from __future__ import annotations
 
@@ -87,7 +88,8 @@ def test_a_small_call_takes_the_main_lane_reserved_and_its_reply_is_the_value(me
     assert busy.why is lanes.Why.BUSY
     reply = route.lane.ask(route.payload, 5.0, wait)
     assert reply.lost is None
-    assert reply.through_torch(("sent",)) is None
+    assert reply.answered
+    assert reply.through_torch(me, ("sent",)) is None
     assert reply.got == 3
     assert not route.lane.busy  # given back: the next call takes it
     assert lanes.route(me, add, (3, 4), None, main=True).lane is route.lane
@@ -96,7 +98,8 @@ def test_a_small_call_takes_the_main_lane_reserved_and_its_reply_is_the_value(me
 def test_a_reply_the_lane_cannot_carry_is_fetched_through_torch(me):
     route = lanes.route(me, grad_tensor, (), None, main=True)
     reply = route.lane.ask(route.payload, 5.0, wait)
-    func, args, kwargs = reply.through_torch(("sent",))
+    assert not reply.answered
+    func, args, kwargs = reply.through_torch(me, ("sent",))
     assert func is take
     assert kwargs is None
     kept = take(*args)  # what TensorPipe's call of take() returns on the callee
@@ -156,11 +159,10 @@ def test_a_reply_on_a_device_is_fetched_and_the_function_takes_torch_from_then_o
     assert route.lane is not None  # its arguments hold no device's tensor
     reply = route.lane.ask(route.payload, 5.0, wait)
     assert reply.kind == lanes.ON_DEVICE
-    func, args, _ = reply.through_torch(("sent",))
+    func, args, _ = reply.through_torch(me, (on_device, (), None))  # (and remembers it)
     assert func is take
     kept = take(*args)
     assert kept.device.type == "meta"
-    lanes.answered_on_device(me, on_device)  # what the facade does with such a reply
     again = lanes.route(me, on_device, (), None, main=True)
     assert again.lane is None
     assert again.why is lanes.Why.ANSWERS_ON_DEVICE
@@ -170,9 +172,9 @@ def test_a_reply_on_a_device_is_fetched_and_the_function_takes_torch_from_then_o
 
 
 def test_the_functions_remembered_as_answering_on_a_device_are_bounded(me):
-    from nbrpc._wire.lanes import caller
+    from nbrpc._wire.lanes import lane as lane_module
 
-    made = [lambda i=i: i for i in range(caller.ON_DEVICE_KEPT + 3)]
+    made = [lambda i=i: i for i in range(lane_module.ON_DEVICE_KEPT + 3)]
     for func in made:
         lanes.answered_on_device(me, func)
     assert lanes.route(me, made[0], (), None, main=True).lane is not None  # forgotten first
@@ -192,15 +194,14 @@ def test_a_fetch_torch_refuses_to_start_fails_the_call_instead_of_leaving_it_wai
     torch refuses to start that fetch (here: this process is in no group, or in one
     without this name, as after the suite's shared cluster; on a cluster, a worker that
     died meanwhile), the call's future fails with torch's error."""
-    from nbrpc._calls import facade
+    from nbrpc._calls import errors, facade, lane_route
 
     out = torch.futures.Future()
-    call = facade.Sent(me.name, grad_tensor, 0.0, None)
+    call = errors.Sent(me.name, grad_tensor, 0.0, None)
     route = lanes.route(me, grad_tensor, (), None, main=False)
-    route.lane.post(
-        route.payload,
-        lambda reply: facade.settle_from_lane(reply, me, (grad_tensor, (), None), call, out),
-    )
+    sent = (grad_tensor, (), None)
+    done = facade.settles(out, call)
+    route.lane.post(route.payload, lambda reply: lane_route.settle(reply, me, sent, call, done))
     deadline = time.monotonic() + 5
     while not out.done() and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -225,7 +226,7 @@ def test_a_call_or_reply_over_a_frames_limit_is_left_to_torch(me, monkeypatch):
     monkeypatch.setattr(callee, "MAX_PAYLOAD", 1000)
     route = lanes.route(me, many_bytes, (5000,), None, main=True)
     reply = route.lane.ask(route.payload, 5.0, wait)
-    func, args, _ = reply.through_torch(("sent",))
+    func, args, _ = reply.through_torch(me, ("sent",))
     assert func is take
     assert take(*args) == bytes(5000)
     again = lanes.route(me, many_bytes, (10,), None, main=True)
@@ -236,16 +237,14 @@ def test_a_call_or_reply_over_a_frames_limit_is_left_to_torch(me, monkeypatch):
 def posted(me, func, args):
     """``func(*args)`` called on this process's shared lane, as ``rpc_async`` calls it:
     nbrpc's future for it, and the lane."""
-    from nbrpc._calls import facade
+    from nbrpc._calls import errors, facade, lane_route
 
     out = facade.Future()
-    call = facade.Sent(me.name, func, 0.0, None)
+    call = errors.Sent(me.name, func, 0.0, None)
     route = lanes.route(me, func, args, None, main=False)
     assert route.lane is not None
-    sent = (func, args, None)
-    route.lane.post(
-        route.payload, lambda reply: facade.settle_from_lane(reply, me, sent, call, out)
-    )
+    sent, done = (func, args, None), facade.settles(out, call)
+    route.lane.post(route.payload, lambda reply: lane_route.settle(reply, me, sent, call, done))
     return out, route.lane
 
 
@@ -277,9 +276,9 @@ def test_a_callback_on_a_lanes_reader_may_wait_for_another_call_on_that_lane(
     another thread (without, the callback waited for itself: a timeout, or forever).
     So does torch's spelling, ``torch.futures.wait_all``, routed. (The watcher of slow
     callbacks, which would hand it over too, looks away here.)"""
-    from nbrpc._wire.lanes import caller
+    from nbrpc._wire.lanes import lane as lane_module
 
-    monkeypatch.setattr(caller, "SLOW_CALLBACK_S", 3600.0)
+    monkeypatch.setattr(lane_module, "SLOW_CALLBACK_S", 3600.0)
     GATE.clear()
     start = functools.partial(posted, me)
     (first, lane), (second, same) = start(gated, ()), start(nap, (0.5,))
@@ -302,7 +301,7 @@ def test_a_slow_callback_on_a_lanes_reader_holds_no_other_reply_up(me):
     replies come meanwhile. On a lane it runs on the reader: after SLOW_CALLBACK_S
     another thread reads the lane, so ``second``'s reply is not held for the 2 s of
     ``slow`` (without: second.wait() took them all)."""
-    from nbrpc._wire.lanes import caller
+    from nbrpc._wire.lanes import lane as lane_module
 
     GATE.clear()
     start = functools.partial(posted, me)
@@ -327,4 +326,4 @@ def test_a_slow_callback_on_a_lanes_reader_holds_no_other_reply_up(me):
         return [t for t in threading.enumerate() if t.name == f"nbrpc-lane-{lane.dest}"]
 
     assert wait_until(lambda: readers() == [lane.reader]), readers()  # the old one ended
-    assert caller.SLOW_CALLBACK_S < 1.0
+    assert lane_module.SLOW_CALLBACK_S < 1.0

@@ -50,23 +50,25 @@ torch's pool). A notebook function that does not change between calls is pickled
 Who may connect: the sockets live in a directory of mode 0700 made by the kernel, and a
 listener admits a peer only if ``SO_PEERCRED`` says it runs as the same user.
 
-The folder: :mod:`.setup` (lanes on and off), :mod:`.caller` (the route, the lanes a
-caller opens), :mod:`.callee` (peers admitted, calls run, replies kept), :mod:`.state`
-(what a process's lanes hold, the frame kinds), :mod:`.frames` and :mod:`.pool`. The
-call facade (:mod:`nbrpc._calls.facade`) asks :func:`route` once per call and knows
-nothing else of a lane; the pickling of a lane's messages is in :mod:`nbrpc._wire.pickling`.
+The folder: :mod:`.setup` (lanes on and off), :mod:`.caller` (whether a lane takes a
+call, the lanes a caller opens), :mod:`.callee` (peers admitted, calls run, replies kept),
+:mod:`.state` (what a process's lanes hold, the frame kinds), :mod:`.frames` and
+:mod:`.pool`. The lanes are one route among the call facade's
+(:mod:`nbrpc._calls.routes`, whose table says which call takes which route): the lanes'
+route (:mod:`nbrpc._calls.lane_route`) asks :func:`route` once per call, sends on the lane
+it gets, and hands a lane's reading over before a wait (:func:`hand_over_reading`); the
+facade knows nothing of a lane. The pickling of a lane's messages is in
+:mod:`nbrpc._wire.pickling`.
 """
 
-from .caller import (
+from .caller import Choice as Choice, Why as Why, route as route
+from .lane import (
     MAIN_SLICE_S as MAIN_SLICE_S,
     Lane as Lane,
     Reply as Reply,
-    Route as Route,
-    Why as Why,
     answered_on_device as answered_on_device,
     hand_over_reading as hand_over_reading,
     in_flight as in_flight,
-    route as route,
 )
 from .messages import place_by as place_by
 from .setup import (
@@ -78,7 +80,6 @@ from .setup import (
 )
 from .state import (
     ON_DEVICE as ON_DEVICE,
-    VALUE as VALUE,
     LaneLost as LaneLost,
     socket_path as socket_path,
 )

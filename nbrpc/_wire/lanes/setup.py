@@ -103,7 +103,7 @@ def close() -> None:
         here.main.clear()
         here.shared.clear()
         here.served.clear()
-        here.unreachable.clear()
+        here.laneless.clear()
         here.held.clear()
         here.on_device.clear()
     for lane in lanes:

@@ -15,6 +15,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbrpc._errors import ConnectionLost
+
 from .pool import Pool
 
 #: a frame's kind, on the wire: a call the callee runs on the lane's thread (``INLINE``,
@@ -27,19 +29,22 @@ REPLIES = frozenset({VALUE, FETCH, RETRY, ON_DEVICE})
 CALLS = frozenset({INLINE, POOLED})
 
 
-class LaneLost(ConnectionError):
+class LaneLost(ConnectionLost):
     """The peer's end of a lane closed: its process is gone (or the cluster closed)."""
 
 
 @dataclass
 class Lanes:
     """This process's side: where the sockets are (None: lanes off), its listener, the
-    lanes it opened (``main``, ``shared``: :class:`.caller.Lane`), and what its callee
+    lanes it opened (``main``, ``shared``: :class:`.lane.Lane`), and what its callee
     side keeps."""
 
     directory: str | None = None
     listener: socket.socket | None = None
-    unreachable: set[int] = field(default_factory=set)  # peer ranks with no lane
+    #: peer ranks with no lane to connect to (its socket is not here: another host, or
+    #: lanes off there): TensorPipe takes their calls. Not ``_states.unreachable``, the
+    #: workers whose calls fail at once
+    laneless: set[int] = field(default_factory=set)
     main: dict[int, Any] = field(default_factory=dict)  # the main thread's, by rank
     shared: dict[int, Any] = field(default_factory=dict)  # everyone else's, by rank
     served: set[socket.socket] = field(default_factory=set)  # connections from peers
