@@ -82,6 +82,13 @@ def after(seconds: float, action: Callable[..., Any], *args: Any) -> Timer:
     return timer
 
 
+def on_its_own_thread(action: Callable[..., Any], *args: Any) -> None:
+    """Run ``action(*args)`` now on a thread of its own (``nbrpc-action``): for an action
+    due on the service that may wait (a future's callbacks, questions to every process),
+    which must not hold the service's thread up."""
+    threading.Thread(target=action, args=args, name="nbrpc-action", daemon=True).start()
+
+
 def pending() -> int:
     """Entries in the heap now (cancelled ones included until due or compacted)."""
     with _service.cv:

@@ -26,7 +26,6 @@ import collections
 import contextvars
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -145,13 +144,13 @@ def _report(rows: dict[str, list[dict[str, Any]]], origins: tuple[int, int]) -> 
         context = contextvars.copy_context()  # the cell's: the late report goes there
         # the report asks every process and reads stacks (seconds at most): on a thread
         # of its own, not the timer service's, whose deadlines must not wait for it
-        _timers.after(REPORT_AFTER_S - cancelling.GRACE_S, _report_later, context, origins)
-
-
-def _report_later(context: contextvars.Context, origins: tuple[int, int]) -> None:
-    threading.Thread(
-        target=context.run, args=(_late_report, origins), name="nbrpc-late-report", daemon=True
-    ).start()
+        _timers.after(
+            REPORT_AFTER_S - cancelling.GRACE_S,
+            _timers.on_its_own_thread,
+            context.run,
+            _late_report,
+            origins,
+        )
 
 
 def _late_report(origins: tuple[int, int]) -> None:

@@ -17,7 +17,6 @@ main thread waits on a call it also serves those debuggers' prompts (:mod:`nbrpc
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.distributed.rpc import RRef, WorkerInfo
 
-from nbrpc import _group, _states, _torch
+from nbrpc import _fork, _group, _states, _torch
 from nbrpc._debugger import deadlines, prompts
 from nbrpc._errors import (
     UnknownWorkerError,
@@ -73,7 +72,7 @@ def _after_fork() -> None:
 
 
 # after threading's own handler, which makes the forking thread the child's main thread
-os.register_at_fork(after_in_child=_after_fork)
+_fork.in_child(_after_fork)
 
 
 class Future(torch.futures.Future):

@@ -144,9 +144,7 @@ def _due() -> None:
             del future
         _wake_at_the_earliest()
     for future, make_error in expired:
-        threading.Thread(
-            target=_fail, args=(future, make_error()), name="nbrpc-deadline-expired", daemon=True
-        ).start()
+        _timers.on_its_own_thread(_fail, future, make_error())
     del expired
 
 
