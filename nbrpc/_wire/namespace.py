@@ -34,6 +34,7 @@ from __future__ import annotations
 import sys
 import threading
 from dataclasses import dataclass, field
+from types import FunctionType
 from typing import Any
 
 #: what can be made afresh where a function runs, by the type a module-level name holds
@@ -60,6 +61,13 @@ class _State:
 
 _state = _State()
 _MISSING = object()
+
+
+def is_notebook_function(obj: Any) -> bool:
+    """Whether ``obj`` is a plain function the notebook defined (in its ``__main__``): it
+    travels by value, gets the worker's namespace as its globals, and a lane keeps its
+    pickle; never one of torch's builtins. The one test of it, on every call's path."""
+    return type(obj) is FunctionType and obj.__module__ == "__main__"
 
 
 def share() -> None:

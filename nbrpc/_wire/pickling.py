@@ -204,7 +204,7 @@ class RpcPickler(cloudpickle.Pickler):
         ...)`` with the names the function reads in ``slotstate["__globals__"]``
         (pinned in tests/test_pickling.py)."""
         reduced = super()._dynamic_function_reduce(func)
-        if func.__module__ != "__main__":
+        if not namespace.is_notebook_function(func):
             return reduced
         make, (code, base, *args), (state, slotstate), *rest = reduced
         slotstate["__globals__"] = _Arriving(slotstate["__globals__"])
@@ -279,7 +279,7 @@ class LanePickler(RpcPickler):
             # a subclass's own reduction would copy its storage, a CUDA one to the same
             # device index there (no device map): TensorPipe's pickling sends those
             raise OnDevice(obj.device) if not obj.is_cpu else NotLane
-        if type(obj) is FunctionType and self.keep_functions and obj.__module__ == "__main__":
+        if self.keep_functions and namespace.is_notebook_function(obj):
             kept = sent_functions.reduce(
                 obj, _by_reference, self._alone, _pickling.by_value_seen
             )  # a notebook function sent call after call: its pickle, made once
@@ -425,7 +425,7 @@ def function_head(func: Any) -> bytes | None:
     (found so by an earlier pickle: the first call of one is pickled whole). None: the
     call is pickled whole."""
     _notice_by_value()
-    if type(func) is FunctionType and func.__module__ == "__main__":
+    if namespace.is_notebook_function(func):
         return sent_functions.head(func, _by_reference, _kept_head, _pickling.by_value_seen)
     kept = _pickling.heads.get(id(func))
     if kept is not None and kept[0] is func:

@@ -54,7 +54,7 @@ def unsendable_global(func: Any, seen: set[int] | None = None) -> tuple[str, str
     it names, and those of the notebook functions it names (only once a call failed):
     ``(function name, global name, value)``, or None."""
     seen = set() if seen is None else seen
-    if not isinstance(func, FunctionType) or func.__module__ != "__main__" or id(func) in seen:
+    if not namespace.is_notebook_function(func) or id(func) in seen:
         return None
     seen.add(id(func))
     names = cloudpickle.cloudpickle._extract_code_globals(func.__code__)

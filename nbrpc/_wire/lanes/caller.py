@@ -11,12 +11,12 @@ waiting and translating are the call facade's and its routes'
 from __future__ import annotations
 
 import enum
-from types import FunctionType
 from typing import Any, NamedTuple
 
 from nbrpc import _process, _torch
 from nbrpc._wire import recording
 from nbrpc._wire.callee import call_builtin, is_user_call, serving
+from nbrpc._wire.namespace import is_notebook_function
 
 from . import messages
 from .frames import MAX_PAYLOAD
@@ -76,7 +76,7 @@ def route(dest: Any, func: Any, args: tuple, kwargs: dict | None, main: bool) ->
     why = why_not(dest, func)
     if why is not None:
         return why
-    notebook = type(func) is FunctionType and func.__module__ == "__main__"
+    notebook = is_notebook_function(func)
     if not notebook and _torch.is_builtin(func):  # (a notebook's function never is one)
         func, args, kwargs = call_builtin, (func, args, kwargs), None
     try:
