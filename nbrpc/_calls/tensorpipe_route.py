@@ -155,4 +155,4 @@ def python_call(func: Any, args: tuple, kwargs: dict | None) -> tuple:
     )
     if native:
         return func, args, kwargs
-    return callee.call_builtin, (func, args, kwargs), None
+    return callee.as_python_call(func, args, kwargs)

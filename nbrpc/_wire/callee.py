@@ -91,6 +91,17 @@ def call_builtin(op: Any, args: tuple, kwargs: dict | None) -> Any:
         ) from None
 
 
+def as_python_call(func: Any, args: tuple, kwargs: dict | None) -> tuple:
+    """``(func, args, kwargs)`` as a Python call the callee runs: a builtin (which torch
+    sends as a TorchScript operator) wrapped in :func:`call_builtin`, anything else as it
+    is. The one place a builtin becomes a Python call, for either route that sends one:
+    a lane always, TensorPipe where no schema takes the arguments
+    (``tensorpipe_route.python_call``)."""
+    if _torch.is_builtin(func):
+        return call_builtin, (func, args, kwargs), None
+    return func, args, kwargs
+
+
 def is_user_call(func: Any) -> bool:
     """Whether a call of ``func`` runs the user's code (counted, recorded): not nbrpc's
     own calls nor torch's, except nbrpc's that run user code (``%%rpc`` cells)."""

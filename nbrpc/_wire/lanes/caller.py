@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 from nbrpc import _process, _torch
 from nbrpc._wire import recording
-from nbrpc._wire.callee import call_builtin, is_user_call, serving
+from nbrpc._wire.callee import as_python_call, is_user_call, serving
 from nbrpc._wire.namespace import is_notebook_function
 
 from . import messages
@@ -77,8 +77,8 @@ def route(dest: Any, func: Any, args: tuple, kwargs: dict | None, main: bool) ->
     if why is not None:
         return why
     notebook = is_notebook_function(func)
-    if not notebook and _torch.is_builtin(func):  # (a notebook's function never is one)
-        func, args, kwargs = call_builtin, (func, args, kwargs), None
+    if not notebook:  # (a notebook's function is never a builtin)
+        func, args, kwargs = as_python_call(func, args, kwargs)
     try:
         user = notebook or is_user_call(func)
         payload = call_bytes(func, args, kwargs or {}, user, dest.name, stage=main)
