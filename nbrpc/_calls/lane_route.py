@@ -19,7 +19,6 @@ from typing import Any
 from torch.distributed.rpc import WorkerInfo
 
 from nbrpc._debugger import prompts
-from nbrpc._errors import show_short
 from nbrpc._wire import failures, lanes
 
 from . import tensorpipe_route
@@ -40,11 +39,7 @@ class LaneRoute(Route):
 
     def wait(self, taken: Any, dest: WorkerInfo, sent: tuple, call: Sent) -> Outcome:
         lane, payload, _ = taken
-        try:
-            reply = lane.ask(payload, call.limit, prompts.wait_in_slices_on_main_thread)
-        except KeyboardInterrupt as stop:  # the stop button: the cell's lines, not nbrpc's
-            show_short(stop)
-            raise
+        reply = lane.ask(payload, call.limit, prompts.wait_in_slices_on_main_thread)
         if reply is not None and reply.answered:  # the answer, or the callee's error
             value, error = failures.returned(reply.got)
             return value, error, None

@@ -265,27 +265,49 @@ def wait_on_main_thread(fut: Any, limit: float = 0) -> bool:
             woke.clear()
         return fut.done()
 
-    return _wait(one_slice, woke, limit)
+    return _wait(one_slice, woke, _deadline(limit))
 
 
 def wait_in_slices_on_main_thread(one_slice: Any, limit: float = 0) -> bool:
     """:func:`wait_on_main_thread` for a wait that ``one_slice()`` makes in slices of
     :data:`SIGNAL_CHECK_S` (it returns whether the wait is over: a lane's read, which
     times out after a slice, :mod:`nbrpc._wire.lanes`); a prompt is served within a
-    slice of it arriving."""
-    return _wait(one_slice, threading.Event(), limit)
+    slice of it arriving. The first slice is waited on its own, before the prompts are
+    looked at (a small call's answer comes within it), unless ``limit`` is shorter than
+    two slices; it counts against ``limit`` as every other slice does."""
+    deadline = _deadline(limit)
+    if not 0 < limit < 2 * SIGNAL_CHECK_S:
+        try:
+            if one_slice():
+                return True
+        except KeyboardInterrupt as stop:
+            _stopped(stop)
+            raise
+    return _wait(one_slice, threading.Event(), deadline)
 
 
-def _wait(one_slice: Any, woke: threading.Event, limit: float) -> bool:
-    deadline = deadlines.clock.now() + limit if limit > 0 else None
+def _deadline(limit: float) -> float | None:
+    """When a wait of ``limit`` seconds (0: none) ends, on :data:`deadlines.clock`: the
+    one clock of every call's timeout (a sync call's here, an async call's in
+    :mod:`.deadlines`), which stands still while a debugger session is open."""
+    return deadlines.clock.now() + limit if limit > 0 else None
+
+
+def _wait(one_slice: Any, woke: threading.Event, deadline: float | None) -> bool:
     try:
         with main_thread_waits(woke):
             while not one_slice():
                 serve()
                 if deadline is not None and deadlines.clock.now() >= deadline:
                     return False
-    except KeyboardInterrupt as stop:  # the stop button: the cell's lines, not nbrpc's waits
-        show_short(stop)
-        cancelling.stopped()  # and the cell's calls are cancelled where they run
+    except KeyboardInterrupt as stop:
+        _stopped(stop)
         raise
     return True
+
+
+def _stopped(stop: KeyboardInterrupt) -> None:
+    """The stop button ended a main thread's wait: the cell's lines, not nbrpc's waits,
+    and the cell's calls are cancelled where they run."""
+    show_short(stop)
+    cancelling.stopped()

@@ -34,3 +34,46 @@ def test_a_callback_of_an_expired_call_that_waits_on_another_does_not_stop_the_c
     assert waited[0] < 5, f"the second call failed {waited[0]:.1f} s into the first's callback"
     with pytest.raises(TimeoutError, match="second"):
         second.wait()
+
+
+def test_a_sliced_wait_reads_its_first_slice_alone_and_keeps_one_clock(monkeypatch):
+    """The main thread's sliced wait (a lane's read, nbrpc/_debugger/prompts.py): the
+    first slice is read before the prompts are looked at; its time counts against the
+    limit on the one clock of timeouts; a stop in it cancels the cell's calls."""
+    from nbrpc._debugger import prompts
+    from nbrpc._wire import cancelling
+
+    entered: list[int] = []
+    real = prompts.main_thread_waits
+
+    def counting(woke: threading.Event):
+        entered.append(1)
+        return real(woke)
+
+    monkeypatch.setattr(prompts, "main_thread_waits", counting)
+    assert prompts.wait_in_slices_on_main_thread(lambda: True, 5.0)
+    assert entered == []  # answered in the first slice: no prompt desk
+
+    t0 = time.monotonic()
+    slices: list[float] = []
+
+    def never() -> bool:
+        slices.append(time.monotonic())
+        time.sleep(prompts.SIGNAL_CHECK_S)
+        return False
+
+    assert not prompts.wait_in_slices_on_main_thread(never, 0.35)
+    took = time.monotonic() - t0
+    assert entered == [1]
+    assert 0.35 <= took < 0.35 + 2 * prompts.SIGNAL_CHECK_S + 0.5  # the first slice counted
+    assert len(slices) <= 5
+
+    stops: list[int] = []
+    monkeypatch.setattr(cancelling, "stopped", lambda: stops.append(1))
+
+    def stop() -> bool:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        prompts.wait_in_slices_on_main_thread(stop, 5.0)
+    assert stops == [1]  # the first slice's stop, as any other's

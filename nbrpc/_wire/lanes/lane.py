@@ -183,17 +183,12 @@ class Lane:
         reply, or None when ``limit`` seconds (0: none) passed first (the lane is closed
         then: its answer would come where no one reads; the next call opens another).
 
-        The first read waits one slice by itself (the answer of a small call comes
-        within it), unless the limit is shorter than two slices; a longer wait goes on in
-        ``wait_in_slices(one_slice, limit)``, the main thread's (it serves prompts and
-        keeps the clock). A stop (KeyboardInterrupt) closes the lane and goes on up."""
+        The answer is read in slices of :data:`MAIN_SLICE_S` by ``wait_in_slices(one_slice,
+        limit)``, the main thread's wait (it keeps the clock, serves prompts, and reads the
+        first slice on its own: a small call's answer comes within it). A stop
+        (KeyboardInterrupt) closes the lane and goes on up."""
         try:
             self._send(payload, None)
-            if not 0 < limit < MAIN_SLICE_S * 2:  # a first slice, on its own
-                reply = self.answer()  # (a small call's answer comes within it)
-                if reply is not None:
-                    return reply
-                limit = max(limit - MAIN_SLICE_S, 1e-3) if limit > 0 else 0
             got: list[Reply] = []
 
             def one_slice() -> bool:
