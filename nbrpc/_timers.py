@@ -25,7 +25,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,11 +82,24 @@ def after(seconds: float, action: Callable[..., Any], *args: Any) -> Timer:
     return timer
 
 
-def on_its_own_thread(action: Callable[..., Any], *args: Any) -> None:
+def on_its_own_thread(action: Callable[..., Any], *args: Any) -> threading.Thread:
     """Run ``action(*args)`` now on a thread of its own (``nbrpc-action``): for an action
     due on the service that may wait (a future's callbacks, questions to every process),
-    which must not hold the service's thread up."""
-    threading.Thread(target=action, args=args, name="nbrpc-action", daemon=True).start()
+    which must not hold the service's thread up. The thread, started."""
+    thread = threading.Thread(target=action, args=args, name="nbrpc-action", daemon=True)
+    thread.start()
+    return thread
+
+
+def at_once(action: Callable[..., Any], each: Iterable[tuple], timeout: float | None) -> None:
+    """``action(*args)`` for each ``args`` of ``each``, all at once, each on a thread of
+    its own (:func:`on_its_own_thread`), and return when all returned, or ``timeout``
+    seconds from now (None: no limit): work on several hosts, each over its own
+    connection (stack dumps, engines stopped over ssh)."""
+    threads = [on_its_own_thread(action, *args) for args in each]
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for thread in threads:
+        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
 
 def pending() -> int:

@@ -26,10 +26,10 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
-from nbrpc import _fence, _network
+from nbrpc import _fence, _network, _timers
 from nbrpc._errors import BootError, ConfigError
 
 CONNECT_TIMEOUT_S = 5
@@ -250,15 +250,20 @@ def preflight(
     except OSError as exc:
         raise BootError(f"cannot listen on {listen} ({exc}): is it this host's address?") from exc
     store = (listen, probe.getsockname()[1])
-    with probe, ThreadPoolExecutor(max_workers=min(16, len(hosts))) as pool:
-        futures = {h: pool.submit(_check_one, h, ssh_args, python, store, mine) for h in hosts}
-        errors = []
-        found = {}
-        for host, future in futures.items():
-            try:
-                found[host] = future.result()
-            except BootError as exc:
-                errors.append(str(exc))
+    got: dict[str, Any] = {}  # host -> what its check found, or its error
+
+    def one(host: str) -> None:
+        try:
+            got[host] = _check_one(host, ssh_args, python, store, mine)
+        except BootError as exc:
+            got[host] = exc
+        except Exception as exc:  # a check that broke: said as the host's error
+            got[host] = BootError(f"{host}: {type(exc).__name__}: {exc}")
+
+    with probe:
+        _timers.at_once(one, [(h,) for h in hosts], None)  # (each ssh has its own timeout)
+    errors = [str(got[h]) for h in hosts if isinstance(got.get(h), BootError)]
+    found = {h: got[h] for h in hosts if h in got and not isinstance(got[h], BootError)}
     if errors:
         raise BootError("preflight failed:\n  " + "\n  ".join(errors))
     return found

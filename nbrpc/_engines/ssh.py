@@ -28,13 +28,12 @@ import shlex
 import shutil
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from nbrpc import _fence, _options, _process
+from nbrpc import _fence, _options, _process, _timers
 from nbrpc._errors import BootError, ConfigError, counted
 from nbrpc._source_options import Hosts
 from nbrpc._wire import stack_dumps
@@ -281,7 +280,7 @@ class HostController(Controller):
         by_host = {la.location: la for la in self._launchers}
         on_host = {h: [la.pid for la in self._launchers if la.location == h] for h in by_host}
         segments = f"/dev/shm/{watchdog.segment_prefix(os.getpid())}-*"
-        threads = []
+        scripts = []
         for host, la in by_host.items():
             alive = " ".join(str(p) for p in on_host[host])
             script = (
@@ -292,11 +291,9 @@ class HostController(Controller):
                 f"rm -rf {shlex.quote(self.remote_dir)} {segments}; "
                 "rmdir .nbrpc 2>/dev/null; true"
             )
-            t = threading.Thread(target=self._quietly, args=(la, script), daemon=True)
-            t.start()
-            threads.append(t)
-        for t in threads:
-            t.join(max(1.0, deadline - time.monotonic() + SSH_TIMEOUT_S))
+            scripts.append((la, script))
+        wait = max(1.0, deadline - time.monotonic() + SSH_TIMEOUT_S)
+        _timers.at_once(self._quietly, scripts, wait)
         for la in self._launchers:  # their watch loops see the exit within a second
             with contextlib.suppress(Exception):
                 la._stop_waiting.set()

@@ -224,10 +224,10 @@ def quiet_kernel_stderr() -> None:
     """
     if _quieted.pump is not None or not _process.in_notebook():
         return
-    _quieted.saved, _, _quieted.pump = _filter_fd2("nbrpc-stderr")
+    _quieted.saved, _, _quieted.pump = _filter_fd2()
 
 
-def _filter_fd2(thread_name: str) -> tuple[int, int, threading.Thread]:
+def _filter_fd2() -> tuple[int, int, threading.Thread]:
     """File descriptor 2 becomes a pipe, whose lines a pump thread passes on to what fd 2
     was (a copy of it, returned with the pipe's read end) unless :func:`expected`. The
     write end does not block: should the pump stop, lines are dropped, nobody hangs."""
@@ -240,7 +240,7 @@ def _filter_fd2(thread_name: str) -> tuple[int, int, threading.Thread]:
     os.set_blocking(write_end, False)
     os.dup2(write_end, 2)
     os.close(write_end)
-    pump = threading.Thread(target=_pump, args=(read_end, saved), name=thread_name, daemon=True)
+    pump = threading.Thread(target=_pump, args=(read_end, saved), name="nbrpc-stderr", daemon=True)
     pump.start()
     return saved, read_end, pump
 
@@ -262,7 +262,7 @@ def quiet_stderr_while_leaving(names: list[str]) -> Iterator[None]:
     with contextlib.suppress(Exception):
         sys.stderr.flush()
     try:
-        saved, read_end, pump = _filter_fd2("nbrpc-stderr-leaving")
+        saved, read_end, pump = _filter_fd2()
     except OSError:  # out of descriptors: the lines show, nothing else changes
         yield
         return

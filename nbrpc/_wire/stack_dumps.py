@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from nbrpc import _timers
 
 from . import stacks
 
@@ -46,11 +47,7 @@ def gather(
         except Exception as exc:  # no answer from that host: said in its rows
             found.update({eid: {"error": f"{place}: {exc}"} for eid in ids.values()})
 
-    threads = [threading.Thread(target=one, args=item) for item in places.items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _timers.at_once(one, places.items(), None)  # (``run`` bounds each host's wait)
     return found
 
 

@@ -315,3 +315,45 @@ def test_the_folders_and_modules_import_each_other_without_cycles():
                 graph[unit[m]].add(unit[t])
     cycle = _first_cycle(graph)
     assert cycle is None, f"folders or modules in a cycle: {' -> '.join(cycle or [])}"
+
+
+#: kinds of thread nbrpc starts, at most: one per place in the code that starts one
+MAX_THREAD_KINDS = 16
+
+
+def _thread_starts() -> list[tuple[str, int, ast.Call]]:
+    found = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            owner = getattr(getattr(func, "value", None), "id", "")
+            ours = name == "Timer" and owner != "threading"  # nbrpc._timers.Timer, an entry
+            if name in ("Thread", "Timer", "ThreadPoolExecutor", "start_new_thread") and not ours:
+                found.append((module, node.lineno, node))
+    return found
+
+
+def test_threads_have_few_kinds_one_timer_service_and_names_that_say_nbrpc():
+    """Every thread nbrpc starts is a ``threading.Thread`` named ``nbrpc-...`` (so
+    ``%rpc_stacks`` and a debugger tell them from the user's and torch's), started in at
+    most MAX_THREAD_KINDS places; what runs later is an entry of the timer service
+    (``_timers``), never a ``threading.Timer`` or a pool of its own."""
+    starts = _thread_starts()
+    where = [f"nbrpc/{m}:{line}" for m, line, _ in starts]
+    assert len(starts) <= MAX_THREAD_KINDS, f"{len(starts)} places start threads: {where}"
+    for module, line, call in starts:
+        func = call.func
+        kind = func.attr if isinstance(func, ast.Attribute) else func.id
+        assert kind == "Thread", f"nbrpc/{module}:{line}: a {kind}; use nbrpc._timers"
+        named = {k.arg: k.value for k in call.keywords}.get("name")
+        assert named is not None, f"nbrpc/{module}:{line}: a thread with no name"
+        if isinstance(named, ast.Constant):
+            text = named.value
+        elif isinstance(named, ast.JoinedStr):
+            text = next((v.value for v in named.values if isinstance(v, ast.Constant)), "")
+        else:  # a parameter: the callers' names are checked where they pass them
+            continue
+        assert text.startswith("nbrpc-"), f"nbrpc/{module}:{line}: thread named {text!r}"

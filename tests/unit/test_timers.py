@@ -59,3 +59,25 @@ def test_cancelled_entries_do_not_pile_up():
         _timers.after(300, lambda: None).cancel()  # (a finished call's deadline)
     _timers.after(300, lambda: None).cancel()
     assert _timers.pending() < _timers.COMPACT_AT
+
+
+def test_work_on_several_hosts_runs_at_once_and_its_wait_is_bounded():
+    """``_timers.at_once``: every item on a thread of its own at the same time (three
+    that each wait for the other two finish), named nbrpc-action; a ``timeout`` bounds
+    the wait for one that hangs."""
+    import time
+
+    together = threading.Barrier(3, timeout=10)
+    names: list[str] = []
+
+    def host(i: int) -> None:
+        together.wait()
+        names.append(threading.current_thread().name)
+
+    _timers.at_once(host, [(i,) for i in range(3)], None)
+    assert names == ["nbrpc-action"] * 3
+    hang = threading.Event()
+    t0 = time.monotonic()
+    _timers.at_once(hang.wait, [(30,), (30,)], 0.2)
+    assert time.monotonic() - t0 < 5
+    hang.set()

@@ -7,7 +7,6 @@ takes a lane is :mod:`.caller`'s; what a process's lanes hold is :mod:`.state`'s
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import pickle
 import socket
@@ -16,6 +15,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
+
+from nbrpc import _fork, _timers
 
 from .callee import take
 from .frames import FRAME, Frames, Outbox
@@ -45,11 +46,11 @@ UNREADABLE = 10  # a Reply's kind, here only: its value did not unpickle in this
 ON_DEVICE_KEPT = 256
 #: a reply's callbacks (a future's ``then``) that run longer than this on a lane's reader
 #: have the lane read by a new thread: torch runs callbacks on one of its RPC threads, so
-#: a slow one does not hold other replies up (:func:`_watch_callbacks`; read at every look)
+#: a slow one does not hold other replies up (:func:`_look`; read at every look)
 SLOW_CALLBACK_S = 0.02
-#: how often the watcher looks, while this process has a shared lane
+#: how often a look (:func:`_look`) runs, while this process has a shared lane
 LOOK_EVERY_S = 0.05
-#: readers handed over that still run their callbacks, at most, for the watcher (torch's
+#: readers handed over that still run their callbacks, at most, for the looks (torch's
 #: default ``num_worker_threads``); beyond, a slow callback holds its lane's replies up
 MAX_AWAY = 16
 
@@ -311,25 +312,21 @@ class Lane:
 
 
 class _Watching:
-    """The thread that hands a lane's reading over while its reader runs a slow callback
-    (one per process while it has a shared lane), and the readers handed over that still
-    run their callbacks (a thread ends as its callbacks return)."""
+    """The look, on the timer service every :data:`LOOK_EVERY_S` while this process has a
+    shared lane, that hands a lane's reading over while its reader runs a slow callback
+    (:func:`_look`), and the readers handed over that still run their callbacks (a thread
+    ends as its callbacks return)."""
 
     def __init__(self) -> None:
-        self.thread: threading.Thread | None = None
+        self.timer: _timers.Timer | None = None
         self.lock = threading.Lock()
         self.away: set[threading.Thread] = set()
 
     def start(self) -> None:
-        """Called once a shared lane is in ``here.shared``: the watcher runs (again)."""
+        """Called once a shared lane is in ``here.shared``: the looks go on (again)."""
         with self.lock:
-            if self.thread is None or not self.thread.is_alive():  # (not after a fork)
-                thread = threading.Thread(
-                    target=_watch_callbacks, name="nbrpc-lane-callbacks", daemon=True
-                )
-                with contextlib.suppress(RuntimeError):  # no thread: callbacks hold, as before
-                    thread.start()
-                    self.thread = thread
+            if self.timer is None:
+                self.timer = _timers.after(LOOK_EVERY_S, _look)
 
     def went_away(self, reader: threading.Thread) -> None:
         with self.lock:
@@ -341,28 +338,40 @@ class _Watching:
             return len(self.away)
 
     def lanes_or_stop(self) -> list[Lane]:
-        """The shared lanes; none: the watcher ends (under the lock :meth:`start` takes)."""
+        """The shared lanes; none: the looks end (under the lock :meth:`start` takes)."""
         with self.lock:
             lanes = list(here.shared.values())
             if not lanes:
-                self.thread = None
+                self.timer = None
             return lanes
+
+    def again(self) -> None:
+        """The next look, unless the looks ended meanwhile."""
+        with self.lock:
+            if self.timer is not None:
+                self.timer = _timers.after(LOOK_EVERY_S, _look)
+
+    def forget(self) -> None:
+        """In a forked child: the parent's looks and readers are not the child's."""
+        self.timer = None
+        self.away = set()
 
 
 _watching = _Watching()
+_fork.in_child(_watching.forget)
 
 
-def _watch_callbacks() -> None:
+def _look() -> None:
     """While this process has a shared lane: one whose reader has run one reply's
     callbacks for over :data:`SLOW_CALLBACK_S` is read by a new thread from then on; the
     old one ends when its callbacks return. Without, ``fut.then(slow)`` held up every
     other reply from that peer until ``slow`` returned; in torch it holds one of 16
-    threads. At most :data:`MAX_AWAY` such readers at once."""
-    while True:
-        time.sleep(LOOK_EVERY_S)
-        lanes = _watching.lanes_or_stop()
-        if not lanes:
-            return
+    threads. At most :data:`MAX_AWAY` such readers at once. Short (a lock held for a
+    moment, a thread started): it runs on the timer service's thread."""
+    lanes = _watching.lanes_or_stop()
+    if not lanes:
+        return
+    try:
         now = time.monotonic()
         for lane in lanes:
             since = lane.settling
@@ -371,6 +380,8 @@ def _watch_callbacks() -> None:
             if _watching.still_away() >= MAX_AWAY:
                 break
             lane._hand_over_from(since[0], since)
+    finally:
+        _watching.again()
 
 
 def _reply(kind: int, payload: bytes) -> Reply:
