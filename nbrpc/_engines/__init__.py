@@ -113,7 +113,10 @@ class Engines:
         self.settings = settings
         self.source: EngineSource = source_for(settings)(settings)
         self.client: Any = None
-        self.taken: list[int] = []  # engine ids handed to this cluster by the source
+        # engine ids the source handed this cluster, for their stop: those of a boot that
+        # failed before any join was asked too. Which worker runs on which engine is the
+        # roster's (nbrpc._states.Roster.engines), not this list's.
+        self.taken: list[int] = []
 
     def connect(self) -> Any:
         self.client = self.source.client()

@@ -300,7 +300,7 @@ class Joining:
     def record(self, name: str, info: dict, order: int = 0) -> WorkerRecord:
         """The row of worker ``name``, from what its join reported (``info``); ``order``:
         its ``nbrpc.rank()`` (a restart keeps the old row's)."""
-        eid = self.booted.roster.engines()[name]
+        eid = self.booted.roster.joining[name]  # (asked to join, not yet recorded)
         return WorkerRecord(
             name,
             info["rank"],
