@@ -67,6 +67,13 @@ class Booted:
     shm_peers: dict[str, list[str]] = field(default_factory=dict)
     process_group: collective.ProcessGroupInfo | None = None
 
+    def devices_back(self, ready: list[str]) -> None:
+        """torch's dynamic group drops every member's CUDA devices and reply maps at each
+        join and each leave: the kernel and the ``ready`` workers get them back
+        (:func:`nbrpc._setup.device_replies`; nothing without device maps). The one call
+        after a join (:meth:`Joining.after_join`), a scale's leave and a restart's."""
+        _setup.device_replies(self.device_maps, ready)
+
 
 def boot(settings: Settings, engines: Engines, booted: Booted) -> None:
     """Run the boot (see the module doc); raises :class:`~nbrpc.BootError` & co."""
@@ -322,9 +329,8 @@ class Joining:
            and across hosts to every worker (each one's peers changed);
         2. clocks (:func:`nbrpc._gather.timeline.measure_clocks`): after the lanes, so
            the offsets are measured on the route calls will take;
-        3. device maps (:func:`nbrpc._setup.device_replies`): every ready process gets
-           back the CUDA devices and reply maps torch's dynamic group dropped at the
-           join;
+        3. device maps (:meth:`Booted.devices_back`): every ready process gets back the
+           CUDA devices and reply maps torch's dynamic group dropped at the join;
         4. side doors: told that the joined workers settled
            (:func:`nbrpc._states.settled`), the cluster's listener connects to their doors
            (``Aside.on_worker_change``; a boot's, once the cluster is ready).
@@ -333,7 +339,7 @@ class Joining:
         if fresh or booted.fast_path or booted.lanes:
             self.set_up_fast_path(ready if self.engines.source.remote else joined)
         timeline.measure_clocks(joined)
-        _setup.device_replies(booted.device_maps, ready)
+        booted.devices_back(ready)
         _states.settled(joined)
 
     def set_up_fast_path(self, names: list[str]) -> None:

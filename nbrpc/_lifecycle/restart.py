@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from nbrpc import _departures, _fence, _group, _process, _setup, _states
+from nbrpc import _departures, _fence, _group, _process, _states
 from nbrpc._engines import JOIN_TIMEOUT_S
 from nbrpc._errors import BootError, ConfigError
 from nbrpc._placement import check_named
@@ -159,7 +159,7 @@ def _run(cluster: Cluster, names: list[str]) -> Restarted:
         try:
             joining.clean_up_unjoined(taken, described, {})
         finally:
-            _give_devices_back(cluster)  # to the workers that stay
+            cluster.booted.devices_back(cluster.booted.roster.ready())  # to those that stay
         raise
     _states.rejoined([joining.record(name, infos[name]) for name in names])
     joining.after_join(names, booted.roster.ready())
@@ -175,12 +175,6 @@ def _run(cluster: Cluster, names: list[str]) -> Restarted:
         result.process_group = True
     result.seconds = time.monotonic() - t0
     return result
-
-
-def _give_devices_back(cluster: Cluster) -> None:
-    """What the leave (and the join) took from the ready processes' agents: their CUDA
-    devices and reply maps (:func:`nbrpc._setup.device_replies`)."""
-    _setup.device_replies(cluster.booted.device_maps, cluster.booted.roster.ready())
 
 
 def _check(cluster: Cluster, names: list[str], records: dict[str, WorkerRecord]) -> None:

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
-from nbrpc import _departures, _fence, _group, _process, _setup, _states, _torch
+from nbrpc import _departures, _fence, _group, _process, _states, _torch
 from nbrpc._engines import JOIN_TIMEOUT_S, worker
 from nbrpc._rows import WorkerRecord, WorkerState
 from nbrpc._wire import cancelling, native_output
@@ -214,7 +214,7 @@ def _leave(
     """The leavers let go of their RRefs and leave by torch's leave; one that cannot is
     dropped on its behalf. Then their engines stop and the records say they left. torch's
     leave drops every member's CUDA devices and reply maps: they are given back after each
-    leave, and when one failed half way (:func:`nbrpc._setup.device_replies`)."""
+    leave, and when one failed half way (:meth:`Booted.devices_back`)."""
     booted, engines = cluster.booted, cluster.engines
     names = [r.name for r in leavers]
     ids = {r.name: r.engine_id for r in leavers if r.engine_id is not None}
@@ -237,7 +237,7 @@ def _leave(
                 if f"engine {eid}" in failed:
                     _departures.release_stale_token()
                 if booted.device_maps and eid != live_ids[-1]:  # after the last: finally
-                    _setup.device_replies(booted.device_maps, ready())
+                    booted.devices_back(ready())
         gone = [r.name for r in leavers if r.name not in live or f"engine {r.engine_id}" in failed]
         if gone:  # dead, or its leave failed: out of the group on its behalf, everywhere
             try:
@@ -247,7 +247,7 @@ def _leave(
             finally:
                 _departures.forget_names(gone)  # the kernel's table, torch's list and token
     finally:
-        _setup.device_replies(booted.device_maps, ready())
+        booted.devices_back(ready())
     at = time.strftime("%H:%M:%S")
     _states.departed_at_scale(names, [r.rank for r in leavers], at)
     try:  # held: a stop in the middle left stopped engines counted as starting ones, and
