@@ -147,6 +147,21 @@ def test_last_words_are_a_crash_report_not_earlier_errors(tmp_path):
         '      File "<notebook-cell-3>", line 2 in step',
     ]
     assert last_words(str(log), start=len(earlier + crash)) == ""  # before this engine
+    # a report whose threads' stacks run past 16 KB (a worker with many threads): found
+    stacks = "".join(
+        f"\nThread 0x{i:016x} (most recent call first):\n"
+        + '  File "/venv/lib/python3.11/site-packages/torch/distributed/rpc/api.py", '
+        "line 82 in wait\n" * 30
+        for i in range(20)
+    )
+    assert len(stacks) > 40_000
+    head = crash[: crash.index("Current thread")]
+    log.write_text(earlier + head + stacks + crash[crash.index("Current thread") :])
+    said = last_words(str(log)).splitlines()
+    assert said[2:4] == [  # the crashing thread's stack, not the first thread listed
+        "    Fatal Python error: Aborted",
+        "    Current thread 0x00007f (most recent call first):",
+    ], said
     # another thread's unfinished line before the report: the report is still found
     log.write_text(earlier + "[W1122 23:10:01.1 half a line" + crash[crash.index("Fatal") :])
     assert last_words(str(log)).splitlines()[:2] == [

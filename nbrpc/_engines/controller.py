@@ -342,6 +342,11 @@ _FATAL = "Fatal Python error: "
 #: errors of earlier calls that their callers already got).
 _LOGGED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[.,]\d+ \[|\[[EWIF]\d{4} )")
 BEFORE_LINES, STACK_LINES = 4, 12
+#: how much of a log's end is read for a crash report: faulthandler's report lists every
+#: thread's stack (up to 100 frames each) and the extension modules after its first line,
+#: which a 16 KB tail missed now and then in a worker with many threads (the report was
+#: there, its first line before the tail: the error said nothing of the crash)
+CRASH_TAIL_BYTES = 1 << 20
 
 
 def last_words(log: str | int, start: int = 0) -> str:
@@ -354,7 +359,7 @@ def last_words(log: str | int, start: int = 0) -> str:
         fd = os.dup(log) if isinstance(log, int) else os.open(log, os.O_RDONLY)
         with os.fdopen(fd, "rb") as f:
             size = f.seek(0, os.SEEK_END)
-            f.seek(max(start, size - 16384))
+            f.seek(max(start, size - CRASH_TAIL_BYTES))
             lines = f.read().decode(errors="replace").splitlines()
     except OSError:
         return ""
@@ -369,9 +374,13 @@ def last_words(log: str | int, start: int = 0) -> str:
         if not line.strip() or _LOGGED.match(line):
             break
         before.insert(0, line)
-    report = []
-    for line in lines[at : at + STACK_LINES]:
-        if line.startswith("Extension modules: "):
+    report = [lines[at]]
+    # the crashing thread's stack: faulthandler lists every thread, that one as "Current
+    # thread", not always first (the others, idle, say nothing of the crash)
+    rest = lines[at + 1 :]
+    first = next((i for i, line in enumerate(rest) if line.startswith("Current thread")), 0)
+    for line in rest[first : first + STACK_LINES - 1]:
+        if line.startswith("Extension modules: ") or (report[1:] and not line.strip()):
             break
         report.append(line)
     return "\n".join(f"    {line[:300]}" for line in before + report if line.strip())
