@@ -100,7 +100,7 @@ def _get_type(rref: Any, timeout: float = _torch.UNSET_RPC_TIMEOUT, blocking: bo
     out.dest = owner
     _type_futures[rref] = (got, out)
     call = errors.Sent(owner, what, 0.0, facade.given(timeout))
-    got.add_done_callback(lambda done: failures.settle(done, out, call.translate))
+    _torch.on_done(got, lambda done: failures.settle(done, out, call.translate))
     return out
 
 

@@ -60,7 +60,7 @@ def wait_all(futures: list) -> list:
                 settled.set_result(None)
 
     for fut in futures:
-        fut.add_done_callback(one_settled)
+        _torch.on_done(fut, one_settled)
     if threading.current_thread() is threading.main_thread():
         prompts.wait_on_main_thread(settled)
     else:

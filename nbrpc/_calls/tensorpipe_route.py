@@ -60,7 +60,7 @@ def waited(dest: WorkerInfo, sent: tuple, call: Sent) -> Outcome:
 def started(dest: WorkerInfo, sent: tuple, done: Done, sync: bool = False) -> None:
     """Send ``sent`` (``sync``: as torch's ``rpc_sync``); ``done`` gets its outcome."""
     raw = send(dest, sent, sync=sync)
-    raw.add_done_callback(lambda finished: _settle(finished, done))
+    _torch.on_done(raw, lambda finished: _settle(finished, done))
 
 
 def send(dest: WorkerInfo, sent: tuple, sync: bool = False) -> torch.futures.Future:

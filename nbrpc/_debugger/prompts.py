@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbrpc import _states
+from nbrpc import _states, _torch
 from nbrpc._errors import show_short
 from nbrpc._process import shell as ipython_shell
 from nbrpc._wire import cancelling, failures
@@ -257,7 +257,7 @@ def wait_on_main_thread(fut: Any, limit: float = 0) -> bool:
     stands still while a debugger session is open.
     """
     woke = threading.Event()
-    fut.add_done_callback(lambda _: woke.set())
+    _torch.on_done(fut, lambda _: woke.set())
 
     def one_slice() -> bool:
         if not fut.done():

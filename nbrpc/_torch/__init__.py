@@ -79,6 +79,7 @@ from .calls import (
     install_tensor_extractor as install_tensor_extractor,
     is_builtin as is_builtin,
     list_future as list_future,
+    on_done as on_done,
     patch_api as patch_api,
     profiler_enabled as profiler_enabled,
     remote as remote,

@@ -105,6 +105,35 @@ def list_future(fut: Any) -> None:
         listed.append(fut)
 
 
+def on_done(fut: Any, callback: Callable[[Any], None]) -> None:
+    """``fut.add_done_callback(callback)``, except that what ``callback`` raises while it
+    runs right here (``fut`` was done: torch runs it at once, on this thread) is raised
+    here. torch logs a callback's exception and drops it: the stop button's
+    ``KeyboardInterrupt``, delivered into a worker's call at whatever bytecode it runs
+    (:mod:`nbrpc._wire.cancelling`), or into the kernel's main thread by SIGINT, was lost
+    when it landed in such a callback, and the call ran on (the soak: a flood the stop
+    button ended went on printing into later cells). A callback that runs later, on
+    another thread, is torch's as before."""
+    caught: list[BaseException] = []
+    me = threading.get_ident()
+    registering = True
+
+    def run(done: Any) -> None:
+        try:
+            callback(done)
+        except BaseException as exc:
+            if not registering or threading.get_ident() != me:
+                raise
+            caught.append(exc)
+
+    try:
+        fut.add_done_callback(run)
+    finally:
+        registering = False
+    if caught:
+        raise caught[0]
+
+
 def remote(*args: Any, **kwargs: Any) -> Any:
     """torch's own ``remote``, as the ledger patched it (see :func:`rpc_sync`)."""
     return rpc_api.remote(*args, **kwargs)

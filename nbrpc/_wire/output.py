@@ -199,7 +199,7 @@ class _CallOutput:
             fut = _torch.rpc_async(
                 _forward.to, show_output, args=(_forward.me, chunks), timeout=SEND_TIMEOUT_S
             )
-            fut.add_done_callback(self._sent)
+            _torch.on_done(fut, self._sent)
         except Exception as exc:  # the kernel is gone: keep the text on the worker
             self._in_flight = False
             self._idle.set()

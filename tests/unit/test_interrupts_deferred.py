@@ -70,3 +70,27 @@ def test_elsewhere_than_the_main_thread_it_holds_nothing():
     t.start()
     t.join()
     assert seen == [signal.getsignal(signal.SIGINT)]
+
+
+def test_an_interrupt_in_a_callback_run_at_once_is_raised_not_dropped():
+    """torch drops what a done callback raises (it logs it). A callback run at once (the
+    future was done) on the thread that adds it is where the stop button's interrupt
+    landed, in a flood's output sent from a cancelled call: ``_torch.on_done`` raises it
+    there. One that runs later, on the thread that completes the future, is torch's."""
+    import pytest
+    import torch
+
+    from nbrpc import _torch
+
+    def stop(_fut):
+        raise KeyboardInterrupt
+
+    done = torch.futures.Future()
+    done.set_result(1)
+    with pytest.raises(KeyboardInterrupt):
+        _torch.on_done(done, stop)
+    later = torch.futures.Future()
+    ran: list[int] = []
+    _torch.on_done(later, lambda f: ran.append(f.value()))
+    later.set_result(2)
+    assert ran == [2]
