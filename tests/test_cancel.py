@@ -530,6 +530,45 @@ shown_here.show_output = show_late
 """
 
 
+def test_a_flood_that_returned_while_its_lines_were_on_their_way_is_cut_by_the_stop(kernel):
+    """The stop button after the flood's function returned, while the call's end waits for
+    its lines to reach the kernel: the rest is dropped, said once, and the cell's cancel
+    names the call. Before, the cancel found nothing running (the function had returned)
+    and the lines went on into the next cells (the soak's finding, docs/soak.md: seeds 66
+    and 20261128, 3,392-136,604 lines). The kernel shows each message 50 ms late, so the
+    lines take seconds to arrive after the function's end."""
+    kernel.run(
+        "import time\n"
+        "def flood_then_note(n):\n"
+        "    global returned_at\n"
+        "    for i in range(n):\n"
+        "        print('poured', i)\n"
+        "    returned_at = time.time()\n"
+        "    return n\n"
+        "def when_returned():\n"
+        "    return returned_at"
+    )
+    kernel.run(SLOW_SHOW.replace("0.02", "0.05"))
+    try:
+        t0 = time.time()
+        _, errors = kernel.stop_after(
+            "nbrpc.rpc_sync('worker1', flood_then_note, args=(100000,))", 2.0
+        )
+        pressed = t0 + 2.0
+        said = kernel.stderr + kernel.late_output(3.0)
+    finally:
+        kernel.run("shown_here.show_output = shown_at_once")
+    assert errors, "the stop button ended nothing"
+    assert errors[0].startswith("KeyboardInterrupt"), errors
+    returned = kernel.value("nbrpc.rpc_sync('worker1', when_returned)")
+    assert returned < pressed, "the function still ran at the stop: this test did not test"
+    assert "nbrpc: cancelled flood_then_note on worker1" in said, said[-2000:]
+    assert re.search(r"\[worker1\] nbrpc: \d+ more lines not shown: the call was cancelled", said)
+    later, _ = kernel.execute("print(nbrpc.rpc_sync('worker1', min, args=(1, 2)))")
+    later += kernel.late_output(1.0)
+    assert later.count("poured") == 0, f"{later.count('poured')} lines in the next cell"
+
+
 def test_the_stop_button_is_never_lost_in_a_freed_tensors_finalizer(kernel):
     """A loop of 16 MB calls: each reply arrives in shared memory, and a weakref callback
     gives its slot back when the tensor is freed. Python raises the stop's

@@ -184,8 +184,9 @@ def run_function(python_udf: Any) -> Any:
                 cancelling.enter(running)
             result = _torch.run_udf(python_udf)
         finally:
-            if running is not None:  # no interrupt fires after this (see cancelling)
-                cancelling.leave(running)
+            if running is not None:  # no interrupt fires after this (see cancelling); a
+                # cancel from now on drops the output not sent yet (its end waits for it)
+                cancelling.leave(running, printed.cancel if printed is not None else None)
         unsendable = _unsendable(result, func) if type(result) in _UNSENDABLE else None
         if unsendable is not None:
             raised = type(unsendable).__name__
@@ -227,6 +228,8 @@ def run_function(python_udf: Any) -> Any:
             hook()
         native_output.before_call_ends(printed)
         output.end_call(printed, interrupted, running is not None and running.interrupted)
+        if running is not None:
+            cancelling.drained(running)
         if counted:
             with _served.lock:
                 _served.in_flight -= 1

@@ -76,6 +76,9 @@ class Running:
     interrupted: bool = False
     waiter: _Waiter | None = None  # the cancel waiting for it to end
     ended: bool = False  # the waiter was told
+    #: the call returned and its end waits for its output to reach the caller: a cancel
+    #: calls this (what was not sent is dropped) instead of interrupting
+    draining: Any = None
 
 
 class _Waiter:
@@ -185,17 +188,33 @@ def enter(entry: Running) -> None:
     _thread.origin = origin
 
 
-def leave(entry: Running) -> None:
+def leave(entry: Running, draining: Any = None) -> None:
     """The call ended (idempotent: called again where an interrupt fired inside the first
-    call): no interrupt for it may fire from now on, and a cancel waiting for it is told."""
+    call): no interrupt for it may fire from now on, and a cancel waiting for it is told.
+
+    ``draining``: the call returned, but its end still waits for its output to reach the
+    caller (a flood's lines, seconds of them): until :func:`drained`, a cancel of its
+    origin calls ``draining()``, which drops what was not sent, and counts the call as
+    stopped. Before, the stop button pressed then found nothing running, and the lines
+    went on reaching the next cells (the soak, docs/soak.md)."""
     _thread.origin = entry.outer
     with _here.lock:
         if entry.interrupted:  # set, maybe not delivered yet: never after this
             _set_async_exc(entry.thread, None)
-        _here.running.pop(id(entry), None)
+        if draining is not None and not entry.interrupted:
+            entry.draining = draining  # it stays listed, for a cancel to reach its output
+        elif entry.draining is None:
+            _here.running.pop(id(entry), None)
         if entry.waiter is not None and not entry.ended:
             entry.ended = True
             entry.waiter.ended()
+
+
+def drained(entry: Running) -> None:
+    """The call's end is over, its output sent or dropped (see :func:`leave`)."""
+    with _here.lock:
+        entry.draining = None
+        _here.running.pop(id(entry), None)
 
 
 def _set_async_exc(ident: int, exc: type[BaseException] | None) -> None:
@@ -215,12 +234,18 @@ def cancel(ranges: Ranges, grace: float = GRACE_S, ask: bool = False) -> list[di
     docstring) and wait up to ``grace`` seconds for the running ones to end; ``ask``:
     cancel nothing, list those still running. One row per call that was running:
     ``name``, ``caller``, ``thread``, ``pid``, ``stopped`` (it ended within ``grace``)."""
+    drops = []
     with _here.lock:
         hit = [e for e in _here.running.values() if any(lo <= e.origin <= hi for lo, hi in ranges)]
         if not ask:
             _remember(ranges)
         waiter = _Waiter(len(hit))
         for entry in hit:
+            if entry.draining is not None:  # returned: its output's rest is dropped
+                if not ask:
+                    drops.append(entry.draining)
+                waiter.count -= 1
+                continue
             if not ask and not entry.interrupted:
                 entry.interrupted = True
                 _set_async_exc(entry.thread, KeyboardInterrupt)
@@ -228,9 +253,11 @@ def cancel(ranges: Ranges, grace: float = GRACE_S, ask: bool = False) -> list[di
                 entry.waiter = waiter
             else:  # asked only, or another cancel waits for it already: not waited for here
                 waiter.count -= 1
+    for drop in drops:  # (outside the lock: it takes the output's)
+        drop()
     if hit and waiter.count > 0 and grace > 0:
         waiter.done.wait(grace)
-    left = set(_still([id(e) for e in hit]))
+    left = set(_still([id(e) for e in hit if e.draining is None]))
     return [
         {
             "name": e.name,

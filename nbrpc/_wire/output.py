@@ -222,6 +222,23 @@ class _CallOutput:
             elif self._idle is not None:
                 self._idle.set()
 
+    def cancel(self) -> None:
+        """The call returned, and a cancel came while its end waits for this output (on
+        another thread): what was not sent yet is dropped, as a cancelled call's close
+        drops it, and the wait ends once the message in flight and the note arrive."""
+        if not self._wrote:
+            return
+        with self._lock:
+            self._drop()
+
+    def _drop(self) -> None:  # holds self._lock
+        lines = sum(t.count("\n") for s, t in self._pending if s != "bar")
+        lines += sum(1 for rest in self.buffers.values() if rest)
+        self._pending = [(s, t) for s, t in self._pending if s == "bar"][-1:]
+        self.buffers = {"stdout": "", "stderr": ""}
+        if lines:
+            self._queue("stderr", f"nbrpc: {lines} more lines not shown: {CUT}\n")
+
     def drain(self) -> None:
         """Wait (bounded) until every complete line written so far has been printed."""
         self._wait_idle()
@@ -252,12 +269,7 @@ class _CallOutput:
                 self._partial.cancel()
                 self._partial = None
             if cancelled:
-                lines = sum(t.count("\n") for s, t in self._pending if s != "bar")
-                lines += sum(1 for rest in self.buffers.values() if rest)
-                self._pending = [(s, t) for s, t in self._pending if s == "bar"][-1:]
-                self.buffers = {"stdout": "", "stderr": ""}
-                if lines:
-                    self._queue("stderr", f"nbrpc: {lines} more lines not shown: {CUT}\n")
+                self._drop()
                 return
             for stream, rest in self.buffers.items():
                 if rest:
