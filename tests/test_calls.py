@@ -256,9 +256,15 @@ def test_a_builtin_goes_as_torch_sends_it_where_a_schema_takes_its_arguments(clu
     Python call (no schema takes an int there). A small rpc_sync of a builtin takes the
     lane (nbrpc._wire.lanes) as a Python call: the same result, counted."""
 
-    def python_calls_done() -> int:
-        return {r["name"]: r for r in nbrpc.status()}["worker1"]["calls_done"]
+    def worker1() -> dict:
+        return {r["name"]: r for r in nbrpc.status()}["worker1"]
 
+    def python_calls_done() -> int:
+        return worker1()["calls_done"]
+
+    # an earlier test's call still running there would be counted in the middle (a fresh
+    # run's one failure, 49 == 47 + 1): counted from when none runs
+    assert wait_until(lambda: worker1()["calls_in_flight"] == 0)
     before = python_calls_done()
     rref = rpc.remote("worker1", torch.add, args=(torch.ones(2), 1))
     assert torch.equal(rref.to_here(), torch.ones(2) * 2)
