@@ -10,7 +10,7 @@ from nbrpc._wire import cancelling
 
 
 def _origin() -> int:
-    return cancelling._new_prefix() | 7
+    return cancelling.origin_here()  # a new one, as a call made on this thread gets
 
 
 def test_a_cancel_during_a_calls_output_drain_drops_the_rest_and_interrupts_nothing():
