@@ -23,7 +23,7 @@ from nbrpc._calls import cancel
 from nbrpc._gather import census
 from nbrpc._wire import cancelling, lanes, side_door
 
-from .boot import Booted
+from .booted import Booted
 
 #: beyond a cancel's grace: how long it waits for a worker to answer
 CANCEL_REACH_S = 3.0

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from nbrpc import _departures, _devices, _fence, _group, _kernel_devices, _network, _setup, _states
@@ -43,36 +42,8 @@ from nbrpc._placement import validate_names
 from nbrpc._rows import WorkerRecord
 
 from . import collective
+from .booted import Booted
 from .progress import BootProgress
-
-
-@dataclass
-class Booted:
-    """What a boot found and made (the cluster keeps it, whole or half made)."""
-
-    #: every process of the group, the kernel first, and the engines of those joining
-    #: (written by :mod:`nbrpc._states`, their one owner)
-    roster: _states.Roster = field(default_factory=_states.Roster)
-    #: where the boot's time went, in seconds from its start: "controller" (connected;
-    #: 0 when kept from the last cluster), "engines" (all registered), "torch import"
-    #: (the zygote's imports, 0 when it ran before), "join" (its own length), "total"
-    seconds: dict[str, float] = field(default_factory=dict)
-    device_maps: dict = field(default_factory=dict)  # every process's maps
-    fast_path: bool = False  # large CPU tensors through shared memory
-    lanes: bool = False  # small calls through Unix sockets (nbrpc._wire.lanes)
-    #: TensorPipe's transports the workers join with (empty: the default), chosen at
-    #: the boot (:func:`nbrpc._network.transports_for`); a restart's or a scale's too
-    transports: list[str] = field(default_factory=list)
-    #: across hosts: each process's peers that see its /dev/shm (the fast path's reach)
-    shm_peers: dict[str, list[str]] = field(default_factory=dict)
-    process_group: collective.ProcessGroupInfo | None = None
-
-    def devices_back(self, ready: list[str]) -> None:
-        """torch's dynamic group drops every member's CUDA devices and reply maps at each
-        join and each leave: the kernel and the ``ready`` workers get them back
-        (:func:`nbrpc._setup.device_replies`; nothing without device maps). The one call
-        after a join (:meth:`Joining.after_join`), a scale's leave and a restart's."""
-        _setup.device_replies(self.device_maps, ready)
 
 
 def boot(settings: Settings, engines: Engines, booted: Booted) -> None:
@@ -284,9 +255,10 @@ class Joining:
         """Every worker in ``places`` joins at once, with its device maps and devices
         (:func:`nbrpc._engines.worker.join`); what each reported of itself (also in
         ``infos`` as they come: a scale stopped half way keeps those that joined)."""
-        pending = {}
+        pending = self.booted.asked
         for name, (rank, eid) in places.items():
             self.progress.update(name, 2)
+            _states.asked_to_join(self.booted.roster, name, eid)  # before: a stop may land
             pending[name] = self.engines.apply(
                 eid,
                 worker.join,
@@ -301,8 +273,10 @@ class Joining:
                 self.members,
                 self.booted.transports,
             )
-            _states.asked_to_join(self.booted.roster, name, eid)
-        return wait_for_joins(pending, self.progress, infos)
+        joined = wait_for_joins(dict(pending), self.progress, infos)
+        for name in places:
+            pending.pop(name, None)
+        return joined
 
     def record(self, name: str, info: dict, order: int = 0) -> WorkerRecord:
         """The row of worker ``name``, from what its join reported (``info``); ``order``:

@@ -35,6 +35,7 @@ from nbrpc._rows import StackRow, StatusRow, WorkerRecord, WorkerState
 from nbrpc._wire import lanes, native_output, shm
 
 from . import aside, boot, collective, leave, restart as restarts, scale as scales
+from .booted import Booted
 
 log = logging.getLogger("nbrpc")
 
@@ -98,7 +99,7 @@ class Cluster:
     ) -> None:
         self.settings = settings or _engines.resolve(Settings.make(n, **options))
         self.state = ClusterState.NOT_STARTED
-        self.booted = boot.Booted()
+        self.booted = Booted()
         self.engines = _engines.Engines(self.settings)
         #: the workers reached past their RPC threads (a cancel, %rpc_status's figures)
         self.aside = aside.Aside(self.engines, self.booted, self.settings.self_name)
@@ -189,6 +190,7 @@ class Cluster:
         self._enter(ClusterState.SHUTTING_DOWN)
         names = list(self.booted.roster.engines())  # every worker asked to join, joined or not
         _states.leaving(names)
+        self.booted.let_joins_end()  # before the group forgets them (see there)
         try:
             # stopped, not asked to leave: torch's leave waits for the group's join token,
             # which a worker whose join failed half way may hold (30 s, then an error)

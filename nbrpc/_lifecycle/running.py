@@ -11,7 +11,7 @@ from nbrpc._options import Settings
 from nbrpc._rows import WorkerRecord
 
 from .aside import Aside
-from .boot import Booted
+from .booted import Booted
 
 
 class Cluster(Protocol):
