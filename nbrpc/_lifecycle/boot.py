@@ -255,7 +255,7 @@ class Joining:
         """Every worker in ``places`` joins at once, with its device maps and devices
         (:func:`nbrpc._engines.worker.join`); what each reported of itself (also in
         ``infos`` as they come: a scale stopped half way keeps those that joined)."""
-        pending = self.booted.asked
+        pending: dict[str, Any] = {}
         for name, (rank, eid) in places.items():
             self.progress.update(name, 2)
             _states.asked_to_join(self.booted.roster, name, eid)  # before: a stop may land
@@ -273,9 +273,10 @@ class Joining:
                 self.members,
                 self.booted.transports,
             )
-        joined = wait_for_joins(dict(pending), self.progress, infos)
-        for name in places:
-            pending.pop(name, None)
+            self.booted.asked[name] = pending[name]  # until answered (Booted.let_joins_end)
+        joined = wait_for_joins(pending, self.progress, infos)
+        for name in pending:
+            self.booted.asked.pop(name, None)
         return joined
 
     def record(self, name: str, info: dict, order: int = 0) -> WorkerRecord:
@@ -354,6 +355,8 @@ class Joining:
         all, and the engines taken for them stop (``taken``: name -> (its torch rank, if
         handed out; its engine id); ``described``: their pids, where known)."""
         booted, engines = self.booted, self.engines
+        for name in taken:  # (a grow's or a restart's: no boot waits for them)
+            booted.asked.pop(name, None)
         missing = [name for name in taken if name not in infos]
         if not missing:
             return
