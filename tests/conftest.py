@@ -539,5 +539,14 @@ def nb():
     return notebook_code
 
 
+@pytest.fixture
+def no_cluster():
+    """No cluster in this process, so no lanes or shared memory of its own (a unit test of
+    what a lane carries: a cluster's fast path would carry a large tensor)."""
+    with contextlib.suppress(nbrpc.NotInitializedError):
+        nbrpc.current()
+        nbrpc.shutdown()
+
+
 def pytest_report_header(config):
     return f"nbrpc {nbrpc.__version__}, pid {os.getpid()}"

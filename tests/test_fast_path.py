@@ -353,6 +353,8 @@ def test_a_shutdown_lets_go_of_the_gone_clusters_memory_but_what_tensors_use():
             nbrpc.shutdown()
             gc.collect()
             assert _shm_descriptors() - before == len(kept)
+            # and the fast path is off: a tensor pickled now made an arena no sweep removed
+            assert not shm.enabled()
         assert all(float(t.sum()) == 1 << 16 for t in kept)
     finally:
         nbrpc.shutdown()

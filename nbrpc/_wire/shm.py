@@ -117,7 +117,13 @@ def forget_swept() -> None:
     """The cluster's shared-memory files are gone (its shutdown swept them): this process
     keeps no mapping of them (each holds a file descriptor) but those its received tensors
     still use, and its own arena goes. They were kept until the next cluster's start: the
-    soak counted up to 7 held after a shutdown, once lanes sent tensors over 64 KB this way."""
+    soak counted up to 7 held after a shutdown, once lanes sent tensors over 64 KB this way.
+
+    The fast path is off until the next cluster sets it up: with no peer left, a tensor
+    pickled after the shutdown made an arena that no sweep removed (a /dev/shm file left
+    at the process's end)."""
+    _state.threshold = None
+    _state.peers = None
     arena = _state.arena
     if arena is not None and not arena.usable(_state.prefix):
         _state.arena = None

@@ -56,6 +56,7 @@ def test_a_tensor_arrives_as_the_same_view_of_its_own_storage(tensor):
     ids=["requires_grad", "large", "sparse", "quantized", "conj"],
 )
 @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+@pytest.mark.usefixtures("no_cluster")  # a cluster's shared memory would carry the large one
 def test_what_torch_must_carry_is_refused(value):
     if isinstance(value, str):  # made here: its creation warns that it is deprecated
         value = torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.quint8)

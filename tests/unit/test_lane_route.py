@@ -8,7 +8,6 @@ process's too: the cluster is shut down first (the next test that needs one star
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import tempfile
@@ -21,7 +20,6 @@ import torch
 import torch.distributed.rpc as rpc
 from conftest import wait_until
 
-import nbrpc
 from nbrpc import _process
 from nbrpc._calls import spelling
 from nbrpc._wire import lanes
@@ -53,11 +51,8 @@ def wait(one_slice, limit):
 
 
 @pytest.fixture(autouse=True)
-def no_cluster():
+def no_lanes(no_cluster):
     """No cluster, so no lanes of its own, in this process."""
-    with contextlib.suppress(nbrpc.NotInitializedError):
-        nbrpc.current()
-        nbrpc.shutdown()
     assert lanes.directory() is None
 
 
