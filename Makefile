@@ -101,9 +101,13 @@ package-check: $(STAMP)
 # The site is built after the suite, whose nbval run writes the tutorials' outputs, and its
 # browser test runs after the build (so it is left out of the first run). Each pytest run
 # fails if it left a process or a file behind (tests/leftovers.py; alone, pytest only warns).
+# The suite runs on TEST_WORKERS pytest-xdist workers: its tests wait on processes more than
+# they compute (one run used 37 % of this machine's two cores). Each module stays on one
+# worker, in its order, and the fake hosts' modules share one (tests/conftest.py: _group_of).
+TEST_WORKERS ?= 2
 test: $(STAMP) $(CHROMIUM) $(FAKEHOSTS) lint package-check
 	$(PY) -m pytest tests --nbval-lax notebooks --ignore=tests/test_docs_site.py -v -rs --durations=10 \
-	  --leftovers=fail
+	  -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --leftovers=fail
 	$(MAKE) --no-print-directory docs
 	$(PY) -m pytest tests/test_docs_site.py -v -rs --leftovers=fail
 	$(MAKE) --no-print-directory test-torch TORCH=$(TORCH_NEWEST)
@@ -121,6 +125,7 @@ TORCH_NOTEBOOK := notebooks/02_distributed_autograd.ipynb
 test-torch: $(STAMP)
 	$(PY) tools/torch_venv.py $(TORCH_VENV) $(TORCH)
 	$(TORCH_VENV)/bin/python -m pytest $(TORCH_TESTS) --nbval-lax $(TORCH_NOTEBOOK) -q -rs --leftovers=fail \
+	  -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder \
 	  -p no:nbrpc-notebook-outputs  # the site shows .venv's run of the tutorials
 
 bench: $(STAMP)
@@ -131,7 +136,7 @@ bench-sizes: $(STAMP)
 	$(PY) benchmarks/sizes.py
 
 # torch's own RPC test classes on nbrpc clusters (docs/compatibility.md): the whole tier,
-# about 45 min on 2 cores (expecttest, which torch's test classes import, is in the extra)
+# about 12 min on 2 cores (expecttest, which torch's test classes import, is in the extra)
 compat: $(STAMP)
 	$(PY) tools/compat.py --out docs/compatibility-results.md
 

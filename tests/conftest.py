@@ -378,6 +378,8 @@ def pytest_runtest_protocol(item, nextitem):
     finally:
         watchdog.stdin.write("disarm\n")
         watchdog.stdin.flush()
+        if nextitem is None or not _is_multi_host(nextitem):
+            _notebook_hosts_down()  # after tutorial 10's kernel ended (its last cell's teardown)
 
 
 def _hang_watchdog(config) -> subprocess.Popen:
@@ -447,9 +449,11 @@ def _is_notebook(item) -> bool:
     return str(item.fspath).endswith(".ipynb")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own reads the groups
 def pytest_collection_modifyitems(config, items):
     """Without root there are no fake hosts: tutorials 09 and 10 are skipped, and say why
-    (10 also without the Slurm packages)."""
+    (10 also without the Slurm packages). On pytest-xdist's workers the longest groups
+    (:func:`_group_of`) go first."""
     why_hosts = load_fakehosts().missing()
     why_slurm = load_fakeslurm().missing()
     for item in items:
@@ -457,6 +461,50 @@ def pytest_collection_modifyitems(config, items):
         if why:
             name = os.path.basename(str(item.fspath))
             item.add_marker(pytest.mark.skip(reason=f"{name}: {why}"))
+    if hasattr(config, "workerinput"):  # an xdist worker: the order its controller deals in
+        items.sort(key=lambda item: _rank_of(_group_of(item.nodeid)))  # stable: as written
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: without xdist, never called
+def pytest_xdist_make_scheduler(config, log):
+    """make test's workers get whole groups (:func:`_group_of`), in the order the workers
+    collected them (``--no-loadscope-reorder``: the longest first, not the most tests)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group_of(nodeid)
+
+    return ByGroup(config, log)
+
+
+#: the modules (and tutorials) that build fake hosts or a Slurm on them: network namespaces
+#: and daemons with fixed names, one set at a time on this machine, so one xdist group
+FAKE_HOSTS_GROUP = "fake-hosts"
+_FAKE_HOSTS_MODULES = (
+    "test_hosts.py",
+    "test_who_may_connect.py",
+    "test_slurm.py",
+    MULTI_HOST_NOTEBOOK,
+    SLURM_NOTEBOOK,
+)
+#: groups that start first on make test's two workers, the longest first (seconds measured
+#: in a fresh clone's run, tests/README.md): a long group started last would end the run
+#: alone on one worker
+_LONG_FIRST = ("test_soak.py", FAKE_HOSTS_GROUP, "test_lifecycle.py")
+
+
+def _group_of(nodeid: str) -> str:
+    """The xdist group of a test (by its node id): its module's file name, or
+    :data:`FAKE_HOSTS_GROUP`. A module stays on one worker, in its order, with its module
+    fixtures (its kernel, its cluster) made once. (xdist's own ``xdist_group`` marks do not
+    reach pytest 9.2's node ids, hence a scheduler of our own.)"""
+    name = os.path.basename(nodeid.split("::", 1)[0])
+    return FAKE_HOSTS_GROUP if name in _FAKE_HOSTS_MODULES else name
+
+
+def _rank_of(group: str) -> int:
+    return _LONG_FIRST.index(group) if group in _LONG_FIRST else len(_LONG_FIRST)
 
 
 def _hosts_for(item) -> None:
@@ -476,9 +524,16 @@ def _hosts_for(item) -> None:
         os.environ["SLURM_CONF"] = slurm.conf
 
 
-def pytest_sessionfinish(session):
+def _notebook_hosts_down() -> None:
+    """The fake hosts (and Slurm) of tutorials 09 and 10 go once the last of them ran: on
+    make test's workers more tests follow them, and a host's sshd, a child of this process
+    listening in its namespace, would count as this process's listener or leftover."""
     while _notebook_hosts:
         _notebook_hosts.pop().down()
+
+
+def pytest_sessionfinish(session):
+    _notebook_hosts_down()
 
 
 #: the plugin's name: ``-p no:nbrpc-notebook-outputs`` leaves build/executed-notebooks alone

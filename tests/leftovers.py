@@ -9,6 +9,12 @@ leftover, named in the terminal summary. ``--leftovers=fail`` fails the run (``m
 gives it to each of its pytest runs); ``--leftovers=warn``, the default of a pytest run
 typed by hand, only says so, as it must for a developer whose other sessions run tests on
 the same machine at the same time: their files count as this one's.
+
+Under pytest-xdist (``make test`` runs the suite on two workers) each worker reads the
+processes under it, as a session run alone does, and hands what it left to the controller
+(``workeroutput``); the controller reads the files, namespaces and daemons, which are the
+machine's and not one worker's, before its workers start and after the last one ended, and
+judges the whole run.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import psutil
 import pytest
 
 SETTLE_S = 15.0
+LEFT_KEY = "nbrpc_leftovers"  # a worker's workeroutput: kind -> what it left
 DEFAULT = "warn"  # make test says "fail"
 _DAEMONS = ("slurmctld", "slurmd", "munged")
 
@@ -92,16 +99,24 @@ def _processes(skip: set[int]) -> set[str]:
     return found
 
 
-def now(skip: set[int] = frozenset()) -> dict[str, set[str]]:  # type: ignore[assignment]
+PROCESSES = "processes"  # the one kind a worker of a distributed run reads
+
+
+def now(skip: set[int] = frozenset(), kinds: str = "all") -> dict[str, set[str]]:  # type: ignore[assignment]
     """Everything of each kind there is now (``skip``: pids that are not the session's
-    leftovers, such as the hang watchdog, stopped after this check)."""
+    leftovers, such as the hang watchdog, stopped after this check). ``kinds``: ``"all"``,
+    :data:`PROCESSES` alone (a worker of a distributed run), or ``"machine"``: all but the
+    processes (its controller, whose workers' processes are not its children)."""
+    processes = {PROCESSES: _processes(set(skip))} if kinds != "machine" else {}
+    if kinds == PROCESSES:
+        return processes
     shm = (
         {os.path.join("/dev/shm", e) for e in os.listdir("/dev/shm")}
         if os.path.isdir("/dev/shm")
         else set()
     )
     return {
-        "processes": _processes(set(skip)),
+        **processes,
         "/dev/shm": shm,
         "/tmp/nbrpc-*": _tmp_files(),
         "ipyparallel files": _ipython_files(),
@@ -121,27 +136,46 @@ def add_option(parser: pytest.Parser) -> None:
     )
 
 
+def _role(config: pytest.Config) -> str:
+    """``"all"`` for a session run alone; under pytest-xdist, :data:`PROCESSES` in a worker
+    and ``"machine"`` in the controller."""
+    if hasattr(config, "workerinput"):
+        return PROCESSES
+    if config.pluginmanager.hasplugin("dsession"):  # xdist's controller, -n given
+        return "machine"
+    return "all"
+
+
 class Leftovers:
     """The plugin: the kinds at the start, compared at the end."""
 
     def __init__(self) -> None:
         self.before: dict[str, set[str]] = {}
         self.left: dict[str, list[str]] = {}
+        self.from_workers: dict[str, set[str]] = {}  # the controller's: what workers left
 
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         if session.config.getoption("--leftovers", DEFAULT) != "off":
-            self.before = now()
+            self.before = now(kinds=_role(session.config))
+
+    @pytest.hookimpl(optionalhook=True)  # an xdist hook: without xdist, never called
+    def pytest_testnodedown(self, node, error) -> None:  # type: ignore[no-untyped-def]
+        """The controller: a worker ended, with what it left (its ``workeroutput``)."""
+        for kind, items in getattr(node, "workeroutput", {}).get(LEFT_KEY, {}).items():
+            worker = node.gateway.id
+            self.from_workers.setdefault(kind, set()).update(f"{worker}: {i}" for i in items)
 
     @pytest.hookimpl(trylast=True)  # after the conftest's own (the fake hosts go down there)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         mode = session.config.getoption("--leftovers", DEFAULT)
         if mode == "off" or not self.before:
             return
+        role = _role(session.config)
         watchdog = getattr(session.config, "_nbrpc_hang_watchdog", None)
         skip = {watchdog.pid} if watchdog is not None else set()
         deadline = time.monotonic() + SETTLE_S
         while True:
-            found = now(skip)
+            found = now(skip, kinds=role)
             self.left = {
                 kind: sorted(found[kind] - self.before.get(kind, set()))
                 for kind in found
@@ -150,6 +184,12 @@ class Leftovers:
             if not self.left or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
+        for kind, items in self.from_workers.items():
+            self.left[kind] = sorted({*self.left.get(kind, ()), *items})
+        if role == PROCESSES:  # a worker: the controller judges and says it
+            session.config.workeroutput[LEFT_KEY] = self.left  # type: ignore[attr-defined]
+            self.left = {}
+            return
         if self.left and mode == "fail" and session.exitstatus == 0:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
