@@ -184,36 +184,51 @@ class _Helper:
 
     Its state is two numbers: the last part given (``_given``, with the part) and the last
     part finished (``_finished``). Both only grow, so waking and waiting are repeatable: a
-    wait or a wake-up cut short by an exception is simply done again."""
+    wait or a wake-up cut short by an exception is simply done again.
+
+    The wake-ups are two plain locks used as binary semaphores (``_go``: a part may be
+    waiting; ``_done``: a part was finished), each taken or given back in one call into C.
+    ``threading.Event`` was used first: its ``wait`` and ``set`` take a ``Condition``,
+    whose ``__enter__`` is Python, and an exception raised just after its lock was taken
+    (the stop button's in the kernel, a cancel's in a worker's RPC thread) left that lock
+    held for good. The helper then blocked in ``set`` and the next split copy waited for
+    it forever (a fresh clone's run hung 300 s in ``unit/test_arena_copy``). A lock taken
+    or given here and an exception after it leave a state the numbers read right."""
 
     def __init__(self) -> None:
         self._given: tuple[int, int, int, int] = (0, 0, 0, 0)  # (number, dst, src, nbytes)
         self._finished = 0
-        self._go = threading.Event()  # a part may be waiting
-        self._done = threading.Event()  # a part was finished
+        self._go = threading.Lock()  # held: nothing to do; given back: a part may be waiting
+        self._go.acquire()
+        self._done = threading.Lock()  # given back: a part was finished since the last look
+        self._done.acquire()
         threading.Thread(target=self._run, name="nbrpc-copy", daemon=True).start()
 
     def start(self, dst: int, src: int, nbytes: int) -> None:
-        self._done.clear()
         self._given = (self._given[0] + 1, dst, src, nbytes)  # one assignment: whole or not
-        self._go.set()
+        _give(self._go)
 
     def join(self) -> None:
         number = self._given[0]
         if self._finished < number:
-            self._go.set()  # again: a start cut short between its two steps
+            _give(self._go)  # again: a start cut short between its two steps
         while self._finished < number:
-            self._done.wait(0.05)
+            self._done.acquire(timeout=0.05)
 
     def _run(self) -> None:
         while True:
-            self._go.wait()
-            self._go.clear()
+            self._go.acquire()
             number, dst, src, nbytes = self._given
             if number > self._finished:
                 ctypes.memmove(dst, src, nbytes)
                 self._finished = number
-                self._done.set()
+                _give(self._done)
+
+
+def _give(lock: threading.Lock) -> None:
+    """Give ``lock`` back if it is held (a binary semaphore: given twice is given once)."""
+    with contextlib.suppress(RuntimeError):  # not held: already given
+        lock.release()
 
 
 class _Copiers:
