@@ -104,10 +104,13 @@ package-check: $(STAMP)
 # The suite runs on TEST_WORKERS pytest-xdist workers: its tests wait on processes more than
 # they compute (one run used 37 % of this machine's two cores). Each module stays on one
 # worker, in its order, and the fake hosts' modules share one (tests/conftest.py: _group_of).
+# A worker that crashes (a test past its timeout ends its process) ends the run: xdist's
+# replacement of it got no work and the run waited for good.
 TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --max-worker-restart 0
 test: $(STAMP) $(CHROMIUM) $(FAKEHOSTS) lint package-check
 	$(PY) -m pytest tests --nbval-lax notebooks --ignore=tests/test_docs_site.py -v -rs --durations=10 \
-	  -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --leftovers=fail
+	  $(XDIST) --leftovers=fail
 	$(MAKE) --no-print-directory docs
 	$(PY) -m pytest tests/test_docs_site.py -v -rs --leftovers=fail
 	$(MAKE) --no-print-directory test-torch TORCH=$(TORCH_NEWEST)
@@ -125,7 +128,7 @@ TORCH_NOTEBOOK := notebooks/02_distributed_autograd.ipynb
 test-torch: $(STAMP)
 	$(PY) tools/torch_venv.py $(TORCH_VENV) $(TORCH)
 	$(TORCH_VENV)/bin/python -m pytest $(TORCH_TESTS) --nbval-lax $(TORCH_NOTEBOOK) -q -rs --leftovers=fail \
-	  -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder \
+	  $(XDIST) \
 	  -p no:nbrpc-notebook-outputs  # the site shows .venv's run of the tutorials
 
 bench: $(STAMP)
