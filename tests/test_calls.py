@@ -355,3 +355,35 @@ def test_torchs_profiler_names_each_call_as_torch_names_it(cluster):
     assert theirs[0].startswith("rpc_sync#max"), theirs  # the reference, in this process
     assert events(rpc.rpc_sync, rpc.rpc_async) == theirs  # torch's spelling, routed
     assert events(nbrpc.rpc_sync, nbrpc.rpc_async) == theirs
+
+
+def test_a_torchscript_function_s_first_call_is_the_first_event_of_its_kind(cluster, nb):
+    """nbrpc compiles a notebook's TorchScript function on the worker before its first call,
+    an RPC the profiler records too, as ``rpc_nbrpc#...``: the first event whose name holds
+    the call's kind is the call's own (torch's profiler tests take that one, and "sync" is
+    also in "async")."""
+    from torch.autograd.profiler_legacy import profile
+
+    code = nb(
+        "import torch\n"
+        "@torch.jit.script\n"
+        "def plus_one(x: torch.Tensor) -> torch.Tensor:\n"
+        "    return x + 1\n"
+        "@torch.jit.script\n"
+        "def plus_two(x: torch.Tensor) -> torch.Tensor:\n"
+        "    return x + 2\n"
+    )
+    for call, kind, fn in (
+        (nbrpc.rpc_sync, "sync", code.plus_one),
+        (_waited, "async", code.plus_two),
+    ):
+        with profile() as prof:
+            assert float(call("worker2", fn, args=(torch.ones(1),))) == float(fn(torch.ones(1)))
+        names = [e.name for e in prof.function_events if "(worker0 -> worker2)" in e.name]
+        assert any(n.startswith("rpc_nbrpc#compile_script_as") for n in names), names
+        first = next(n for n in names if kind in n)  # as torch's get_function_event looks
+        assert fn.qualified_name in first, names
+
+
+def _waited(to, fn, args):
+    return nbrpc.rpc_async(to, fn, args=args).wait()

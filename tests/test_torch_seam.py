@@ -73,6 +73,16 @@ def test_cuda_futures_list_tensors_with_the_class_nbrpc_replaces():
     )
 
 
+def test_torchs_profiler_names_nbrpcs_own_rpc_by_its_kind():
+    """nbrpc's own RPCs (a TorchScript function's compile before its first call) go through
+    torch's ``_invoke_rpc`` with a kind of nbrpc's, which torch's profiler key takes its
+    ``.value`` from: ``rpc_nbrpc#...``, never holding "sync", "async" or "remote"."""
+    key = rpc_internal._build_rpc_profiling_key(_torch.NBRPCS_OWN, "f", "a", "b")
+    _pin(key == "rpc_nbrpc#f(a -> b)", f"the profiling key is now {key!r}", "rpc_sync_of_nbrpcs")
+    params = list(inspect.signature(rpc_api._invoke_rpc).parameters)
+    _pin(params[:4] == ["to", "func", "rpc_type", "args"], f"_invoke_rpc{params}", "the same")
+
+
 def test_python_udf_shape():
     udf = rpc_internal.PythonUDF(max, (1, 2), {})
     _pin(_torch.udf_function(udf) is max, "PythonUDF has no .func/.args", "udf_function")

@@ -27,7 +27,9 @@ _lock = threading.Lock()
 
 
 def ensure_on(worker: str, fn: Any) -> None:
-    """Have ``worker`` know ScriptFunction ``fn`` under its name before a call of it."""
+    """Have ``worker`` know ScriptFunction ``fn`` under its name before a call of it. The
+    compile is an RPC of nbrpc's own, which torch's profiler names ``rpc_nbrpc#...``: the
+    first event of the call's kind in a profile is the call's, as in torch's."""
     if not isinstance(fn, torch.jit.ScriptFunction):
         return
     key = (worker, fn.qualified_name)
@@ -41,7 +43,9 @@ def ensure_on(worker: str, fn: Any) -> None:
     for used in _torch.script_functions_used(found[0]):  # what it calls, compiled first
         ensure_on(worker, used)
     try:
-        _torch.rpc_sync(worker, _torch.compile_script_as, args=(fn.qualified_name, *found))
+        _torch.rpc_sync_of_nbrpcs(
+            worker, _torch.compile_script_as, args=(fn.qualified_name, *found)
+        )
     except Exception:  # torch's error at the call says it, with nbrpc's note
         return
 

@@ -64,6 +64,7 @@ from .autograd import (
 )
 from .calls import (
     INTERNAL_PICKLER as INTERNAL_PICKLER,
+    NBRPCS_OWN as NBRPCS_OWN,
     RREF_PROXY_MODULE as RREF_PROXY_MODULE,
     TENSOR_EXTRACTOR as TENSOR_EXTRACTOR,
     TORCH_INTERNAL_HOOKS as TORCH_INTERNAL_HOOKS,
@@ -87,6 +88,7 @@ from .calls import (
     route_user_shutdown as route_user_shutdown,
     rpc_async as rpc_async,
     rpc_sync as rpc_sync,
+    rpc_sync_of_nbrpcs as rpc_sync_of_nbrpcs,
     rpc_sync_started as rpc_sync_started,
     run_udf as run_udf,
     server_profiling as server_profiling,
