@@ -71,7 +71,8 @@ def test_keyboard_interrupt_returns_control_promptly():
     assert out.returncode == 0, out.stderr[-3000:]
     for how in ("rpc_sync", "rpc_async().wait()"):
         line = next(x for x in out.stdout.splitlines() if x.startswith(how + " "))
-        assert "interrupted after" in line, line
+        # (an interrupt raised inside a finalizer is "ignored": stderr says where)
+        assert "interrupted after" in line, (line, out.stderr[-3000:])
         assert float(line.split("after ")[1].split()[0]) < 3.0, line
     assert "still usable: 0" in out.stdout
 
