@@ -467,8 +467,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: without xdist, never called
 def pytest_xdist_make_scheduler(config, log):
-    """make test's workers get whole groups (:func:`_group_of`), in the order the workers
-    collected them (``--no-loadscope-reorder``: the longest first, not the most tests)."""
+    """xdist's workers (make test TEST_WORKERS=2) get whole groups (:func:`_group_of`), in
+    the order the workers collected them (``--no-loadscope-reorder``: the longest first,
+    not the most tests)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ByGroup(LoadScopeScheduling):
@@ -488,7 +489,7 @@ _FAKE_HOSTS_MODULES = (
     MULTI_HOST_NOTEBOOK,
     SLURM_NOTEBOOK,
 )
-#: groups that start first on make test's two workers, the longest first (seconds measured
+#: groups that start first on xdist's workers, the longest first (seconds measured
 #: in a fresh clone's run, tests/README.md): a long group started last would end the run
 #: alone on one worker
 _LONG_FIRST = ("test_soak.py", FAKE_HOSTS_GROUP, "test_lifecycle.py")
@@ -526,7 +527,7 @@ def _hosts_for(item) -> None:
 
 def _notebook_hosts_down() -> None:
     """The fake hosts (and Slurm) of tutorials 09 and 10 go once the last of them ran: on
-    make test's workers more tests follow them, and a host's sshd, a child of this process
+    xdist's workers more tests follow them, and a host's sshd, a child of this process
     listening in its namespace, would count as this process's listener or leftover."""
     while _notebook_hosts:
         _notebook_hosts.pop().down()

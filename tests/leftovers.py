@@ -10,7 +10,7 @@ gives it to each of its pytest runs); ``--leftovers=warn``, the default of a pyt
 typed by hand, only says so, as it must for a developer whose other sessions run tests on
 the same machine at the same time: their files count as this one's.
 
-Under pytest-xdist (``make test`` runs the suite on two workers) each worker reads the
+Under pytest-xdist (``make test TEST_WORKERS=2``: two workers) each worker reads the
 processes under it, as a session run alone does, and hands what it left to the controller
 (``workeroutput``); the controller reads the files, namespaces and daemons, which are the
 machine's and not one worker's, before its workers start and after the last one ended, and
