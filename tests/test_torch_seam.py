@@ -18,7 +18,7 @@ import torch.distributed.rpc.api as rpc_api
 import torch.distributed.rpc.internal as rpc_internal
 
 import nbrpc
-from nbrpc import _group, _torch
+from nbrpc import _group, _ledger, _torch
 from nbrpc._wire import pickling
 
 SEAM = "nbrpc/_torch/"
@@ -55,6 +55,28 @@ def test_rpc_internal_hooks_are_still_there_and_installed():
         "default pickler's serialize()",
         "default_pickler",
     )
+
+
+def test_torchs_sends_pickle_and_hand_over_inside_the_functions_nbrpc_holds():
+    """The stop waits for a send from its RRefs' pickling to the hand-over
+    (``HELD_SENDS``): torch's ``rpc_sync``/``rpc_async`` pickle and send inside
+    ``_invoke_rpc``, and ``remote`` inside itself; an RRef proxy's calls go through them."""
+    pickling.install()
+    held = {"_invoke_rpc": rpc_api._invoke_rpc, "remote": _ledger._ledger.remote}  # (under
+    for name in _torch.HELD_SENDS:  # the ledger's own patch of remote)
+        _pin(hasattr(held[name], "__wrapped__"), f"api.{name} is not held", "install_rpc_hooks")
+    invoke = inspect.getsource(inspect.unwrap(rpc_api._invoke_rpc))
+    for line in ("_default_pickler.serialize(", "_invoke_rpc_python_udf("):
+        _pin(line in invoke, f"_invoke_rpc no longer has {line!r}", "HELD_SENDS")
+    for api in (rpc_api.rpc_sync, rpc_api.rpc_async):
+        _pin(
+            "_invoke_rpc(" in inspect.getsource(api),
+            f"{api.__name__} sends elsewhere",
+            "HELD_SENDS",
+        )
+    remote = inspect.getsource(inspect.unwrap(held["remote"]))
+    for line in ("_default_pickler.serialize(", "_invoke_remote_python_udf("):
+        _pin(line in remote, f"remote no longer has {line!r}", "HELD_SENDS")
 
 
 def test_cuda_futures_list_tensors_with_the_class_nbrpc_replaces():

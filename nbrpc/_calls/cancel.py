@@ -132,12 +132,20 @@ def _report(rows: dict[str, list[dict[str, Any]]], origins: tuple[int, int]) -> 
     running = {w: mine for w, mine in running.items() if mine}
     lines = [f"nbrpc: cancelled {text}" for text in calls_text(stopped)]
     for worker, mine in running.items():
-        names = ", ".join(sorted({r["name"] for r in mine}))
-        lines.append(
-            f"nbrpc: cancelling {names} on {worker}: it still runs, inside C code (time.sleep,"
-            " a long operation) or catching BaseException, and stops at its next Python line."
-            f" If it still runs {REPORT_AFTER_S:g} s after the stop, this cell shows its stack."
-        )
+        sending = ", ".join(sorted({r["name"] for r in mine if r.get("sending")}))
+        names = ", ".join(sorted({r["name"] for r in mine if not r.get("sending")}))
+        if sending:  # the stop waits for a send (nbrpc._wire.cancelling.sends_held)
+            lines.append(
+                f"nbrpc: cancelling {sending} on {worker}: it is sending a call (its arguments"
+                " are being pickled), and stops as soon as the call is handed to torch."
+            )
+        if names:
+            lines.append(
+                f"nbrpc: cancelling {names} on {worker}: it still runs, inside C code"
+                " (time.sleep, a long operation) or catching BaseException, and stops at its"
+                f" next Python line. If it still runs {REPORT_AFTER_S:g} s after the stop, this"
+                " cell shows its stack."
+            )
     if lines:
         print("\n".join(lines), file=sys.stderr, flush=True)
     if running:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.rpc import RRef, WorkerInfo
 
-from nbrpc import _group, _ledger, _process, _torch, _trace
+from nbrpc import _group, _ledger, _torch, _trace
 from nbrpc._debugger import prompts
 from nbrpc._wire import callee, failures, pickling, recording, shm
 
@@ -68,9 +68,9 @@ def send(dest: WorkerInfo, sent: tuple, sync: bool = False) -> torch.futures.Fut
     ``rpc_sync`` starts it (its profiler's event says so)."""
     func, args, kwargs = _prepared(dest, *sent)
     sender = _torch.rpc_sync_started if sync else _torch.rpc_async
-    # torch's timeout: none (nbrpc's clock keeps it); the stop button waits for the send:
-    # pressed once an RRef in it was pickled (a fork torch waits for), every shutdown waited
-    with shm.sending_to(dest.name), _process.interrupts_deferred():
+    # torch's timeout: none (nbrpc's clock keeps it); the stop button waits for torch's
+    # send itself (cancelling.sends_held: an RRef pickled into it is a fork torch counts)
+    with shm.sending_to(dest.name):
         return sender(dest, func, args, kwargs, 0)
 
 
@@ -80,7 +80,7 @@ def remote(dest: WorkerInfo, func: Any, args: tuple, kwargs: dict | None, limit:
     creation (0: none)."""
     sent, args, kwargs = _prepared(dest, func, args, kwargs)
     try:
-        with shm.sending_to(dest.name, "remote"), _process.interrupts_deferred():  # (send)
+        with shm.sending_to(dest.name, "remote"):  # (the stop waits for the send, as above)
             rref: RRef = _torch.remote(dest, sent, args=args, kwargs=kwargs, timeout=limit)
     except Exception as exc:
         return None, None, exc

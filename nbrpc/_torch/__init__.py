@@ -63,6 +63,7 @@ from .autograd import (
     validate_autograd_context as validate_autograd_context,
 )
 from .calls import (
+    HELD_SENDS as HELD_SENDS,
     INTERNAL_PICKLER as INTERNAL_PICKLER,
     NBRPCS_OWN as NBRPCS_OWN,
     RREF_PROXY_MODULE as RREF_PROXY_MODULE,

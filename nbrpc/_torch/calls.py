@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -180,20 +181,43 @@ TORCH_INTERNAL_HOOKS = ("_pickler", "_run_function", "_handle_exception")
 INTERNAL_PICKLER = rpc_internal._InternalRPCPickler
 
 
+#: The functions of ``torch.distributed.rpc.api`` that pickle a call and hand it to the
+#: agent: ``_invoke_rpc`` (under ``rpc_sync`` and ``rpc_async``, torch's and an RRef
+#: proxy's) and ``remote``. Each runs inside the ``sending`` hold of
+#: :func:`install_rpc_hooks`, from the pickling of its RRefs to the hand-over.
+HELD_SENDS = ("_invoke_rpc", "remote")
+
+
 def install_rpc_hooks(
-    pickler: type, run_function: Callable[..., Any], handle_exception: Callable[..., Any]
+    pickler: type,
+    run_function: Callable[..., Any],
+    handle_exception: Callable[..., Any],
+    sending: Callable[[], AbstractContextManager[Any]],
 ) -> None:
-    """Route torch RPC's pickling and remote-call wrapper through nbrpc's."""
+    """Route torch RPC's pickling and remote-call wrapper through nbrpc's, and run its
+    sends (:data:`HELD_SENDS`) inside ``sending()``."""
     missing = [name for name in TORCH_INTERNAL_HOOKS if not hasattr(rpc_internal, name)]
+    missing += [name for name in HELD_SENDS if not hasattr(rpc_api, name)]
     if missing:
         raise ImportError(
-            f"torch.distributed.rpc.internal.{missing[0]} is gone in torch "
+            f"torch.distributed.rpc's {missing[0]} is gone in torch "
             f"{torch.__version__}: nbrpc needs a release that supports this torch version."
         )
     rpc_internal._pickler = pickler  # type: ignore[assignment]
     rpc_internal._run_function = run_function
     rpc_internal._handle_exception = handle_exception
+    for name in HELD_SENDS:
+        patch_api(name, _held(getattr(rpc_api, name), sending))
     _count_server_profiles()
+
+
+def _held(send: Callable[..., Any], sending: Callable[[], AbstractContextManager[Any]]) -> Any:
+    @functools.wraps(send)
+    def held(*args: Any, **kwargs: Any) -> Any:
+        with sending():
+            return send(*args, **kwargs)
+
+    return held
 
 
 def default_pickler() -> Any:

@@ -27,6 +27,15 @@ only while the thread is registered as running that call, under the lock that
 So an interrupt never fires after the function returned, inside the reply's pickling
 (which torch runs in C++ right after), and a call that finished keeps its result.
 
+Nor does it fire inside a send (:func:`sends_held`, around each of torch's): torch counts
+an RRef's fork as it pickles the RRef into a message (the owner's fork, or the sender's
+pending child that the receiver confirms). An interrupt after that pickling and before
+torch handed the message over left a fork no message carries, and every later shutdown
+waited its whole bound on it, saying so in red ("Timed out waiting for pending UserRRefs
+to be confirmed", "... OwnerRRefs to be deleted": the RL tutorial's ``%rpc_shutdown``
+after the stop button, 2 runs in 4). A cancel that finds the thread sending raises its
+interrupt as the send ends.
+
 The cancelled call fails with :class:`~nbrpc.CallCancelledError`, which its caller
 raises: ``fut.wait()`` of a future the cell never waited on, ``to_here()`` of an RRef
 whose creation was cancelled.
@@ -34,15 +43,17 @@ whose creation was cancelled.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import os
 import random
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbrpc import _fork
+from nbrpc import _fork, _process
 
 from . import side_door
 
@@ -105,6 +116,8 @@ class _Here:
     others: Any = field(default_factory=lambda: itertools.count(_OTHERS + 1))
     prefix: int = field(default_factory=_new_prefix)
     main_thread: int | None = threading.main_thread().ident
+    sending: set[int] = field(default_factory=set)  # threads inside a send (sends_held)
+    owed: set[int] = field(default_factory=set)  # of those, the ones a cancel interrupts
 
 
 class _Thread(threading.local):
@@ -113,11 +126,14 @@ class _Thread(threading.local):
 
     origin: int | None = None
     last: int | None = None
+    sending: bool = False
 
 
 def _after_fork() -> None:
     _here.prefix = _new_prefix()
     _here.main_thread = threading.main_thread().ident  # the thread that forked
+    _here.sending.clear()  # the parent's threads: not this process's
+    _here.owed.clear()
 
 
 _here = _Here()
@@ -201,6 +217,7 @@ def leave(entry: Running, draining: Any = None) -> None:
     with _here.lock:
         if entry.interrupted:  # set, maybe not delivered yet: never after this
             _set_async_exc(entry.thread, None)
+            _here.owed.discard(entry.thread)
         if draining is not None and not entry.interrupted:
             entry.draining = draining  # it stays listed, for a cancel to reach its output
         elif entry.draining is None:
@@ -215,6 +232,31 @@ def drained(entry: Running) -> None:
     with _here.lock:
         entry.draining = None
         _here.running.pop(id(entry), None)
+
+
+@contextlib.contextmanager
+def sends_held() -> Iterator[None]:
+    """A send on this thread, from its pickling to torch's hand-over: the stop button's
+    interrupt waits for its end (the module's docstring says why). Both of them: the
+    main thread's SIGINT (:func:`nbrpc._process.interrupts_deferred`) and a cancel's,
+    raised in this thread as the send ends. Nested sends hold once."""
+    if _thread.sending:
+        yield
+        return
+    me = threading.get_ident()
+    with _here.lock:
+        _here.sending.add(me)
+    _thread.sending = True
+    try:
+        with _process.interrupts_deferred():
+            yield
+    finally:
+        _thread.sending = False
+        with _here.lock:
+            _here.sending.discard(me)
+            if me in _here.owed:  # the call is still running (leave() clears it)
+                _here.owed.discard(me)
+                _set_async_exc(me, KeyboardInterrupt)
 
 
 def _set_async_exc(ident: int, exc: type[BaseException] | None) -> None:
@@ -233,7 +275,8 @@ def cancel(ranges: Ranges, grace: float = GRACE_S, ask: bool = False) -> list[di
     """Cancel the calls of the origins in ``ranges`` in this process (see the module's
     docstring) and wait up to ``grace`` seconds for the running ones to end; ``ask``:
     cancel nothing, list those still running. One row per call that was running:
-    ``name``, ``caller``, ``thread``, ``pid``, ``stopped`` (it ended within ``grace``)."""
+    ``name``, ``caller``, ``thread``, ``pid``, ``stopped`` (it ended within ``grace``),
+    ``sending`` (it has not, and is inside a send, which the interrupt waits for)."""
     drops = []
     with _here.lock:
         hit = [e for e in _here.running.values() if any(lo <= e.origin <= hi for lo, hi in ranges)]
@@ -248,7 +291,10 @@ def cancel(ranges: Ranges, grace: float = GRACE_S, ask: bool = False) -> list[di
                 continue
             if not ask and not entry.interrupted:
                 entry.interrupted = True
-                _set_async_exc(entry.thread, KeyboardInterrupt)
+                if entry.thread in _here.sending:  # raised as its send ends
+                    _here.owed.add(entry.thread)
+                else:
+                    _set_async_exc(entry.thread, KeyboardInterrupt)
             if entry.interrupted and entry.waiter is None:
                 entry.waiter = waiter
             else:  # asked only, or another cancel waits for it already: not waited for here
@@ -258,6 +304,8 @@ def cancel(ranges: Ranges, grace: float = GRACE_S, ask: bool = False) -> list[di
     if hit and waiter.count > 0 and grace > 0:
         waiter.done.wait(grace)
     left = set(_still([id(e) for e in hit if e.draining is None]))
+    with _here.lock:
+        sending = set(_here.sending)
     return [
         {
             "name": e.name,
@@ -265,6 +313,7 @@ def cancel(ranges: Ranges, grace: float = GRACE_S, ask: bool = False) -> list[di
             "thread": e.thread,
             "pid": os.getpid(),
             "stopped": id(e) not in left,
+            "sending": id(e) in left and e.thread in sending,  # the stop waits for its send
         }
         for e in hit
     ]

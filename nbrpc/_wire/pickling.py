@@ -53,7 +53,17 @@ from torch.distributed.rpc import RRef
 from nbrpc import _ledger, _process, _torch
 from nbrpc._errors import DeviceMapError, SerializationError
 
-from . import callee, failures, namespace, recording, sent_code, sent_functions, shm, unsendable
+from . import (
+    callee,
+    cancelling,
+    failures,
+    namespace,
+    recording,
+    sent_code,
+    sent_functions,
+    shm,
+    unsendable,
+)
 
 #: the C field behind ``dispatch_table`` (a member descriptor; typeshed calls it a Mapping)
 _C_DISPATCH_TABLE: Any = pickle.Pickler.dispatch_table
@@ -392,7 +402,9 @@ def install() -> None:
     if _pickling.installed:
         return
     _pickling.installed = True
-    _torch.install_rpc_hooks(RpcPickler, callee.run_function, failures.handle_exception)
+    _torch.install_rpc_hooks(
+        RpcPickler, callee.run_function, failures.handle_exception, cancelling.sends_held
+    )
     _torch.install_tensor_extractor(TensorFinder)
     _ledger.install()
 
