@@ -42,6 +42,7 @@ def test_workers_list_only_the_group(cluster):
 
 INTERRUPT = """
 import os, signal, threading, time, nbrpc
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job inherits it ignored
 nbrpc.init(n=1, progress=False)
 ns = {"__name__": "__main__"}
 exec("import time\\ndef slow(s):\\n    time.sleep(s)\\n    return s\\n", ns)
