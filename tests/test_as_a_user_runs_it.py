@@ -293,7 +293,7 @@ def test_a_crashed_worker_s_last_words_reach_the_cell_and_it_stays_quiet_after(k
     shown = kernel.stderr
     text = kernel.shown_error()
     assert "terminate called after throwing an instance of 'c10::Error'" in text
-    assert "Fatal Python error: Aborted" in text
+    assert "Fatal Python error: Aborted" in text, (text, _last_words_read_again(kernel))
     _, errors = kernel.execute("nbrpc.rpc_sync('worker2', min, args=(1, 2))")
     assert errors[0].startswith("WorkerDiedError: worker2 is gone")
     shown += kernel.stderr
@@ -314,6 +314,22 @@ def test_a_crashed_worker_s_last_words_reach_the_cell_and_it_stays_quiet_after(k
     # pending for good: every later shutdown waited its whole bound and said so in red)
     out = kernel.run("%rpc_shutdown\n%rpc_init -n 2 --quiet")  # the next cluster for what follows
     assert "Timed out waiting for pending" not in out + kernel.stderr
+
+
+def _last_words_read_again(kernel) -> str:
+    """For a failure's message: worker2's last words read now, and where they come from
+    (its log's descriptor, whether its process still exists)."""
+    return kernel.run(
+        "import os, time\n"
+        "time.sleep(1)\n"
+        "_c = nbrpc.current()\n"
+        "_pid = _c.booted.roster.find('worker2').pid\n"
+        "_ctl = _c.engines.source.controller\n"
+        "_fd, _start = _ctl._logs.get(_pid, (-1, 0))\n"
+        "print('pid', _pid, 'log', _fd, _start, os.fstat(_fd) if _fd >= 0 else None,"
+        " 'alive', os.path.exists(f'/proc/{_pid}'))\n"
+        "print('read again:', repr(_c.last_output('worker2')))\n"
+    )
 
 
 def test_a_crashed_worker_s_last_words_reach_a_script(tmp_path):
