@@ -36,8 +36,8 @@ def test_a_copy_after_a_stopped_copy_copies_every_byte(timer):
     rng = random.Random(66)
     for attempt in range(60):
         source = sources[attempt % 2]
-        signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.0002, 0.006))
-        with pytest.raises(Stop):
+        with pytest.raises(Stop):  # (the timer set inside: on a busy machine it fired
+            signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.0002, 0.006))  # in raises())
             _copy_until_stopped(dst, source)
         signal.setitimer(signal.ITIMER_REAL, 0)
         following = sources[(attempt + 1) % 2]
