@@ -18,7 +18,7 @@ import torch.distributed.rpc.api as rpc_api
 import torch.distributed.rpc.internal as rpc_internal
 
 import nbrpc
-from nbrpc import _group, _ledger, _torch
+from nbrpc import _group, _torch
 from nbrpc._wire import pickling
 
 SEAM = "nbrpc/_torch/"
@@ -62,9 +62,9 @@ def test_torchs_sends_pickle_and_hand_over_inside_the_functions_nbrpc_holds():
     (``HELD_SENDS``): torch's ``rpc_sync``/``rpc_async`` pickle and send inside
     ``_invoke_rpc``, and ``remote`` inside itself; an RRef proxy's calls go through them."""
     pickling.install()
-    held = {"_invoke_rpc": rpc_api._invoke_rpc, "remote": _ledger._ledger.remote}  # (under
-    for name in _torch.HELD_SENDS:  # the ledger's own patch of remote)
-        _pin(hasattr(held[name], "__wrapped__"), f"api.{name} is not held", "install_rpc_hooks")
+    held = _torch.held_sends()
+    _pin(sorted(held) == sorted(_torch.HELD_SENDS), "a send is not held", "install_rpc_hooks")
+    _pin(rpc_api._invoke_rpc is held["_invoke_rpc"], "_invoke_rpc is not held", "HELD_SENDS")
     invoke = inspect.getsource(inspect.unwrap(rpc_api._invoke_rpc))
     for line in ("_default_pickler.serialize(", "_invoke_rpc_python_udf("):
         _pin(line in invoke, f"_invoke_rpc no longer has {line!r}", "HELD_SENDS")

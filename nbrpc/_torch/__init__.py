@@ -77,6 +77,7 @@ from .calls import (
     builtin_accepts as builtin_accepts,
     custom_reducer_classes as custom_reducer_classes,
     default_pickler as default_pickler,
+    held_sends as held_sends,
     install_rpc_hooks as install_rpc_hooks,
     install_tensor_extractor as install_tensor_extractor,
     is_builtin as is_builtin,

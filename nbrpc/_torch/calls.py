@@ -207,8 +207,20 @@ def install_rpc_hooks(
     rpc_internal._run_function = run_function
     rpc_internal._handle_exception = handle_exception
     for name in HELD_SENDS:
-        patch_api(name, _held(getattr(rpc_api, name), sending))
+        if name not in _held_sends:  # (once: a second install would hold twice)
+            _held_sends[name] = _held(getattr(rpc_api, name), sending)
+            patch_api(name, _held_sends[name])
     _count_server_profiles()
+
+
+#: name -> torch's send of that name as held (what :func:`install_rpc_hooks` put in place;
+#: another patch, the ledger's of ``remote``, may wrap it in turn)
+_held_sends: dict[str, Any] = {}
+
+
+def held_sends() -> dict[str, Any]:
+    """torch's sends as :func:`install_rpc_hooks` holds them, by name (for the seam's pins)."""
+    return dict(_held_sends)
 
 
 def _held(send: Callable[..., Any], sending: Callable[[], AbstractContextManager[Any]]) -> Any:

@@ -36,15 +36,17 @@ def test_a_copy_after_a_stopped_copy_copies_every_byte(timer):
     rng = random.Random(66)
     for attempt in range(60):
         source = sources[attempt % 2]
-        with pytest.raises(Stop):  # (the timer set inside: on a busy machine it fired
-            signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.0002, 0.006))  # in raises())
-            _copy_until_stopped(dst, source)
+        with pytest.raises(Stop):
+            _copy_until_stopped(dst, source, rng.uniform(0.0002, 0.006))
         signal.setitimer(signal.ITIMER_REAL, 0)
         following = sources[(attempt + 1) % 2]
         arena.copy(dst.data_ptr(), following.data_ptr(), nbytes)
         assert torch.equal(dst, following), f"attempt {attempt}: the copy after a stop is wrong"
 
 
-def _copy_until_stopped(dst, source):
+def _copy_until_stopped(dst, source, after):
+    # the timer is set here, inside pytest.raises: set before it, on a busy machine it
+    # fired inside raises() itself
+    signal.setitimer(signal.ITIMER_REAL, after)
     while True:  # the timer stops it, at a different point each time
         arena.copy(dst.data_ptr(), source.data_ptr(), source.numel())
