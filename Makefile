@@ -105,8 +105,8 @@ package-check: $(STAMP)
 # more than they compute (one run used 37 % of this machine's two cores), and pytest took
 # 12:33-12:48 instead of 22:43. Each module stays on one worker, in its order, and the fake
 # hosts' modules share one (tests/conftest.py: _group_of). It is not the default yet: under
-# that load three of three fresh runs failed, each on a test that waits on timing
-# (tests/README.md lists them); 0 runs the suite in this process, one test at a time.
+# that load fresh runs still fail now and then (tests/README.md lists each failure and its
+# cause where known); 0 runs the suite in this process, one test at a time.
 # A worker that crashes (a test past its timeout ends its process) ends the run: xdist's
 # replacement of it got no work and the run waited for good.
 TEST_WORKERS ?= 0
