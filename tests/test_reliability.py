@@ -211,6 +211,12 @@ def test_twenty_init_shutdown_cycles_do_not_grow_resources():
     nbrpc.shutdown(release=True)
     left = glob.glob(os.path.join(profile, "*", f"*{cluster_id}*"))
     assert left == [], left
+    # and ipyparallel writes the cluster file no more: its event loop's callbacks, a moment
+    # after a stop, wrote a Slurm job's again after the release had removed it
+    ipp_cluster = kept._ipp
+    assert ipp_cluster.cluster_file == ""
+    ipp_cluster.update_cluster_file()  # what such a callback runs
+    assert glob.glob(os.path.join(profile, "*", f"*{cluster_id}*")) == []
     ensure_cluster()
 
 

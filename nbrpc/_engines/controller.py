@@ -103,6 +103,8 @@ class Controller:
             ],
         )
         self._client: Any = None
+        #: ipyparallel's file of this cluster, kept here once it may no longer write it
+        self._cluster_file = str(self._ipp.cluster_file)
         self._workdir = workdir
         self._pidfile = os.path.join(workdir, "pids")
         self._watcher: subprocess.Popen | None = None
@@ -113,7 +115,17 @@ class Controller:
     def cluster_file(self) -> str:
         """ipyparallel's file of this controller, in the profile's ``security`` directory
         (the watchdog removes it should the kernel die)."""
-        return str(self._ipp.cluster_file)
+        return self._cluster_file
+
+    def _cluster_file_no_more(self) -> None:
+        """ipyparallel writes this cluster's file no more, from now on (a release's first
+        step). It rewrites the file whenever it sees a part of the cluster stop, on its
+        event loop's thread, a moment after the stop: seeing the controller stop while
+        an engine set still looked running (a Slurm job, cancelled), it wrote the file
+        again after the release had removed it (two fresh runs of the suite on two
+        workers left one each). An empty name is ipyparallel's off switch."""
+        with contextlib.suppress(Exception):
+            self._ipp.cluster_file = ""
 
     @property
     def watchdog_pid(self) -> int | None:
@@ -232,6 +244,7 @@ class Controller:
     def release(self) -> None:
         """Stop the controller, whatever engines are left and the watchdog, and remove
         ipyparallel's files of this controller (a Slurm job's left its cluster file)."""
+        self._cluster_file_no_more()
         self._stop_processes()
         self._stop_watchdog()
         watchdog.remove_cluster_files(self.cluster_file)

@@ -269,18 +269,19 @@ class LocalController(Controller):
     def release(self) -> None:
         """Stop every engine (spares included), the controller and the watchdog."""
         self.zygote.close()
+        self._cluster_file_no_more()  # removed below, once
         # every process at once (ipyparallel stops them one after another, ~4 s here)
         self._stop_processes()
         try:
-            self._ipp.stop_cluster_sync()  # finds them stopped; removes its files
+            self._ipp.stop_cluster_sync()  # finds them stopped
         except Exception as exc:
             log.warning("stopping ipyparallel's controller and engines: %s", exc)
         self._launchers.clear()
         for pid in list(self._logs):
             self._forget_log(pid)
         self._stop_watchdog()
-        # what ipyparallel's stop leaves when it fails (at interpreter exit its event loop
-        # may be gone): the cluster file and connection files, one set per such exit
+        # the cluster file and connection files (ipyparallel's stop left them when it
+        # failed: at interpreter exit its event loop may be gone, one set per such exit)
         watchdog.remove_cluster_files(self.cluster_file)
         stacks.sweep()  # the stopped engines' stack files
         self._stop_loop()
