@@ -117,16 +117,6 @@ class Controller:
         (the watchdog removes it should the kernel die)."""
         return self._cluster_file
 
-    def _cluster_file_no_more(self) -> None:
-        """ipyparallel writes this cluster's file no more, from now on (a release's first
-        step). It rewrites the file whenever it sees a part of the cluster stop, on its
-        event loop's thread, a moment after the stop: seeing the controller stop while
-        an engine set still looked running (a Slurm job, cancelled), it wrote the file
-        again after the release had removed it (two fresh runs of the suite on two
-        workers left one each). An empty name is ipyparallel's off switch."""
-        with contextlib.suppress(Exception):
-            self._ipp.cluster_file = ""
-
     @property
     def watchdog_pid(self) -> int | None:
         """The watchdog's pid, once started."""
@@ -228,12 +218,22 @@ class Controller:
             )
 
     def _stop_processes(self) -> None:
-        """Close the client and stop this controller's processes on this host, at once.
+        """Close the client and stop this controller's processes on this host, at once
+        (every release's first step).
 
         Found by pid and by ipyparallel's cluster-id marker, as the watchdog finds them:
         a controller that died alone leaves its forked heart monitor, which no longer
         shows among its children (seen: two such processes outlived their kernels).
+
+        ipyparallel writes the cluster's file no more from here on (an empty name is its
+        off switch; the release removes the file). It rewrites the file whenever it sees a
+        part of the cluster stop, on its event loop's thread, a moment after the stop:
+        seeing the controller stop while an engine set still looked running (a Slurm job,
+        cancelled), it wrote the file again after the release had removed it (two fresh
+        runs of the suite on two workers left one each).
         """
+        with contextlib.suppress(Exception):
+            self._ipp.cluster_file = ""
         if self._client is not None:
             with contextlib.suppress(Exception):
                 self._client.close()
@@ -244,7 +244,6 @@ class Controller:
     def release(self) -> None:
         """Stop the controller, whatever engines are left and the watchdog, and remove
         ipyparallel's files of this controller (a Slurm job's left its cluster file)."""
-        self._cluster_file_no_more()
         self._stop_processes()
         self._stop_watchdog()
         watchdog.remove_cluster_files(self.cluster_file)

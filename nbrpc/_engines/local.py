@@ -269,7 +269,6 @@ class LocalController(Controller):
     def release(self) -> None:
         """Stop every engine (spares included), the controller and the watchdog."""
         self.zygote.close()
-        self._cluster_file_no_more()  # removed below, once
         # every process at once (ipyparallel stops them one after another, ~4 s here)
         self._stop_processes()
         try:

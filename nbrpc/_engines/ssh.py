@@ -309,7 +309,6 @@ class HostController(Controller):
 
     def release(self) -> None:
         """Stop the controller, the ssh connections and the watchdog (engines: retire)."""
-        self._cluster_file_no_more()
         self._stop_processes()
         with contextlib.suppress(Exception):
             self._ipp.engines.clear()

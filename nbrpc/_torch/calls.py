@@ -188,6 +188,11 @@ INTERNAL_PICKLER = rpc_internal._InternalRPCPickler
 HELD_SENDS = ("_invoke_rpc", "remote")
 
 
+#: name -> torch's send of that name as held (what :func:`install_rpc_hooks` put in place;
+#: another patch, the ledger's of ``remote``, may wrap it in turn)
+_held_sends: dict[str, Any] = {}
+
+
 def install_rpc_hooks(
     pickler: type,
     run_function: Callable[..., Any],
@@ -211,11 +216,6 @@ def install_rpc_hooks(
             _held_sends[name] = _held(getattr(rpc_api, name), sending)
             patch_api(name, _held_sends[name])
     _count_server_profiles()
-
-
-#: name -> torch's send of that name as held (what :func:`install_rpc_hooks` put in place;
-#: another patch, the ledger's of ``remote``, may wrap it in turn)
-_held_sends: dict[str, Any] = {}
 
 
 def held_sends() -> dict[str, Any]:

@@ -126,7 +126,6 @@ class _Thread(threading.local):
 
     origin: int | None = None
     last: int | None = None
-    sending: bool = False
 
 
 def _after_fork() -> None:
@@ -240,18 +239,16 @@ def sends_held() -> Iterator[None]:
     interrupt waits for its end (the module's docstring says why). Both of them: the
     main thread's SIGINT (:func:`nbrpc._process.interrupts_deferred`) and a cancel's,
     raised in this thread as the send ends. Nested sends hold once."""
-    if _thread.sending:
+    me = threading.get_ident()
+    if me in _here.sending:  # (only this thread adds or removes itself)
         yield
         return
-    me = threading.get_ident()
     with _here.lock:
         _here.sending.add(me)
-    _thread.sending = True
     try:
         with _process.interrupts_deferred():
             yield
     finally:
-        _thread.sending = False
         with _here.lock:
             _here.sending.discard(me)
             if me in _here.owed:  # the call is still running (leave() clears it)
