@@ -22,7 +22,7 @@ from conftest import (
 )
 
 import nbrpc
-from nbrpc._engines import local
+from nbrpc._engines import controller, local
 
 BUSY = """
 import ctypes
@@ -223,6 +223,36 @@ def test_an_engine_that_cannot_start_is_a_boot_error_within_seconds(tmp_path, ca
         assert "engines could not start" in str(caught.value)
     assert local.kept() is None  # nothing of it left to reuse
     ensure_cluster()
+
+
+def test_a_controller_that_never_answers_is_a_boot_error_saying_what_was_seen(monkeypatch):
+    """ipyparallel's bare "TimeoutError: Hub connection request timed out" reached a cell
+    once, after a minute, with two test workers and a busy core beside it: now the
+    error says whether the controller runs, who listens on the port its client asked, the
+    controller's log, and what to do. A stopped controller is one that never answers."""
+    monkeypatch.setattr(controller, "CONTROLLER_TIMEOUT_S", 3.0)
+    ours = local.LocalController(None, sys.executable)
+    pid = ours.controller_pid
+    cluster_id = os.path.basename(ours.cluster_file)[len("cluster-") : -len(".json")]
+    client_file = os.path.join(
+        os.path.dirname(ours.cluster_file), f"ipcontroller-{cluster_id}-client.json"
+    )
+    try:
+        assert wait_until(lambda: os.path.exists(client_file), timeout=60)
+        os.kill(pid, signal.SIGSTOP)
+        with pytest.raises(nbrpc.BootError) as caught:
+            ours.client()
+        text = str(caught.value)
+        print(text)
+        assert "did not answer within 3 s" in text
+        assert "ipyparallel said: Hub connection request timed out" in text
+        assert f"the controller (pid {pid}) is stopped" in text
+        assert "listened on by it" in text
+        assert "Run %rpc_init again" in text
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        ours.release()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
 
 
 def test_a_killed_worker_is_reported_dead_within_3_s():

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -37,6 +38,7 @@ from typing import Any, Generic, TypeVar
 import psutil
 
 from nbrpc import _options
+from nbrpc._errors import BootError
 
 from . import watchdog
 from .base import EngineSource
@@ -186,10 +188,44 @@ class Controller:
         if self._client is None:
             # ipyparallel's client waits 10 s for the controller's first answer; a controller
             # starting on a busy host took longer once ("Hub connection request timed out")
-            self._client = self._ipp.connect_client_sync(timeout=CONTROLLER_TIMEOUT_S)
+            try:
+                self._client = self._ipp.connect_client_sync(timeout=CONTROLLER_TIMEOUT_S)
+            except TimeoutError as exc:
+                raise BootError(self._no_answer(exc)) from None
             self.controller_seconds = time.monotonic() - self._started
             self._watch()  # the controller's forks exist by now
         return self._client
+
+    def _no_answer(self, exc: BaseException) -> str:
+        """What a kernel says when the controller never answered its client: what ipyparallel
+        said, whether the controller runs, which of its ports it listens on against the
+        one the client asked, and its log's end (removed at the release that follows)."""
+        pid = self.controller_pid
+        seen = [f"ipyparallel said: {exc}"]
+        try:
+            proc = psutil.Process(pid) if pid else None
+            state = proc.status() if proc else "not started"
+        except psutil.Error:
+            proc, state = None, "gone"
+        seen.append(f"the controller (pid {pid}) is {state}")
+        asked = _registration_port(self._ipp)
+        if proc is not None and asked is not None:
+            with contextlib.suppress(psutil.Error):
+                listening = sorted(
+                    c.laddr.port for c in proc.net_connections("tcp") if c.status == "LISTEN"
+                )
+                holder = "it" if asked in listening else _listener_of(asked)
+                seen.append(f"the client asked port {asked}, listened on by {holder}")
+        log_file = getattr(self._ipp.controller, "output_file", "")
+        with contextlib.suppress(OSError):
+            text = pathlib.Path(log_file).read_text(errors="replace") if log_file else ""
+            seen.append(f"its log:\n{tail(text, 12)}")
+        return (
+            f"the ipyparallel controller did not answer within {CONTROLLER_TIMEOUT_S:.0f} s. "
+            + "; ".join(seen)
+            + "\nRun %rpc_init again: nothing of this attempt is left running. If it "
+            "happens again, the host may be out of CPU or ports (docs/errors.md)."
+        )
 
     def _start_controller(self) -> None:
         """Start the controller; a failure releases everything started so far."""
@@ -338,6 +374,26 @@ class ControllerSource(EngineSource, Generic[C]):
         self, engine_ids: list[int], pids: list[int], timeout: float
     ) -> dict[int, dict[str, Any]]:
         return self._ours().dump_stacks(engine_ids, pids, timeout)
+
+
+def _registration_port(cluster: Any) -> int | None:
+    """The port the client asks the hub on (ipyparallel's client connection file)."""
+    import json
+
+    security = os.path.dirname(str(cluster.cluster_file) or "")
+    path = os.path.join(security, f"ipcontroller-{cluster.cluster_id}-client.json")
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        return int(json.loads(pathlib.Path(path).read_text())["registration"])
+    return None
+
+
+def _listener_of(port: int) -> str:
+    """Which process listens on ``port`` of this host: a pid, or "nothing"."""
+    with contextlib.suppress(psutil.Error):
+        for c in psutil.net_connections("tcp"):
+            if c.status == "LISTEN" and c.laddr.port == port:
+                return f"pid {c.pid}" if c.pid else "another user's process"
+    return "nothing"
 
 
 def tail(text: str, lines: int = 25) -> str:
