@@ -23,10 +23,16 @@ watches: a test that outlives ``--timeout`` is recorded as hung (with the stacks
 rank in the log), a kernel that dies as crashed, and the run goes on with a fresh kernel
 and cluster for the rest.
 
+The second look. Only a kernel's first cluster gives workers torch ids equal to their
+ranks, so each test that failed in a kernel's later cluster runs again at the end, alone
+in a fresh kernel (:func:`second_look`): passing there, it counts as "first cluster only";
+failing there too, it is a failure of its own cause. ``--no-second-look`` leaves it out.
+
 Usage::
 
     python tools/compat.py [--classes RpcTest,DistAutogradTest] [-k PATTERN]
                            [--out FILE.md] [--json FILE.json] [--timeout SECONDS]
+                           [--tests-per-kernel N] [--no-second-look]
 """
 
 from __future__ import annotations
@@ -496,6 +502,9 @@ class TestResult:
     rank: int | None = None  # the rank whose error decided the outcome
     seconds: float = 0.0
     detail: str = ""  # a traceback or stacks, for the log
+    #: set where a test that failed in a kernel's later cluster ran again in a fresh
+    #: kernel's first one (:func:`second_look`): what it said the first time
+    after_reinit: str = ""
 
 
 class _Snapshot:
@@ -971,9 +980,42 @@ def run(
     return results
 
 
+def second_look(
+    results: list[TestResult],
+    timeout: float,
+    log_dir: str,
+    echo: Callable[[str], None] = print,
+) -> list[TestResult]:
+    """Run each test that failed in a kernel's later cluster again, alone in a fresh
+    kernel, whose first cluster it then is: there torch ids are ranks, as in torch's fresh
+    processes, so a test that compares the two (the id kind, docs/compatibility.md) is
+    judged where its ids allow. A test that fails there too fails for a cause of its own,
+    and keeps its outcome from this run. The results, in the same order."""
+    again = [r for r in results if r.outcome == "failed" and not r.after_reinit]
+    if not again:
+        return results
+    echo(f"== second look: {len(again)} failed tests, each in a fresh kernel's first cluster")
+    chosen = select(tests=[f"{r.cls}.{r.test}" for r in again])
+    redone: dict[tuple[str, str], TestResult] = {}
+    for group in _kernel_groups(chosen):
+        redone.update(run_kernels(group, timeout, log_dir, echo, per_kernel=1))
+    first = {(r.cls, r.test): r for r in again}
+    out = []
+    for r in results:
+        new = redone.get((r.cls, r.test))
+        if new is not None and (r.cls, r.test) in first:
+            new.after_reinit = r.error or "failed"
+            r = new
+        out.append(r)
+    return out
+
+
 def counts(results: list[TestResult]) -> dict[str, int]:
     found = {o: sum(r.outcome == o for r in results) for o in OUTCOMES}
     found["applicable"] = len(results) - found["n.a."]
+    found["first cluster only"] = sum(
+        r.outcome == "passed" and bool(r.after_reinit) for r in results
+    )
     return found
 
 
@@ -989,19 +1031,26 @@ def markdown(results: list[TestResult], selections: list[Selection], seconds: fl
         f"torch {torch.__version__}, {os.cpu_count()} CPU cores, {seconds / 60:.1f} min. "
         "Written by `python tools/compat.py` (see docs/compatibility.md).",
         "",
-        "| class | ranks | tests | applicable | passed | failed | hung | crashed | n.a. |",
-        "| --- | --: | --: | --: | --: | --: | --: | --: | --: |",
+        "*passed*: in the cluster the run gave it; *of which first cluster only*: failed "
+        "in a kernel's later cluster, then passed alone in a fresh kernel's first one "
+        "(the id kind: docs/compatibility.md).",
+        "",
+        "| class | ranks | tests | applicable | passed | of which first cluster only "
+        "| failed | hung | crashed | n.a. |",
+        "| --- | --: | --: | --: | --: | --: | --: | --: | --: | --: |",
     ]
     for cls_name, rows in by_class.items():
         c = counts(rows)
         lines.append(
             f"| {cls_name} | {sizes[cls_name]} | {len(rows)} | {c['applicable']} | "
-            f"{c['passed']} | {c['failed']} | {c['hung']} | {c['crashed']} | {c['n.a.']} |"
+            f"{c['passed']} | {c['first cluster only']} | {c['failed']} | {c['hung']} | "
+            f"{c['crashed']} | {c['n.a.']} |"
         )
     c = counts(results)
     lines.append(
-        f"| **all** | | {len(results)} | {c['applicable']} | {c['passed']} | {c['failed']} "
-        f"| {c['hung']} | {c['crashed']} | {c['n.a.']} |"
+        f"| **all** | | {len(results)} | {c['applicable']} | {c['passed']} | "
+        f"{c['first cluster only']} | {c['failed']} | {c['hung']} | {c['crashed']} | "
+        f"{c['n.a.']} |"
     )
     for outcome, title in (("failed", "Failed"), ("hung", "Hung"), ("crashed", "Crashed")):
         rows = [r for r in results if r.outcome == outcome]
@@ -1010,7 +1059,17 @@ def markdown(results: list[TestResult], selections: list[Selection], seconds: fl
         lines += ["", f"## {title} ({len(rows)})", ""]
         for r in rows:
             where = f" ({r.where})" if r.where else ""
-            lines.append(f"- `{r.cls}.{r.test}`: {_md(r.error)}{where}")
+            again = (
+                " (failed alone in a fresh kernel's first cluster too)" if r.after_reinit else ""
+            )
+            lines.append(f"- `{r.cls}.{r.test}`: {_md(r.error)}{where}{again}")
+    rows = [r for r in results if r.outcome == "passed" and r.after_reinit]
+    if rows:
+        lines += ["", f"## Passed in a kernel's first cluster only ({len(rows)})", ""]
+        lines.append("What each said in a later cluster of its kernel:")
+        lines.append("")
+        for r in rows:
+            lines.append(f"- `{r.cls}.{r.test}`: {_md(r.after_reinit)}")
     rows = [r for r in results if r.outcome == "n.a."]
     if rows:
         lines += ["", f"## Not applicable ({len(rows)})", ""]
@@ -1039,6 +1098,12 @@ def main(argv: list[str] | None = None) -> int:
         help="start a fresh kernel process after this many tests (1: every test in a "
         "process whose first cluster it is, as torch's fresh processes; default: no limit)",
     )
+    parser.add_argument(
+        "--no-second-look",
+        action="store_true",
+        help="do not run the tests that failed in a kernel's later cluster again, each "
+        "alone in a fresh kernel's first cluster (default: they run again)",
+    )
     parser.add_argument("--kernel", nargs=2, metavar=("JOB", "REPORT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.kernel:
@@ -1054,6 +1119,8 @@ def main(argv: list[str] | None = None) -> int:
     results = run(
         selections, args.timeout, log_dir, lambda s: print(s, flush=True), args.tests_per_kernel
     )
+    if args.tests_per_kernel != 1 and not args.no_second_look:
+        results = second_look(results, args.timeout, log_dir, lambda s: print(s, flush=True))
     report = markdown(results, selections, time.monotonic() - started)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
