@@ -151,6 +151,8 @@ BAD_INPUT: list[tuple[str, str, str]] = [
     ("%rpc_init -n 0", "none", r"-n|\bn\b|worker"),
     ("%rpc_init -n -3", "none", r"-3|-n|\bn\b"),
     ("%rpc_init -n two", "none", r"two"),
+    ("%rpc_init -n 100000", "none", r"100000 workers do not fit.*Nothing was started"),
+    ("%rpc_scale 100000", "running", r"do not fit.*Nothing was started"),
     ("%rpc_init -n 2 --bogus", "none", r"--bogus"),
     ("%rpc_init -n 2 --device-map nonsense", "none", r"nonsense|device"),
     ("%rpc_init -n 2 --device-map worker1=cuda:0->cuda:1", "none", r"cuda|device|GPU"),
