@@ -541,6 +541,8 @@ def pytest_sessionfinish(session):
 NOTEBOOK_OUTPUTS = "nbrpc-notebook-outputs"
 #: the check that a session leaves nothing behind (tests/leftovers.py; --leftovers=warn)
 LEFTOVERS = "nbrpc-leftovers"
+#: the seconds of each xdist group, at the session's end (tests/group_times.py)
+GROUP_TIMES = "nbrpc-group-times"
 
 
 def pytest_addoption(parser):
@@ -562,6 +564,10 @@ def pytest_configure(config):
 
     if not config.pluginmanager.has_plugin(LEFTOVERS):
         config.pluginmanager.register(Leftovers(), LEFTOVERS)
+    from group_times import GroupTimes
+
+    if not config.pluginmanager.has_plugin(GROUP_TIMES) and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(GroupTimes(_group_of), GROUP_TIMES)
 
 
 def pytest_unconfigure(config):
