@@ -302,8 +302,12 @@ class _Kept:
     controller: LocalController | None = None
     #: how the kept controller came to be there (KEPT or WARMED), said by the next boot
     origin: str = ""
-    #: prewarm's thread while it runs
-    warming: threading.Thread | None = None
+    #: set as prewarm's thread ends; None when no warm-up was started or it was waited for.
+    #: An event, not the thread's is_alive(): on Python 3.11 a stop that lands in
+    #: ``Thread.join`` can leave the thread marked stopped while it runs on, and the next
+    #: %rpc_init started a second controller, zygote and watchdog beside the warm-up's
+    #: (issue 66's fourth finding)
+    warming: threading.Event | None = None
     #: what prewarm's thread hit, if it failed (the next boot starts afresh, and says)
     warm_error: str = ""
     #: seconds prewarm took, from %load_ext to spares registered
@@ -330,6 +334,8 @@ def prewarm(spares: int = PREWARM_SPARES) -> bool:
         return False
     t0 = time.monotonic()
 
+    done = threading.Event()
+
     def warm() -> None:
         ours = None
         try:
@@ -349,18 +355,21 @@ def prewarm(spares: int = PREWARM_SPARES) -> bool:
             if ours is not None:
                 with contextlib.suppress(Exception):
                     ours.release()
+        finally:
+            done.set()
 
     _kept.warm_error = ""
-    _kept.warming = threading.Thread(target=warm, name="nbrpc-prewarm", daemon=True)
-    _kept.warming.start()
+    _kept.warming = done
+    threading.Thread(target=warm, name="nbrpc-prewarm", daemon=True).start()
     return True
 
 
 def _wait_for_warming() -> None:
-    """Wait for prewarm's thread, if it runs (in short joins: the stop button works)."""
-    thread = _kept.warming
-    while thread is not None and thread.is_alive():
-        thread.join(0.05)
+    """Wait for prewarm's thread to end, if it was started (in short waits: the stop
+    button works, and a stop leaves the warm-up to be waited for by the next boot)."""
+    done = _kept.warming
+    while done is not None and not done.wait(0.05):
+        pass
     _kept.warming = None
 
 
