@@ -315,16 +315,31 @@ class Kernel:
         self.km.shutdown_kernel(now=True)
 
 
+RELEASE = "import nbrpc; nbrpc.shutdown(release=True)"
+
+
 @contextlib.contextmanager
-def running_kernel(*cells: str, closing: str = "import nbrpc; nbrpc.shutdown()"):
+def running_kernel(*cells: str, closing: str = RELEASE):
     """A :class:`Kernel` that ran ``cells`` (a module's shared kernel), then ``closing``
-    and its end when the block ends."""
+    and its end when the block ends. A closing that releases (the default) is held to
+    leave no process under the kernel: whatever the module's stop buttons and faults did
+    to its clusters, nothing they started outlives a release (issue 66)."""
     k = Kernel()
     try:
         for cell in cells:
             k.run(cell, timeout=180)
         yield k
         k.run(closing, timeout=60)
+        if "release" in closing:
+            under = psutil.Process(k.value("__import__('os').getpid()"))
+
+            def left() -> list[psutil.Process]:
+                return [p for p in under.children(recursive=True) if running(p.pid)]
+
+            assert wait_until(lambda: not left(), timeout=10), (
+                "left under the kernel after its release: "
+                + "; ".join(f"{p.pid} {' '.join(p.cmdline()[:4])}" for p in left())
+            )
     finally:
         k.close()
 

@@ -95,7 +95,12 @@ def test_attach_to_running_ipyparallel_cluster_leaves_it_running(monkeypatch):
     (ipyparallel registers engines at its heart monitor's ticks; taking "what registered
     so far" took one worker of two)."""
     nbrpc.shutdown()
-    engines = ipp.Cluster(controller_ip="127.0.0.1", log_level=40)
+    # ipyparallel's cluster as a user starts it, but with a 1 s heartbeat (its 3 s default
+    # held this test at about 31 s: engines register at the heart monitor's ticks); an
+    # engine takes longer than a tick to start, so the second is still on its way
+    engines = ipp.Cluster(
+        controller_ip="127.0.0.1", log_level=40, controller_args=["--HeartMonitor.period=1000"]
+    )
     engines.start_controller_sync()
     engines.start_engines_sync(n=1)
     first = engines.connect_client_sync()
