@@ -101,15 +101,15 @@ package-check: $(STAMP)
 # The site is built after the suite, whose nbval run writes the tutorials' outputs, and its
 # browser test runs after the build (so it is left out of the first run). Each pytest run
 # fails if it left a process or a file behind (tests/leftovers.py; alone, pytest only warns).
-# TEST_WORKERS=2 runs the suite on two pytest-xdist workers: its tests wait on processes
-# more than they compute (one run used 37 % of this machine's two cores), and pytest took
-# 12:33-12:48 instead of 22:43. Each module stays on one worker, in its order, and the fake
-# hosts' modules share one (tests/conftest.py: _group_of). It is not the default yet: under
-# that load fresh runs still fail now and then (tests/README.md lists each failure and its
-# cause where known); 0 runs the suite in this process, one test at a time.
+# The suite runs on TEST_WORKERS pytest-xdist workers, 2 by default: its tests wait on
+# processes more than they compute (one run used 37 % of this machine's two cores), and
+# pytest takes about 13 minutes instead of 22-25. Each module stays on one worker, in its
+# order, and the fake hosts' modules share one (tests/conftest.py: _group_of); the seconds
+# of each group are printed at the end. TEST_WORKERS=0 runs the suite in this process, one
+# test at a time (tests/README.md: the failures two workers found, and their causes).
 # A worker that crashes (a test past its timeout ends its process) ends the run: xdist's
 # replacement of it got no work and the run waited for good.
-TEST_WORKERS ?= 0
+TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --max-worker-restart 0
 test: $(STAMP) $(CHROMIUM) $(FAKEHOSTS) lint package-check
 	$(PY) -m pytest tests --nbval-lax notebooks --ignore=tests/test_docs_site.py -v -rs --durations=10 \
