@@ -112,7 +112,7 @@ package-check: $(STAMP)
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --max-worker-restart 0
 test: $(STAMP) $(CHROMIUM) $(FAKEHOSTS) lint package-check
-	$(PY) -m pytest tests --nbval-lax notebooks --ignore=tests/test_docs_site.py -v -rs --durations=10 \
+	$(PY) -m pytest tests --nbval-lax notebooks --ignore=tests/test_docs_site.py -v -rs --durations=20 \
 	  $(XDIST) --leftovers=fail
 	$(MAKE) --no-print-directory docs
 	$(PY) -m pytest tests/test_docs_site.py -v -rs --leftovers=fail
