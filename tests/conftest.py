@@ -21,8 +21,11 @@ from types import SimpleNamespace
 
 import psutil
 import pytest
+from kernel_ports import install as _kernel_ports_outside_the_ephemeral_range
 
 import nbrpc
+
+_kernel_ports_outside_the_ephemeral_range()  # every kernel this process starts (nbval's too)
 
 _cells = itertools.count(1)
 
@@ -312,7 +315,7 @@ class Kernel:
 
     def close(self) -> None:
         self.kc.stop_channels()
-        self.km.shutdown_kernel(now=True)
+        self.km.shutdown_kernel(now=False)  # as a notebook closes: its exit hooks run
 
 
 RELEASE = "import nbrpc; nbrpc.shutdown(release=True)"
