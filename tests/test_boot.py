@@ -255,6 +255,39 @@ def test_a_controller_that_never_answers_is_a_boot_error_saying_what_was_seen(mo
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
 
 
+def test_a_controller_that_exits_as_it_starts_is_said_at_once_with_its_cause(monkeypatch):
+    """A controller that lost a port it had chosen to another process exits as it starts,
+    after writing its connection file (seen in a fresh-clone run of the suite: ipykernel's
+    own start, the same pattern). The client's wait then said nothing for 60 s; now the
+    controller's exit is seen within a few seconds and named. Here the controller is
+    killed once its file exists, after its log got the line ZMQ writes for such a bind."""
+    monkeypatch.setattr(controller, "ANSWER_SLICE_S", 1.0)
+    ours = local.LocalController(None, sys.executable)
+    pid = ours.controller_pid
+    log_file = ours._ipp.controller.output_file
+    cluster_id = os.path.basename(ours.cluster_file)[len("cluster-") : -len(".json")]
+    client_file = os.path.join(
+        os.path.dirname(ours.cluster_file), f"ipcontroller-{cluster_id}-client.json"
+    )
+    try:
+        assert wait_until(lambda: os.path.exists(client_file), timeout=60)
+        with open(log_file, "a") as log:
+            log.write("zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:1')\n")
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(nbrpc.BootError) as caught:
+            ours.client()
+        took = time.monotonic() - t0
+        text = str(caught.value)
+        print(f"{took:.1f} s: {text}")
+        assert took < 10, f"the controller's exit was said after {took:.0f} s"
+        assert "exited as it started: another process took a port it had chosen" in text
+        assert f"the controller (pid {pid}) is gone" in text
+        assert "a new controller picks new ports" in text
+    finally:
+        ours.release()
+
+
 def test_a_killed_worker_is_reported_dead_within_3_s():
     cluster = ensure_cluster()
     victim = cluster.workers[1]

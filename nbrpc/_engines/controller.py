@@ -57,6 +57,9 @@ HEARTBEAT_MISSES = 3
 #: hearing the controller (10 s): engines do not outlive a controller that died.
 ENGINE_ORPHAN_MISSES = 10
 CONTROLLER_TIMEOUT_S = 60.0
+#: the client asks the controller again this often, and in between sees whether it still
+#: runs: one that exited as it started is said at once, not after CONTROLLER_TIMEOUT_S
+ANSWER_SLICE_S = 5.0
 ENGINE_EXIT_WAIT_S = 5.0
 
 
@@ -188,13 +191,26 @@ class Controller:
         if self._client is None:
             # ipyparallel's client waits 10 s for the controller's first answer; a controller
             # starting on a busy host took longer once ("Hub connection request timed out")
-            try:
-                self._client = self._ipp.connect_client_sync(timeout=CONTROLLER_TIMEOUT_S)
-            except TimeoutError as exc:
-                raise BootError(self._no_answer(exc)) from None
+            deadline = time.monotonic() + CONTROLLER_TIMEOUT_S
+            while self._client is None:
+                left = deadline - time.monotonic()
+                try:
+                    self._client = self._ipp.connect_client_sync(
+                        timeout=max(1.0, min(ANSWER_SLICE_S, left))
+                    )
+                except TimeoutError as exc:  # gone: said at once, not after the whole wait
+                    if not self._controller_runs() or time.monotonic() >= deadline:
+                        raise BootError(self._no_answer(exc)) from None
             self.controller_seconds = time.monotonic() - self._started
             self._watch()  # the controller's forks exist by now
         return self._client
+
+    def _controller_runs(self) -> bool:
+        pid = self.controller_pid
+        try:
+            return bool(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
 
     def _no_answer(self, exc: BaseException) -> str:
         """What a kernel says when the controller never answered its client: what ipyparallel
@@ -205,6 +221,8 @@ class Controller:
         try:
             proc = psutil.Process(pid) if pid else None
             state = proc.status() if proc else "not started"
+            if state == psutil.STATUS_ZOMBIE:
+                proc, state = None, "gone"
         except psutil.Error:
             proc, state = None, "gone"
         seen.append(f"the controller (pid {pid}) is {state}")
@@ -217,14 +235,24 @@ class Controller:
                 holder = "it" if asked in listening else _listener_of(asked)
                 seen.append(f"the client asked port {asked}, listened on by {holder}")
         log_file = getattr(self._ipp.controller, "output_file", "")
+        text = ""
         with contextlib.suppress(OSError):
             text = pathlib.Path(log_file).read_text(errors="replace") if log_file else ""
             seen.append(f"its log:\n{tail(text, 12)}")
+        if state == "gone" and "Address already in use" in text:
+            why = (
+                "the ipyparallel controller exited as it started: another process took a "
+                "port it had chosen (ipyparallel picks free ports, then binds them a moment "
+                "later). "
+            )
+        else:
+            why = f"the ipyparallel controller did not answer within {CONTROLLER_TIMEOUT_S:.0f} s. "
         return (
-            f"the ipyparallel controller did not answer within {CONTROLLER_TIMEOUT_S:.0f} s. "
+            why
             + "; ".join(seen)
-            + "\nRun %rpc_init again: nothing of this attempt is left running. If it "
-            "happens again, the host may be out of CPU or ports (docs/errors.md)."
+            + "\nRun %rpc_init again: nothing of this attempt is left running, and a new "
+            "controller picks new ports. If it happens again, the host may be out of CPU or "
+            "ports (docs/errors.md)."
         )
 
     def _start_controller(self) -> None:
