@@ -103,7 +103,7 @@ package-check: $(STAMP)
 # fails if it left a process or a file behind (tests/leftovers.py; alone, pytest only warns).
 # The suite runs on TEST_WORKERS pytest-xdist workers, 2 by default: its tests wait on
 # processes more than they compute (one run used 37 % of this machine's two cores), and
-# pytest takes about 13 minutes instead of 22-25. Each module stays on one worker, in its
+# pytest takes 13-14 minutes instead of 22-25. Each module stays on one worker, in its
 # order, and the fake hosts' modules share one (tests/conftest.py: _group_of); the seconds
 # of each group are printed at the end. TEST_WORKERS=0 runs the suite in this process, one
 # test at a time (tests/README.md: the failures two workers found, and their causes).
