@@ -313,6 +313,10 @@ class Kernel:
         text = self.run(f"import json as _j; print('VALUE', _j.dumps({expr}))", timeout)
         return json.loads(text.split("VALUE ", 1)[1].splitlines()[0])
 
+    def children(self) -> list[psutil.Process]:
+        """Every process under this kernel (its clusters', warm spares included)."""
+        return psutil.Process(self.km.provisioner.process.pid).children(recursive=True)
+
     def close(self) -> None:
         self.kc.stop_channels()
         self.km.shutdown_kernel(now=False)  # as a notebook closes: its exit hooks run
@@ -334,17 +338,25 @@ def running_kernel(*cells: str, closing: str = RELEASE):
         yield k
         k.run(closing, timeout=60)
         if "release" in closing:
-            under = psutil.Process(k.value("__import__('os').getpid()"))
 
             def left() -> list[psutil.Process]:
-                return [p for p in under.children(recursive=True) if running(p.pid)]
+                return [p for p in k.children() if running(p.pid)]
 
             assert wait_until(lambda: not left(), timeout=10), (
-                "left under the kernel after its release: "
-                + "; ".join(f"{p.pid} {' '.join(p.cmdline()[:4])}" for p in left())
+                "left under the kernel after its release: " + "; ".join(described(left()))
             )
     finally:
         k.close()
+
+
+def described(processes: list[psutil.Process]) -> list[str]:
+    """Each process as a line: pid, parent, start, what it runs."""
+    lines = []
+    for p in processes:
+        with contextlib.suppress(psutil.Error):
+            started = time.strftime("%H:%M:%S", time.localtime(p.create_time()))
+            lines.append(f"{p.pid} (of {p.ppid()}, {started}): {' '.join(p.cmdline()[1:3])}")
+    return lines
 
 
 def kernel_children() -> list[psutil.Process]:

@@ -233,12 +233,8 @@ def test_a_controller_that_never_answers_is_a_boot_error_saying_what_was_seen(mo
     monkeypatch.setattr(controller, "CONTROLLER_TIMEOUT_S", 3.0)
     ours = local.LocalController(None, sys.executable)
     pid = ours.controller_pid
-    cluster_id = os.path.basename(ours.cluster_file)[len("cluster-") : -len(".json")]
-    client_file = os.path.join(
-        os.path.dirname(ours.cluster_file), f"ipcontroller-{cluster_id}-client.json"
-    )
     try:
-        assert wait_until(lambda: os.path.exists(client_file), timeout=60)
+        assert wait_until(lambda: os.path.exists(ours.client_file), timeout=60)
         os.kill(pid, signal.SIGSTOP)
         with pytest.raises(nbrpc.BootError) as caught:
             ours.client()
@@ -265,12 +261,8 @@ def test_a_controller_that_exits_as_it_starts_is_said_at_once_with_its_cause(mon
     ours = local.LocalController(None, sys.executable)
     pid = ours.controller_pid
     log_file = ours._ipp.controller.output_file
-    cluster_id = os.path.basename(ours.cluster_file)[len("cluster-") : -len(".json")]
-    client_file = os.path.join(
-        os.path.dirname(ours.cluster_file), f"ipcontroller-{cluster_id}-client.json"
-    )
     try:
-        assert wait_until(lambda: os.path.exists(client_file), timeout=60)
+        assert wait_until(lambda: os.path.exists(ours.client_file), timeout=60)
         with open(log_file, "a") as log:
             log.write("zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:1')\n")
         os.kill(pid, signal.SIGKILL)

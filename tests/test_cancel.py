@@ -5,7 +5,6 @@ and a script's Ctrl-C."""
 
 from __future__ import annotations
 
-import contextlib
 import random
 import re
 import subprocess
@@ -16,7 +15,7 @@ import time
 import psutil
 import pytest
 import torch
-from conftest import running_kernel, wait_until
+from conftest import described, running_kernel, wait_until
 
 import nbrpc
 
@@ -539,20 +538,6 @@ def test_the_stop_button_during_shutdown_leaves_a_kernel_that_inits_again(kernel
     assert kernel.value("nbrpc.rpc_sync('worker2', spin, args=(0,))") == 0
 
 
-def _kernel_children(kernel) -> list[psutil.Process]:
-    return psutil.Process(kernel.value("os.getpid()")).children(recursive=True)
-
-
-def _described(processes: list[psutil.Process]) -> list[str]:
-    """Each process as a line: pid, parent, start, what it runs."""
-    lines = []
-    for p in processes:
-        with contextlib.suppress(psutil.Error):
-            started = time.strftime("%H:%M:%S", time.localtime(p.create_time()))
-            lines.append(f"{p.pid} (of {p.ppid()}, {started}): {' '.join(p.cmdline()[1:3])}")
-    return lines
-
-
 def test_the_stop_button_during_init_leaves_nothing_behind_and_the_next_init_works(kernel):
     """From a released controller (%rpc_shutdown --release: the init starts the controller,
     the zygote and the engines itself), the stop button at two moments of %rpc_init: the
@@ -560,18 +545,16 @@ def test_the_stop_button_during_init_leaves_nothing_behind_and_the_next_init_wor
     %rpc_init's shutdown, and an impossible worker count is refused before any fork."""
     kernel.run("import os")
     kernel.run("%rpc_shutdown --release")
-    assert wait_until(lambda: not _kernel_children(kernel), 10.0), _described(
-        _kernel_children(kernel)
-    )
+    assert wait_until(lambda: not kernel.children(), 10.0), described(kernel.children())
     t0 = time.monotonic()
     _, errors = kernel.execute("%rpc_init -n 100000")
     assert errors[0].startswith("ConfigError: 100000 workers do not fit on this host"), errors
     assert "available of" in errors[0], errors
     assert time.monotonic() - t0 < 30  # the refusal itself; a round trip on a busy machine
-    assert _kernel_children(kernel) == []  # nothing forked
+    assert kernel.children() == []  # nothing forked
 
     kernel.run("%rpc_init -n 2 --quiet")
-    whole = len(_kernel_children(kernel))  # a cluster of 2 and what runs it
+    whole = len(kernel.children())  # a cluster of 2 and what runs it
     kernel.run("%rpc_shutdown --release")
     for moment in (0.3, 1.5):
         ran_on, errors = kernel.stop_after("%rpc_init -n 2", moment)
@@ -584,12 +567,10 @@ def test_the_stop_button_during_init_leaves_nothing_behind_and_the_next_init_wor
         kernel.run("%rpc_init -n 2 --quiet")
         assert kernel.value("nbrpc.workers()") == ["worker0", "worker1", "worker2"]
         assert kernel.value("nbrpc.rpc_sync('worker2', spin, args=(0,))") == 0
-        now = _kernel_children(kernel)
-        assert len(now) == whole, (moment, _described(now))
+        now = kernel.children()
+        assert len(now) == whole, (moment, described(now))
         kernel.run("%rpc_shutdown --release")
-        assert wait_until(lambda: not _kernel_children(kernel), 10.0), _described(
-            _kernel_children(kernel)
-        )
+        assert wait_until(lambda: not kernel.children(), 10.0), described(kernel.children())
     kernel.run("%rpc_init -n 2 --quiet")  # as the module's kernel was
 
 
@@ -608,11 +589,11 @@ def test_the_stop_button_in_a_new_kernel_s_first_init_while_it_warms_up_leaks_no
         assert errors[0].startswith("KeyboardInterrupt"), errors
         k.run("%rpc_init -n 2 --quiet")
         assert k.value("nbrpc.rpc_sync('worker2', os.getpid)") > 0
-        after_the_stop = sorted(" ".join(p.cmdline()[1:3]) for p in _kernel_children(k))
+        after_the_stop = sorted(" ".join(p.cmdline()[1:3]) for p in k.children())
         k.run("%rpc_shutdown --release")
-        assert wait_until(lambda: not _kernel_children(k), 10.0), _described(_kernel_children(k))
+        assert wait_until(lambda: not k.children(), 10.0), described(k.children())
         k.run("%rpc_init -n 2 --quiet")  # what a cluster of 2 runs, started from nothing
-        whole = sorted(" ".join(p.cmdline()[1:3]) for p in _kernel_children(k))
+        whole = sorted(" ".join(p.cmdline()[1:3]) for p in k.children())
         assert after_the_stop == whole  # one set: one watchdog, zygote and controller
 
 

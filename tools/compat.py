@@ -999,11 +999,10 @@ def second_look(
     redone: dict[tuple[str, str], TestResult] = {}
     for group in _kernel_groups(chosen):
         redone.update(run_kernels(group, timeout, log_dir, echo, per_kernel=1))
-    first = {(r.cls, r.test): r for r in again}
     out = []
     for r in results:
-        new = redone.get((r.cls, r.test))
-        if new is not None and (r.cls, r.test) in first:
+        new = redone.get((r.cls, r.test))  # only the tests of ``again`` ran again
+        if new is not None:
             new.after_reinit = r.error or "failed"
             r = new
         out.append(r)

@@ -123,6 +123,12 @@ class Controller:
         return self._cluster_file
 
     @property
+    def client_file(self) -> str:
+        """ipyparallel's connection file for this controller's clients (the controller
+        writes it once its hub listens; ipyparallel's launcher names it)."""
+        return str(self._ipp.controller.connection_files["client"])
+
+    @property
     def watchdog_pid(self) -> int | None:
         """The watchdog's pid, once started."""
         return self._watcher.pid if self._watcher is not None else None
@@ -207,10 +213,7 @@ class Controller:
 
     def _controller_runs(self) -> bool:
         pid = self.controller_pid
-        try:
-            return bool(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
+        return pid is not None and watchdog.process_alive(pid)
 
     def _no_answer(self, exc: BaseException) -> str:
         """What a kernel says when the controller never answered its client: what ipyparallel
@@ -218,15 +221,13 @@ class Controller:
         one the client asked, and its log's end (removed at the release that follows)."""
         pid = self.controller_pid
         seen = [f"ipyparallel said: {exc}"]
-        try:
-            proc = psutil.Process(pid) if pid else None
-            state = proc.status() if proc else "not started"
-            if state == psutil.STATUS_ZOMBIE:
-                proc, state = None, "gone"
-        except psutil.Error:
-            proc, state = None, "gone"
+        proc, state = None, "not started" if not pid else "gone"
+        if self._controller_runs():
+            with contextlib.suppress(psutil.Error):
+                proc = psutil.Process(pid)
+                state = proc.status()  # running, sleeping, stopped...
         seen.append(f"the controller (pid {pid}) is {state}")
-        asked = _registration_port(self._ipp)
+        asked = _registration_port(self.client_file)
         if proc is not None and asked is not None:
             with contextlib.suppress(psutil.Error):
                 listening = sorted(
@@ -404,14 +405,12 @@ class ControllerSource(EngineSource, Generic[C]):
         return self._ours().dump_stacks(engine_ids, pids, timeout)
 
 
-def _registration_port(cluster: Any) -> int | None:
-    """The port the client asks the hub on (ipyparallel's client connection file)."""
+def _registration_port(client_file: str) -> int | None:
+    """The port the client asks the hub on, from ipyparallel's client connection file."""
     import json
 
-    security = os.path.dirname(str(cluster.cluster_file) or "")
-    path = os.path.join(security, f"ipcontroller-{cluster.cluster_id}-client.json")
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        return int(json.loads(pathlib.Path(path).read_text())["registration"])
+        return int(json.loads(pathlib.Path(client_file).read_text())["registration"])
     return None
 
 
