@@ -44,20 +44,29 @@ def _dump(pid: int, name: str) -> None:
 
 
 def main(pid: int) -> None:
+    """Read the pipe's bytes as they come and act on every whole line among them: a test's
+    ``disarm`` and the next test's ``arm`` often arrive in one read, and a buffered
+    ``readline`` after ``select`` left the second in Python's buffer, where ``select`` never
+    saw it again. The watchdog then stayed disarmed through a real deadlock (a fresh run,
+    2026-11-29: a worker held the GIL for 20 minutes, and nothing fired)."""
     deadline: float | None = None
     name = ""
+    fd = sys.stdin.fileno()
+    pending = b""
     while True:
         wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-        ready, _, _ = select.select([sys.stdin], [], [], wait)
+        ready, _, _ = select.select([fd], [], [], wait)
         if ready:
-            line = sys.stdin.readline()
-            if not line:  # the test process closed the pipe: the session ended
+            chunk = os.read(fd, 65536)
+            if not chunk:  # the test process closed the pipe: the session ended
                 return
-            words = line.split(maxsplit=2)
-            if words[0] == "arm":
-                deadline, name = time.monotonic() + float(words[1]), words[2].strip()
-            else:
-                deadline = None
+            *lines, pending = (pending + chunk).split(b"\n")
+            for line in lines:
+                words = line.decode().split(maxsplit=2)
+                if words and words[0] == "arm":
+                    deadline, name = time.monotonic() + float(words[1]), words[2].strip()
+                elif words:
+                    deadline = None
             continue
         _dump(pid, name)
         os.kill(pid, signal.SIGKILL)
