@@ -47,6 +47,7 @@ import torch  # noqa: E402
 
 from benchmarks.peers import SeedShard, add_one, echo  # noqa: E402
 from benchmarks.stats import stats, timed  # noqa: E402
+from nbrpc._network import CUDA_TRANSPORTS  # noqa: E402
 
 ECHO_MB = 64
 ROWS = ("torch script", "nbrpc", "nbrpc, check=False")
@@ -208,14 +209,17 @@ def run_nbrpc_cuda_small() -> dict:
         nbrpc.shutdown()
 
 
-def one_kernel() -> dict:
+def one_kernel(repeats: int = 3) -> dict:
     """Issue 47's item 5, in a kernel of its own (what its first join fixes is the point):
-    a CPU cluster on this host and its small calls, whether the kernel started CUDA, a
-    GPU cluster after it (how long it took to start or be refused, and in which words; its
-    small calls, the CUDA one included), a CPU cluster again and its small calls."""
+    a CPU cluster on this host and its small calls, the kernel's CPU seconds over 2 idle
+    seconds, whether the kernel started CUDA, a GPU cluster after it (how long it took to
+    start or be refused, and in which words; its small calls, the CUDA one included, the
+    tutorial and the round trip: issue 63's "after a CPU first cluster"), a CPU cluster
+    again and its small calls."""
     import time
 
     import nbrpc
+    from nbrpc import autograd
 
     def calls(cluster: str, local: str | None = None) -> None:
         for figure, value in small_calls(nbrpc.rpc_sync, None).items():
@@ -227,6 +231,9 @@ def one_kernel() -> dict:
     out: dict = {}
     nbrpc.init(n=1, progress=False)
     calls("CPU cluster")
+    idle = time.process_time()
+    time.sleep(2.0)
+    out["kernel CPU s over 2 idle s, CPU cluster"] = round(time.process_time() - idle, 3)
     out["CUDA started in the kernel"] = torch.cuda.is_initialized()
     nbrpc.shutdown()
     t0 = time.monotonic()
@@ -240,6 +247,14 @@ def one_kernel() -> dict:
         out["answered in s"] = time.monotonic() - t0
         try:
             calls("GPU cluster after a CPU one", devices()[0])
+            local = devices()[0]
+            callee = nbrpc.current().device_maps["worker0"]["worker1"][local]
+            after = measure(
+                nbrpc.remote, nbrpc.rpc_sync, autograd.backward, local, callee, repeats,
+                small=False, cuda_small=False,
+            )  # fmt: skip
+            for figure, value in after.items():
+                out[f"{figure} [GPU cluster after a CPU one]"] = value
         finally:
             nbrpc.shutdown()
     nbrpc.init(n=2, progress=False)
@@ -251,11 +266,17 @@ def one_kernel() -> dict:
     return out
 
 
-def run_one_kernel() -> dict:
-    """:func:`one_kernel` in a process of its own."""
+def run_one_kernel(repeats: int, transports: str = "") -> dict:
+    """:func:`one_kernel` in a process of its own (``transports``: the kernel's, through
+    ``NBRPC_TENSORPIPE_TRANSPORTS``; empty: nbrpc's choice)."""
     return _in_own_process(
-        "import json\nfrom benchmarks.cuda_rpc import one_kernel\n"
-        "open(RESULT, 'w').write(json.dumps(one_kernel()))\n",
+        (
+            f"import os\nos.environ['NBRPC_TENSORPIPE_TRANSPORTS'] = {transports!r}\n"
+            if transports
+            else ""
+        )
+        + "import json\nfrom benchmarks.cuda_rpc import one_kernel\n"
+        f"open(RESULT, 'w').write(json.dumps(one_kernel({repeats})))\n",
         timeout=150,  # within gpu_check's limit for the whole benchmark
     )
 
@@ -305,16 +326,17 @@ def report(results: dict) -> None:
     if "floor" in results:
         copy = results["floor"]["median"] * 1e3
         print(f"floor: a {ECHO_MB} MB device-to-device copy in one process, {copy:.3f} ms")
-    one = results.get("one kernel", {})
-    if one:
-        print("one kernel, a CPU cluster first (a fresh process):")
-    for key, value in one.items():
-        if isinstance(value, dict):  # "FIGURE [CLUSTER]": a small call, against the script's
-            script = raw[key.split(" [")[0]]["median"]
-            ratio = value["median"] / script
-            print(f"  {key:<64}{value['median'] * 1e6:>9.1f} µs {ratio:>6.2f}x")
-        else:
-            print(f"  {key}: {value}")
+    for part in ("one kernel", "one kernel, shm"):
+        one = results.get(part, {})
+        if one:
+            print(f"{part}, a CPU cluster first (a fresh process):")
+        for key, value in one.items():
+            if isinstance(value, dict):  # "FIGURE [CLUSTER]", against the script's
+                script = raw[key.split(" [")[0]]["median"]
+                ratio = value["median"] / script
+                print(f"  {key:<64}{value['median'] * 1e6:>12.1f} µs {ratio:>6.2f}x")
+            else:
+                print(f"  {key}: {value}")
 
 
 def main() -> int:
@@ -339,7 +361,11 @@ def main() -> int:
     parts = (
         ("torch script", lambda: {"torch script": run_raw(repeats)}),
         ("nbrpc", lambda: run_nbrpc(repeats)),  # items 1, 3, 4
-        ("one kernel", lambda: {"one kernel": run_one_kernel()}),  # 5
+        ("one kernel", lambda: {"one kernel": run_one_kernel(repeats)}),  # 5
+        (
+            "one kernel, shm",  # issue 63's risk 3: the CUDA transports at a CPU first join
+            lambda: {"one kernel, shm": run_one_kernel(repeats, ",".join(CUDA_TRANSPORTS))},
+        ),
         ("floor", lambda: {"floor": floor(repeats)}),
         (
             "small CUDA calls",

@@ -14,6 +14,8 @@ joins with these choices, so that module holds the membership and its store.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import os
 import socket
 from collections.abc import Iterator
@@ -147,11 +149,82 @@ CUDA_CHANNELS = ("cuda_ipc", "cuda_basic")
 
 
 def channels(cuda: bool, across_hosts: bool) -> list[str]:
-    """The channels this process asks for (``NBRPC_TENSORPIPE_CHANNELS`` overrides)."""
+    """The channels this process asks for (``NBRPC_TENSORPIPE_CHANNELS`` overrides):
+    "cuda_ipc" only where it can start (:func:`cuda_ipc_can_start`)."""
+    cuda_channels = [c for c in CUDA_CHANNELS if c != "cuda_ipc" or cuda_ipc_can_start()]
     return _listed("NBRPC_TENSORPIPE_CHANNELS") or [
-        *(CUDA_CHANNELS if cuda else ()),
+        *(cuda_channels if cuda else ()),
         *(ACROSS_HOSTS_CHANNELS if across_hosts else LOCAL_CHANNELS),
     ]
+
+
+@functools.cache
+def cuda_ipc_can_start() -> bool:
+    """Whether TensorPipe's "cuda_ipc" channel can start in this process.
+
+    Its context, built when the process joins, looks up each GPU that CUDA shows in
+    NVML's list of the host's GPUs by UUID, and throws where one is missing: under MIG
+    (CUDA shows ``MIG-`` instances NVML does not list), or where a container hides NVML's
+    GPUs (pytorch/pytorch#95487). Then the join itself fails, for a CPU cluster too,
+    since the kernel's first join registers the CUDA channels for the GPU clusters after
+    it. This makes the same lookup first (NVML and the CUDA driver, without a CUDA
+    context); where it would fail, CUDA tensors take "cuda_basic" (through host memory)."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return False  # TensorPipe finds none either: the channel is simply not viable
+    try:
+        return set(cuda_uuids()) <= set(nvml_uuids(nvml))
+    except Exception:
+        return False
+
+
+def nvml_uuids(nvml: Any) -> list[str]:
+    """The UUIDs of every GPU NVML lists (``GPU-`` dropped), as TensorPipe reads them."""
+    if nvml.nvmlInit_v2() != 0:
+        raise OSError("nvmlInit_v2 failed")
+    try:
+        count = ctypes.c_uint()
+        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+            raise OSError("nvmlDeviceGetCount_v2 failed")
+        uuids = []
+        for index in range(count.value):
+            handle = ctypes.c_void_p()
+            if nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0:
+                raise OSError("nvmlDeviceGetHandleByIndex_v2 failed")
+            buf = ctypes.create_string_buffer(96)
+            if nvml.nvmlDeviceGetUUID(handle, buf, len(buf)) != 0:
+                raise OSError("nvmlDeviceGetUUID failed")
+            uuids.append(buf.value.decode().removeprefix("GPU-"))
+        return uuids
+    finally:
+        nvml.nvmlShutdown()
+
+
+def cuda_uuids() -> list[str]:
+    """The UUIDs of the GPUs CUDA shows this process (the driver's API: no context)."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    if cuda.cuInit(0) != 0:
+        raise OSError("cuInit failed")
+    count = ctypes.c_int()
+    if cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        raise OSError("cuDeviceGetCount failed")
+    uuids = []
+    for index in range(count.value):
+        device = ctypes.c_int()
+        raw = ctypes.create_string_buffer(16)
+        if cuda.cuDeviceGet(ctypes.byref(device), index) != 0:
+            raise OSError("cuDeviceGet failed")
+        if cuda.cuDeviceGetUuid(raw, device) != 0:
+            raise OSError("cuDeviceGetUuid failed")
+        uuids.append(uuid_text(raw.raw))
+    return uuids
+
+
+def uuid_text(raw: bytes) -> str:
+    """A CUDA UUID's 16 bytes as NVML writes them: ``8-4-4-4-12`` lowercase hex digits."""
+    h = raw.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
 def _listed(variable: str) -> list[str]:

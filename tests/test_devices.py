@@ -45,8 +45,8 @@ def test_cuda_is_brought_up_before_joining_only_when_maps_or_devices_need_it():
 
 
 def test_the_cuda_devices_a_process_joins_with_are_what_its_async_replies_wait_for():
-    """An rpc_async's future is nbrpc's (not CUDA-aware): its callback waits for the
-    streams of these devices before the value is handed over."""
+    """An rpc_async's future is CUDA-aware on these devices, as torch's: a callback runs
+    on streams that wait for the reply, and a waiter's stream waits for the callback."""
     assert _group.local_cuda_devices(None, None) == ()
     assert _group.local_cuda_devices({"worker1": {}}, ["cpu"]) == ()
     assert _group.local_cuda_devices({"w1": {"cuda:1": "cuda:0"}}, ["cuda:0"]) == (
@@ -242,6 +242,7 @@ with nbrpc.record() as rec:
     assert a.is_cuda and a.tolist() == [2.0, 2.0], a
     z = nbrpc.rpc_sync("worker1", make, args=(3,))
     assert z.is_cuda and z.tolist() == [2.0] * 3, z
+    # an rpc_async on a GPU cluster: TensorPipe, whose streams are the call's own
     w = nbrpc.rpc_async("worker1", make, args=(5,)).wait()
     assert w.is_cuda and w.tolist() == [2.0] * 5, w
     big = nbrpc.rpc_sync("worker1", plus, args=(torch.ones(BIG, device="cuda:0"),))
@@ -257,7 +258,7 @@ print("routes", routes)
 plused = [r for name, r in routes if name == "plus"]
 assert plused == ["lane", "lane", "lane", "tensorpipe", "tensorpipe"], plused
 made = [route for name, route in routes if name == "make"]
-assert made == ["lane", "lane", "lane", "tensorpipe"], made
+assert made == ["lane", "tensorpipe", "lane", "tensorpipe"], made
 nbrpc.shutdown()
 OTHER_NAMES = ({"names": ["a"], "gpus": "auto"}, {"names": ["b"], "device_maps": {"b": {0: 0}}})
 for asked in OTHER_NAMES:  # names the first join did not map
@@ -434,3 +435,49 @@ def test_a_device_map_by_hand_alone_lets_the_worker_receive_cuda_tensors(tmp_pat
     )
     assert "by hand cuda:0 [2.0, 2.0, 2.0]" in out, out
     assert f"by hand, large cuda:0 {2.0 * (1 << 15)}" in out, out
+
+
+GPU_STREAMS = """
+import torch, nbrpc
+
+SLEEP = 200_000_000  # ~0.1 s of GPU work on an H200
+
+def late(n):  # written after GPU work on the callee's stream
+    x = torch.zeros(n, device="cuda:0")
+    torch.cuda._sleep(SLEEP)
+    x.fill_(3.0)
+    return x
+
+def then(fut):
+    value = fut.wait()
+    seen = value.sum().item()
+    torch.cuda._sleep(SLEEP)  # then an in-place write, ~0.1 s later on the GPU
+    value.fill_(7.0)
+    return value, seen
+
+nbrpc.init(n=1, gpus="auto", progress=False)
+side = torch.cuda.Stream()
+with nbrpc.record() as rec:
+    for n in (1000, 1 << 15):
+        for stream in (torch.cuda.current_stream(), side):
+            child = nbrpc.rpc_async("worker1", late, args=(n,)).then(then)
+            with torch.cuda.stream(stream):
+                value, seen = child.wait()
+                got = value.sum().item()
+            assert seen == 3.0 * n, ("the callback saw the reply unwritten", seen / n)
+            assert got == 7.0 * n, ("the waiter's stream ran before the callback's", got / n)
+routes = {r["route"] for r in rec.calls if r["caller"] != "worker1"}
+assert routes == {"tensorpipe"}, routes
+nbrpc.shutdown()
+print("gpu streams ok")
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_a_then_callback_s_gpu_work_is_finished_on_the_waiter_s_stream(tmp_path):
+    """Issue 63's risks 1 and 5: an rpc_async on a GPU cluster goes through TensorPipe
+    (each call on streams of its own), and its future is CUDA-aware: a ``then`` callback
+    sees the reply written, and its in-place write, queued behind 0.1 s of GPU work, is
+    what a waiter reads on the default stream or on a side stream."""
+    out = run_script(tmp_path / "gpu_streams.py", GPU_STREAMS, timeout=SCRIPT_S)
+    assert "gpu streams ok" in out, out

@@ -114,6 +114,19 @@ class Future(torch.futures.Future):
         raise error
 
 
+def new_future(dest: str) -> Future:
+    """The future nbrpc hands out for a call to ``dest``. Where this process lends CUDA
+    devices to the cluster it is CUDA-aware, as torch's RPC futures are: its value's CUDA
+    tensors are ready on the stream that completed it (``set_result`` records an event
+    there), a ``then`` callback runs on fresh streams that wait for that event, and
+    ``wait()`` makes the waiter's current stream wait for the callback's work. A plain
+    future would hand a callback's in-place write to a waiter on another stream
+    unfinished (issue 63's risk 1)."""
+    out = Future(devices=list(_group.cuda_devices()) or None)
+    out.dest = dest
+    return out
+
+
 def set_active(active: bool, last_output: Callable[[str], str] | None = None) -> None:
     """A cluster is up (calls may go out) or not; ``last_output`` names what a dead
     worker printed last."""
@@ -312,8 +325,7 @@ def start_call(
     """Start a call on its route (:func:`.routes.choose`); its future, settled with
     nbrpc's errors. Bad input fails before anything is sent."""
     dest, call = _addressed(what, to, func, timeout)
-    out = Future()
-    out.dest = call.dest
+    out = new_future(call.dest)
     sent = (func, tuple(args), kwargs)
     cancelling.forget_last()
     route, taken = routes.choose(dest, func, sent[1], kwargs, main=False)

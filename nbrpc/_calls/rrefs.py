@@ -96,8 +96,7 @@ def _get_type(rref: Any, timeout: float = _torch.UNSET_RPC_TIMEOUT, blocking: bo
     known = _type_futures.get(rref)
     if known is not None and known[0] is got:
         return known[1]
-    out = facade.Future()
-    out.dest = owner
+    out = facade.new_future(owner)
     _type_futures[rref] = (got, out)
     call = errors.Sent(owner, what, 0.0, facade.given(timeout))
     _torch.on_done(got, lambda done: failures.settle(done, out, call.translate))

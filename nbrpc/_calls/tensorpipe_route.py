@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.rpc import RRef, WorkerInfo
 
-from nbrpc import _group, _ledger, _torch, _trace
+from nbrpc import _ledger, _torch, _trace
 from nbrpc._debugger import prompts
 from nbrpc._wire import callee, failures, pickling, recording, shm
 
@@ -116,15 +116,9 @@ def _not_the_callees(exc: BaseException) -> None:
 def _settle(raw: torch.futures.Future, done: Done) -> None:
     """``done`` with the outcome of torch's finished future ``raw``. With CUDA devices,
     ``raw`` is CUDA-aware: this callback runs on streams that wait for the reply's
-    copies, and the future nbrpc hands out (not CUDA-aware) is waited on from other
-    streams; those copies finish first, so a CUDA tensor in its value is ready on any
-    stream."""
-    try:
-        for device in _group.cuda_devices():
-            torch.cuda.current_stream(device).synchronize()
-    except Exception as exc:  # CUDA failing: the call's error, not a future left waiting
-        done((None, exc, None))
-        return
+    copies, and the future ``done`` completes is CUDA-aware too
+    (:func:`nbrpc._calls.facade.new_future`): it records its event on these streams, so
+    a waiter's stream waits for the copies, and nothing here blocks on them."""
     done(outcome(raw))
 
 

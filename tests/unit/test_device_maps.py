@@ -1,7 +1,12 @@
 """Device maps without a worker: parsing, planning ``--gpus auto``, checking a map
 against every process's devices, and where replies go (``nbrpc._devices``)."""
 
+import ctypes
+import shutil
+import subprocess
+
 import pytest
+from conftest import load_tool
 
 from nbrpc import _devices
 from nbrpc._errors import ConfigError, DeviceMapError
@@ -225,3 +230,27 @@ def test_a_worker_joins_with_the_devices_maps_send_to_it():
     assert _devices.joining_devices("worker1", maps, chosen) == ["cuda:1"] == chosen["worker1"]
     assert _devices.joining_devices("worker1", maps, {}) == ["cuda:1"]  # a restart's: the same
     assert _devices.joining_devices("worker1", {}, {}) is None  # a CPU cluster
+
+
+def test_cuda_ipc_is_asked_for_only_where_its_context_can_start(monkeypatch, tmp_path):
+    """TensorPipe's "cuda_ipc" looks up each GPU CUDA shows in NVML's list by UUID when a
+    process joins, and throws where one is missing (MIG, some containers): the join fails,
+    a CPU cluster's too. nbrpc makes the lookup first; on an H200 host with a stand-in NVML
+    that lists another GPU (tools/gpu_risks.py nvml) the clusters then ran on cuda_basic."""
+    from nbrpc import _network
+
+    monkeypatch.delenv("NBRPC_TENSORPIPE_CHANNELS", raising=False)
+    assert _network.uuid_text(bytes(range(16))) == "00010203-0405-0607-0809-0a0b0c0d0e0f"
+    for listed, channels in ((True, ["cuda_ipc", "cuda_basic"]), (False, ["cuda_basic"])):
+        monkeypatch.setattr(_network, "cuda_ipc_can_start", lambda listed=listed: listed)
+        assert _network.channels(True, False) == [*channels, "cma", "basic"]
+        assert _network.channels(False, False) == ["cma", "basic"]
+    # a stand-in NVML (no GPU listed), loaded as TensorPipe loads it; no CUDA here either
+    lib = tmp_path / "libnvidia-ml.so.1"
+    fake = tmp_path / "nvml.c"
+    fake.write_text(load_tool("gpu_risks").fake_nvml(uuid=None))
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler to build the stand-in NVML")
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib), str(fake)], check=True)
+    nvml = ctypes.CDLL(str(lib))
+    assert _network.nvml_uuids(nvml) == []

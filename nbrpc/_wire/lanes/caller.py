@@ -52,6 +52,12 @@ class Why(enum.Enum):
         "lane round first"
     )
     BUSY = "the main thread's lane to the peer waits on another call"
+    ASYNC_ON_GPU = (
+        "an rpc_async to a peer this process maps CUDA devices to: TensorPipe runs each "
+        "call on CUDA streams of its own and sends the reply when they finish, so calls "
+        "run side by side on the GPU and no thread waits for a stream (a lane runs its "
+        "calls one after another, each reply's copy waiting for the GPU)"
+    )
 
 
 class Choice(NamedTuple):
@@ -76,6 +82,9 @@ def route(dest: Any, func: Any, args: tuple, kwargs: dict | None, main: bool) ->
     why = why_not(dest, func)
     if why is not None:
         return why
+    if not main and messages.places_to(dest.name)[0] is not None:
+        return _NONE[Why.ASYNC_ON_GPU]  # (issue 63's risk 5: four 50 ms GPU calls 0.21 s
+        # at once on a lane, 0.06 s through TensorPipe, on an H200)
     notebook = is_notebook_function(func)
     if not notebook:  # (a notebook's function is never a builtin)
         func, args, kwargs = as_python_call(func, args, kwargs)
