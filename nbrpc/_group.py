@@ -274,8 +274,17 @@ def forget_peer(info: Any) -> None:
     """``info`` left the group, in this process, which keeps its devices and its reply
     maps to the others: torch's leave message drops them all, and a CUDA tensor a peer
     then sends here finds no stream where TensorPipe reads it, which ends the process."""
+    _torch.forget_locally(info, *_kept_through_leave(info))
+
+
+def _kept_through_leave(info: Any) -> tuple[list[str], dict[str, dict[str, str]]]:
+    """What this process keeps when ``info`` leaves: its devices, its other reply maps
+    (torch's own leave message too: :func:`nbrpc._torch.keep_through_leaves`)."""
     replies = {peer: m for peer, m in _membership.replies.items() if peer != info.name}
-    _torch.forget_locally(info, list(_membership.cuda), replies)
+    return list(_membership.cuda), replies
+
+
+_torch.keep_through_leaves(_kept_through_leave)
 
 
 def release_user_rrefs(timeout_s: float) -> None:

@@ -19,7 +19,8 @@ What is here, by module:
   a torch outside them gets at import;
 * :mod:`.group`: the current agent and its store (``agent``, ``set_rpc_timeout``), the
   dynamic group's membership (``GROUP_TOKEN_KEY``, ``MEMBER_LIST_KEY``,
-  ``update_group_membership``, ``forget_locally``, ``hold_devices``), the kernel's
+  ``update_group_membership``, ``forget_locally``, ``keep_through_leaves``,
+  ``hold_devices``), the kernel's
   devices lent cluster by cluster (``devices_withheld``, ``advertise_devices``,
   ``can_lend_devices``), torch's gathers
   (``route_all_gather``) and TensorPipe options that are not public
@@ -109,6 +110,7 @@ from .group import (
     forget_locally as forget_locally,
     guard_ddp as guard_ddp,
     hold_devices as hold_devices,
+    keep_through_leaves as keep_through_leaves,
     leave_group as leave_group,
     membership_changes as membership_changes,
     reset_all_gather as reset_all_gather,

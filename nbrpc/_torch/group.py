@@ -47,34 +47,71 @@ GROUP_TOKEN_KEY = "RpcGroupManagementToken"  # the key of the join/leave critica
 MEMBER_LIST_KEY = "_ALL_WORKER_INFOS"  # under the "names" prefix: "name-id," entries
 
 
+#: what a process keeps when told a peer left: its devices and its reply maps to the others
+Kept = tuple[list[str], dict[str, dict[str, str]]]
+
+
 class _Changes:
-    """How many times this process's agent was told a peer joined or left."""
+    """How many times this process's agent was told a peer joined or left, and what it
+    keeps through a leave (:func:`keep_through_leaves`)."""
 
     count = 0
+    keeps: Callable[[Any], Kept] | None = None
 
 
 _changes = _Changes()
 
 
-def _counted(update: Callable[..., Any]) -> Callable[..., Any]:
+def keep_through_leaves(keeps: Callable[[Any], Kept] | None) -> Callable[[Any], Kept] | None:
+    """``keeps(info)``: the devices and reply maps this process keeps when told ``info``
+    left (``nbrpc._group``: its own, less the leaver's); the one it replaces."""
+    before, _changes.keeps = _changes.keeps, keeps
+    return before
+
+
+def kept_through_leave(info: Any) -> Kept:
+    """What this process keeps when told ``info`` left (nothing: torch's leave)."""
+    return ([], {}) if _changes.keeps is None else _changes.keeps(info)
+
+
+def counted_update(update: Callable[..., Any]) -> Callable[..., Any]:
     """torch's membership update, counted (:func:`membership_changes`) once it is done: a
-    lookup made meanwhile is looked up again."""
+    lookup made meanwhile is looked up again. A leaver's own message (torch's graceful
+    leave, ``%rpc_scale`` down) hands each member no devices and no reply maps, and the
+    member's agent drops all it has: until the kernel gave them back
+    (``nbrpc._setup.device_replies``, a round later) a reply holding a CUDA tensor failed
+    with torch's "only supports CPU tensors" (110 of 3,228 calls on an H200, issue 63's
+    risk 2), and a CUDA message found no stream. The member keeps its own instead."""
 
     @functools.wraps(update)  # torch's module and name: sent by name, found by name
-    def _update_group_membership(*args: Any, **kwargs: Any) -> Any:
+    def _update_group_membership(
+        info: Any, devices: Any, replies: Any, is_join: bool, *args: Any, **kwargs: Any
+    ) -> Any:
+        if not is_join and not devices and not replies:
+            devices, replies = _as_devices(*kept_through_leave(info))
         try:
-            return update(*args, **kwargs)
+            return update(info, devices, replies, is_join, *args, **kwargs)
         finally:
             _changes.count += 1
 
     return _update_group_membership
 
 
+def _as_devices(devices: list[str], replies: dict[str, dict[str, str]]) -> tuple[list, dict]:
+    """Device names as ``torch.device``s, as the agent's membership update takes them."""
+    import torch
+
+    return [torch.device(d) for d in devices], {
+        peer: {torch.device(k): torch.device(v) for k, v in mapping.items()}
+        for peer, mapping in replies.items()
+    }
+
+
 #: The function torch's join and leave run on every member, by name (nbrpc's leave on a
 #: worker's behalf runs :func:`forget_locally` there instead, which keeps the peer's
 #: devices), counted. Every module of torch's that holds it holds the counted one: a
 #: function sent by name must be the one its module holds, or the pickler sends it whole.
-update_group_membership = _counted(rpc_utils._update_group_membership)
+update_group_membership = counted_update(rpc_utils._update_group_membership)
 for _holder in (rpc_utils, rpc_api, backend_registry):
     _holder._update_group_membership = update_group_membership  # type: ignore[attr-defined]
 
@@ -85,17 +122,7 @@ def forget_locally(
     """What :data:`update_group_membership` does, in this process: ``info`` left. It keeps
     ``devices`` and the reply maps ``replies`` (peer -> {device: the peer's}), and drops
     every other (torch's own leave message keeps none)."""
-    import torch
-
-    agent()._update_group_membership(
-        info,
-        [torch.device(d) for d in devices or ()],
-        {
-            peer: {torch.device(k): torch.device(v) for k, v in mapping.items()}
-            for peer, mapping in (replies or {}).items()
-        },
-        False,
-    )
+    agent()._update_group_membership(info, *_as_devices(devices or [], replies or {}), False)
     _changes.count += 1
 
 
@@ -121,20 +148,10 @@ def hold_devices(devices: list[str], replies: dict[str, dict[str, str]]) -> None
     wrong one). So first a leave's update of a worker that never was (a name and id no
     member has: only the maps go, ``devices`` stay), then a join's update with this
     process's own name, which adds what it is handed and changes nothing else."""
-    import torch
-
     me = agent()
-    mine = [torch.device(d) for d in devices]
+    mine, maps = _as_devices(devices, replies)
     me._update_group_membership(rpc.WorkerInfo(_NOBODY, -1), mine, {}, False)
-    me._update_group_membership(
-        me.get_worker_info(),
-        mine,
-        {
-            peer: {torch.device(k): torch.device(v) for k, v in mapping.items()}
-            for peer, mapping in replies.items()
-        },
-        True,
-    )
+    me._update_group_membership(me.get_worker_info(), mine, maps, True)
 
 
 #: the name of the worker that never was (:func:`hold_devices`): no process takes it
