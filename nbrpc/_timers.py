@@ -82,6 +82,26 @@ def after(seconds: float, action: Callable[..., Any], *args: Any) -> Timer:
     return timer
 
 
+def on_service_thread(action: Callable[..., Any], *args: Any, timeout: float = 30.0) -> None:
+    """Run ``action(*args)`` on the service's thread now, and return once it ran (at most
+    ``timeout`` seconds: it then runs when the service gets to it). On that thread
+    already, it runs at once. For short work that must happen on one long-lived thread
+    rather than on the caller's (the kernel's output: :func:`nbrpc._wire.output.show_output`)."""
+    if threading.current_thread() is _service.thread:
+        action(*args)
+        return
+    ran = threading.Event()
+
+    def run() -> None:
+        try:
+            action(*args)
+        finally:
+            ran.set()
+
+    after(0, run)
+    ran.wait(timeout)
+
+
 def on_its_own_thread(action: Callable[..., Any], *args: Any) -> threading.Thread:
     """Run ``action(*args)`` now on a thread of its own (``nbrpc-action``): for an action
     due on the service that may wait (a future's callbacks, questions to every process),

@@ -83,6 +83,44 @@ def _shown(events, kinds=("display_data", "update_display_data")) -> list[tuple[
     return [(t, c) for t, kind, c in events if kind in kinds]
 
 
+EVENTFDS = """
+def eventfds():
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[eventfd]"
+        except OSError:
+            pass
+    return n
+
+def shout(i):
+    print(f"line {i}")
+    time.sleep(0.05)
+    return i
+"""
+
+
+def test_output_coming_on_many_rpc_threads_opens_nothing_more_in_the_kernel(kernel):
+    """ipykernel gives each thread that writes to the notebook's streams a zmq socket (an
+    eventfd) for the thread's life, and torch's RPC threads live as long as the kernel:
+    output shown on each RPC thread it came on added one per thread (the soak counted 6-8
+    eventfds more after some shutdowns). The kernel shows it on one thread of its own.
+    First in this module: the kernel has shown no worker's output yet."""
+    kernel.run(EVENTFDS)
+    before = kernel.value("eventfds()")
+    for _ in range(3):  # both workers' lines at once, on many of the kernel's RPC threads
+        events = _events(
+            kernel,
+            "futs = [nbrpc.rpc_async(w, shout, args=(i,))\n"
+            "        for i in range(16) for w in ('worker1', 'worker2')]\n"
+            "[f.wait() for f in futs][-1]",
+        )
+        assert _stream_text(events).count("] line ") == 32, _stream_text(events)
+    after = kernel.value("eventfds()")
+    print(f"eventfds in the kernel: {before} before, {after} after 96 calls' output")
+    assert after <= before + 1, (before, after)  # the one thread's own, if it had none
+
+
 def test_a_line_updated_with_cr_arrives_live_and_in_place(kernel):
     t_call = time.time()
     events = _events(kernel, "nbrpc.rpc_sync('worker1', text_bar, args=(20, 0.2))")

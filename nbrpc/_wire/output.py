@@ -116,7 +116,17 @@ _open_lines = _OpenLines()
 def show_output(worker: str, chunks: list[tuple[str, Any]]) -> None:
     """Runs in the kernel: print a worker's output, each line marked with its name; a
     line updated in place (``\r``) is shown in place; a ``"bar"`` chunk is a tqdm bar's
-    state (:func:`show_bar`)."""
+    state (:func:`show_bar`). Returns once shown.
+
+    It is written on one thread, the timer service's, not on the RPC thread that brought
+    it: ipykernel gives each thread that writes to the notebook's streams a zmq socket of
+    its own (an eventfd) for as long as the thread lives, and torch's RPC threads live as
+    long as the kernel. Written where they came, the soak counted 6-8 eventfds more after
+    some shutdowns, one per RPC thread that had shown output for the first time."""
+    _timers.on_service_thread(_show_chunks, worker, chunks)
+
+
+def _show_chunks(worker: str, chunks: list[tuple[str, Any]]) -> None:
     for stream, text in chunks:
         if stream == "bar":
             show_bar(worker, text)
@@ -347,7 +357,12 @@ class _Row:
 
 
 def show_bars(worker: str, states: list[dict[str, Any]]) -> None:
-    """Runs in the kernel: bars of ``worker`` changed (see the module doc)."""
+    """Runs in the kernel: bars of ``worker`` changed (see the module doc); drawn on the
+    timer service's thread, as :func:`show_output` shows lines."""
+    _timers.on_service_thread(_show_bars, worker, states)
+
+
+def _show_bars(worker: str, states: list[dict[str, Any]]) -> None:
     for state in states:
         show_bar(worker, state)
 

@@ -81,3 +81,30 @@ def test_work_on_several_hosts_runs_at_once_and_its_wait_is_bounded():
     _timers.at_once(hang.wait, [(30,), (30,)], 0.2)
     assert time.monotonic() - t0 < 5
     hang.set()
+
+
+def test_work_handed_to_the_service_runs_there_and_the_caller_waits_for_it():
+    """The kernel shows workers' output on the service's thread (``show_output``): one
+    thread, not each RPC thread, holds ipykernel's socket for the notebook's streams."""
+    ran = []
+
+    def where(tag):
+        ran.append((tag, threading.current_thread().name))
+
+    _timers.on_service_thread(where, "from a caller")
+    assert ran == [("from a caller", "nbrpc-timers")]  # done before it returned
+
+    def nested():
+        _timers.on_service_thread(where, "from the service")  # at once, no wait on itself
+
+    _timers.on_service_thread(nested)
+    assert ran[-1] == ("from the service", "nbrpc-timers")
+    threads = [
+        threading.Thread(target=_timers.on_service_thread, args=(where, i)) for i in range(4)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert {name for _, name in ran} == {"nbrpc-timers"}
+    assert len(ran) == 6
