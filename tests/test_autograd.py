@@ -103,3 +103,31 @@ def test_local_backward_across_workers_says_what_to_use(cell):
         loss = nbrpc.rpc_sync("worker1", torch.mul, args=(x, 2)).sum()
         with pytest.raises(nbrpc.AutogradContextError, match=r"nbrpc\.autograd\.backward"):
             loss.backward()
+
+
+def test_a_context_never_left_is_released_at_the_shutdown():
+    """A stop button pressed as torch's ``context()`` was entered or left can leave a
+    context torch holds, the kernel's thread "inside" it (the soak found one after a
+    ``--release``): every later ``with context()`` on that thread then fails with torch's
+    "Already have an autograd context id for this thread". The shutdown releases it while
+    its workers are there; the block's own release, if it still comes, does nothing."""
+    import torch.distributed.autograd as dist_autograd
+    from conftest import ensure_cluster
+
+    def held() -> int:
+        return int(dist_autograd._get_debug_info()["num_autograd_contexts"])
+
+    before = held()
+    leftover = dist_autograd.context()
+    leftover.__enter__()  # as when the stop came before its with-block began
+    nbrpc.rpc_sync("worker1", torch.add, args=(torch.ones(2, requires_grad=True), 1))
+    assert held() == before + 1
+    nbrpc.shutdown()
+    assert held() == before, "the shutdown left a context torch holds"
+    leftover.__exit__(None, None, None)  # its block's end, late: nothing to do
+    ensure_cluster()
+    with dist_autograd.context():  # the thread is in no context: a new one, as before
+        x = torch.ones(2, requires_grad=True)
+        got = nbrpc.rpc_sync("worker1", torch.add, args=(x, 1))
+    assert got.tolist() == [2.0, 2.0]
+    assert held() == before

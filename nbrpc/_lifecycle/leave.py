@@ -51,6 +51,9 @@ def leave(cluster: Cluster, graceful: bool, timeout: float) -> None:
     """The workers leave the RPC group (the dead ones are removed on their behalf)."""
     roster = cluster.booted.roster
     workers = roster.workers()
+    left = _torch.release_leftover_contexts()  # while their workers are there to hear it
+    if left:
+        log.info("nbrpc: released %d distributed autograd context(s) never left", left)
     if graceful:  # a worker that died on another host is known by its heartbeats only
         # after seconds: one that refuses a call now is dead, and must not be waited on
         census.probe(roster.ready())

@@ -58,6 +58,7 @@ from .autograd import (
     no_optimizer_notice as no_optimizer_notice,
     quiet_internal_deprecations as quiet_internal_deprecations,
     quiet_optimizer_notice_if_loaded as quiet_optimizer_notice_if_loaded,
+    release_leftover_contexts as release_leftover_contexts,
     route_dist_backward as route_dist_backward,
     route_local_backward as route_local_backward,
     track_autograd_contexts as track_autograd_contexts,

@@ -1,0 +1,29 @@
+"""tools/soak.py's bounds after a shutdown (docs/soak.md), on made-up figures."""
+
+from types import SimpleNamespace
+
+from conftest import load_tool
+
+
+def _shutdown(t: float, fds_other: int, view_threads: int) -> dict:
+    return {
+        "kind": "shutdown", "t": t, "step": int(t), "kernel": 1, "kernel_t": t,
+        "rss_mb": 400.0, "shm_n": 0, "shm": [], "sockets": 50, "joined": 2,
+        "fds_other": fds_other, "view_threads": view_threads, "threads_other": 40,
+        "process_roles": {"engine": 2},
+    }  # fmt: skip
+
+
+def test_a_live_view_s_thread_may_hold_one_descriptor_more_and_nothing_else_may():
+    """A live view's thread sends widget updates to the notebook, and ipykernel keeps a
+    socket (an eventfd) for each thread that does: at most 3 such threads (bounded on
+    their own), so one descriptor each is within the bound; any other is not (the soak of
+    seed 20261129 broke the bound 34 times on those alone)."""
+    bounds = load_tool("soak").Soak._bounds_of
+    me = SimpleNamespace(warmup=0)
+    first = _shutdown(10, 83, 0)
+    assert bounds(me, [first, _shutdown(20, 85, 2)]) == []
+    broken = bounds(me, [first, _shutdown(20, 86, 2)])
+    assert len(broken) == 1
+    assert broken[0].startswith("fds_other 86 after the shutdown at 20 s"), broken
+    assert bounds(me, [first, _shutdown(20, 84, 0)]) != []
