@@ -151,9 +151,15 @@ CUDA_CHANNELS = ("cuda_ipc", "cuda_basic")
 def channels(cuda: bool, across_hosts: bool) -> list[str]:
     """The channels this process asks for (``NBRPC_TENSORPIPE_CHANNELS`` overrides):
     "cuda_ipc" only where it can start (:func:`cuda_ipc_can_start`)."""
+    listed = _listed("NBRPC_TENSORPIPE_CHANNELS")
+    if listed:
+        return listed
+    # (asked only for CUDA: the lookup starts the CUDA driver, which a CPU process skips)
+    if not cuda:
+        return list(ACROSS_HOSTS_CHANNELS if across_hosts else LOCAL_CHANNELS)
     cuda_channels = [c for c in CUDA_CHANNELS if c != "cuda_ipc" or cuda_ipc_can_start()]
-    return _listed("NBRPC_TENSORPIPE_CHANNELS") or [
-        *(cuda_channels if cuda else ()),
+    return [
+        *cuda_channels,
         *(ACROSS_HOSTS_CHANNELS if across_hosts else LOCAL_CHANNELS),
     ]
 

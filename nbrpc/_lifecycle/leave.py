@@ -51,9 +51,6 @@ def leave(cluster: Cluster, graceful: bool, timeout: float) -> None:
     """The workers leave the RPC group (the dead ones are removed on their behalf)."""
     roster = cluster.booted.roster
     workers = roster.workers()
-    left = _torch.release_leftover_contexts()  # while their workers are there to hear it
-    if left:
-        log.info("nbrpc: released %d distributed autograd context(s) never left", left)
     if graceful:  # a worker that died on another host is known by its heartbeats only
         # after seconds: one that refuses a call now is dead, and must not be waited on
         census.probe(roster.ready())
@@ -64,6 +61,10 @@ def leave(cluster: Cluster, graceful: bool, timeout: float) -> None:
         calls.cancel_calls_in_flight()
         dead = [r.name for r in workers]
         _states.stopped(dead)
+    # once the calls that might use them ended, while their workers are there to hear it
+    left = _torch.release_leftover_contexts()
+    if left:
+        log.info("nbrpc: released %d distributed autograd context(s) never left", left)
     if dead:
         live = roster.ready()
         _states.left(dead, [r.rank for r in workers if r.name in dead])

@@ -28,10 +28,10 @@ _contexts = _Contexts()
 
 @dataclass
 class _Held:
-    """Every context this process made and has not released (any thread), and those
-    :func:`release_leftover_contexts` released for their makers."""
+    """Every context this process made and has not released, by the thread that made it
+    (its ident), and those :func:`release_leftover_contexts` released for their makers."""
 
-    live: set[int] = field(default_factory=set)
+    live: dict[int, int] = field(default_factory=dict)
     let_go: set[int] = field(default_factory=set)
 
 
@@ -48,13 +48,13 @@ def track_autograd_contexts() -> None:
 
     def new_context() -> Any:
         context = made()
-        _held.live.add(context._context_id())
+        _held.live[context._context_id()] = threading.get_ident()
         _contexts.made += 1
         return context
 
     def release_context(context_id: int) -> Any:
         _contexts.made = max(_contexts.made - 1, 0)
-        _held.live.discard(context_id)
+        _held.live.pop(context_id, None)
         if context_id in _held.let_go:  # released at a shutdown already
             _held.let_go.discard(context_id)
             return None
@@ -66,17 +66,20 @@ def track_autograd_contexts() -> None:
 
 
 def release_leftover_contexts() -> int:
-    """Release the contexts this process made and never released (at a shutdown, while
-    the workers that know them are still there); how many. A stop button pressed as
-    torch's ``context()`` was entered or left can leave one: the soak (seed 20261129,
-    step 1026, a stop 0.4 s into autograd steps) found one live in the kernel after a
-    ``--release``, and the kernel's thread stays "inside" it for later calls. Its block's
-    own release, if it still comes, then does nothing."""
-    left = sorted(_held.live)
+    """Release the contexts this thread made and never released (at a shutdown, once its
+    calls ended, while the workers that know them are still there); how many. A stop
+    button pressed as torch's ``context()`` was entered or left can leave one: the soak
+    (seed 20261129, step 1026, a stop 0.4 s into autograd steps) found one live in the
+    kernel after a ``--release``, and the thread stayed "inside" it: every later ``with
+    context()`` there failed. Its block's own release, if it still comes, does nothing."""
+    me = threading.get_ident()
+    # this thread's only: torch clears a thread's "current context" on that thread alone,
+    # so another thread's (a training thread, an RPC thread) is left to its own block
+    left = sorted(c for c, thread in list(_held.live.items()) if thread == me)
     for context_id in left:
         with contextlib.suppress(RuntimeError):  # (torch no longer holds it)
             dist_autograd._release_context(context_id)  # (this module's wrapper)
-        _held.live.discard(context_id)
+        _held.live.pop(context_id, None)
         _held.let_go.add(context_id)
     _contexts.made = 0
     return len(left)

@@ -245,6 +245,15 @@ def test_cuda_ipc_is_asked_for_only_where_its_context_can_start(monkeypatch, tmp
         monkeypatch.setattr(_network, "cuda_ipc_can_start", lambda listed=listed: listed)
         assert _network.channels(True, False) == [*channels, "cma", "basic"]
         assert _network.channels(False, False) == ["cma", "basic"]
+
+    def never():
+        raise AssertionError("a CPU process started the CUDA driver to choose")
+
+    monkeypatch.setattr(_network, "cuda_ipc_can_start", never)
+    assert _network.channels(False, True) == ["mpt_uv", "cma", "basic"]
+    monkeypatch.setenv("NBRPC_TENSORPIPE_CHANNELS", "cuda_ipc,basic")
+    assert _network.channels(True, False) == ["cuda_ipc", "basic"]  # the user's word, unasked
+    monkeypatch.delenv("NBRPC_TENSORPIPE_CHANNELS")
     # a stand-in NVML (no GPU listed), loaded as TensorPipe loads it; no CUDA here either
     lib = tmp_path / "libnvidia-ml.so.1"
     fake = tmp_path / "nvml.c"
