@@ -189,7 +189,11 @@ def test_twenty_init_shutdown_cycles_do_not_grow_resources():
     # Each row is a moment just after shutdown: threads and processes may still be on
     # their way out (a spare engine starting, a reader thread ending), so the last row is
     # read again until it settles.
-    first, last = rows[1], rows[-1]
+    # The level is the highest of cycles 2-4: one such row once read one open file below
+    # the rest (57, then 58 for good) and failed a run; a leak of one per cycle still
+    # shows 15 over.
+    first = {k: max(r[k] for r in rows[1:4]) for k in rows[1]}
+    last = rows[-1]
     for key in ("ipyparallel logs", "threads", "open files", "listening ports", "child processes"):
         if last[key] > first[key]:
             wait_until(lambda key=key: _resources()[key] <= first[key], timeout=10)
