@@ -185,22 +185,25 @@ def cuda_ipc_can_start() -> bool:
         return False
 
 
+def _checked(lib: Any, function: str, *args: Any) -> None:
+    """``lib.function(*args)``, a C call of NVML or the CUDA driver that returns 0 on
+    success; OSError naming it otherwise."""
+    if getattr(lib, function)(*args) != 0:
+        raise OSError(f"{function} failed")
+
+
 def nvml_uuids(nvml: Any) -> list[str]:
     """The UUIDs of every GPU NVML lists (``GPU-`` dropped), as TensorPipe reads them."""
-    if nvml.nvmlInit_v2() != 0:
-        raise OSError("nvmlInit_v2 failed")
+    _checked(nvml, "nvmlInit_v2")
     try:
         count = ctypes.c_uint()
-        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
-            raise OSError("nvmlDeviceGetCount_v2 failed")
+        _checked(nvml, "nvmlDeviceGetCount_v2", ctypes.byref(count))
         uuids = []
         for index in range(count.value):
             handle = ctypes.c_void_p()
-            if nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0:
-                raise OSError("nvmlDeviceGetHandleByIndex_v2 failed")
+            _checked(nvml, "nvmlDeviceGetHandleByIndex_v2", index, ctypes.byref(handle))
             buf = ctypes.create_string_buffer(96)
-            if nvml.nvmlDeviceGetUUID(handle, buf, len(buf)) != 0:
-                raise OSError("nvmlDeviceGetUUID failed")
+            _checked(nvml, "nvmlDeviceGetUUID", handle, buf, len(buf))
             uuids.append(buf.value.decode().removeprefix("GPU-"))
         return uuids
     finally:
@@ -210,19 +213,15 @@ def nvml_uuids(nvml: Any) -> list[str]:
 def cuda_uuids() -> list[str]:
     """The UUIDs of the GPUs CUDA shows this process (the driver's API: no context)."""
     cuda = ctypes.CDLL("libcuda.so.1")
-    if cuda.cuInit(0) != 0:
-        raise OSError("cuInit failed")
+    _checked(cuda, "cuInit", 0)
     count = ctypes.c_int()
-    if cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
-        raise OSError("cuDeviceGetCount failed")
+    _checked(cuda, "cuDeviceGetCount", ctypes.byref(count))
     uuids = []
     for index in range(count.value):
         device = ctypes.c_int()
         raw = ctypes.create_string_buffer(16)
-        if cuda.cuDeviceGet(ctypes.byref(device), index) != 0:
-            raise OSError("cuDeviceGet failed")
-        if cuda.cuDeviceGetUuid(raw, device) != 0:
-            raise OSError("cuDeviceGetUuid failed")
+        _checked(cuda, "cuDeviceGet", ctypes.byref(device), index)
+        _checked(cuda, "cuDeviceGetUuid", raw, device)
         uuids.append(uuid_text(raw.raw))
     return uuids
 
