@@ -202,19 +202,46 @@ def test_a_flood_the_kernel_shows_slowly_is_all_in_its_cell_before_the_result(ke
     """A call waits for its output to be shown for as long as the kernel keeps showing it,
     not a fixed time: 20,000 lines took a loaded machine's kernel 13 s, over the 10 s
     bound, and the last of them reached the next cell (the soak, docs/soak.md). Here the
-    bound is made 1 s on the worker, so that the flood outlasts it anywhere."""
-    kernel.run("%%rpc worker1\nimport nbrpc._wire.output as o\no.OUTPUT_WAIT_S = 1.0")
+    bound is made 2 s on the worker, and the kernel's stdout takes 0.25 s a flush (the
+    kernel flushes once a message, ~25 of them), so that the flood outlasts it anywhere."""
+    slow = (
+        "class SlowFlush:\n"
+        "    def __init__(self, out): self.out = out\n"
+        "    def flush(self): time.sleep(0.25); self.out.flush()\n"
+        "    def __getattr__(self, name): return getattr(self.out, name)\n"
+        "real_stdout, sys.stdout = sys.stdout, SlowFlush(sys.stdout)"
+    )
+    kernel.run("%%rpc worker1\nimport nbrpc._wire.output as o\no.OUTPUT_WAIT_S = 2.0")
     flood = "def flood(n):\n    for i in range(n):\n        print('line', i)\n    return n"
     try:
         kernel.run(flood)
+        kernel.run(slow)
+        t0 = time.monotonic()
         out = kernel.run("nbrpc.rpc_sync('worker1', flood, args=(20000,))")
+        took = time.monotonic() - t0
+        kernel.run("sys.stdout = real_stdout")
         shown = [line for line in out.splitlines() if line.startswith("[worker1] line ")]
         assert len(shown) == 20000, f"{len(shown)} lines in the cell"
         assert shown[-1] == "[worker1] line 19999"
         assert out.rstrip().endswith("20000"), out[-200:]  # the result comes after them
+        assert took > 2.0, f"the flood took {took:.1f} s: within the bound, nothing tested"
         assert "[worker1] line" not in kernel.run("1")  # none left for the next cell
     finally:
+        kernel.run("sys.stdout = globals().get('real_stdout', sys.stdout)")
         kernel.run("%%rpc worker1\no.OUTPUT_WAIT_S = 10.0")
+
+
+def test_a_flood_goes_as_few_notebook_messages(kernel):
+    """A flood's lines reach the notebook in messages of many lines: they went one
+    message a line (20,000 for 20,000 lines, 8.5 s here), each flush waiting for the
+    kernel's IO thread; joined on the worker, they went as 15 (0.13 s)."""
+    kernel.run("def flood(n):\n    for i in range(n):\n        print('line', i)\n    return n")
+    events = _events(kernel, "nbrpc.rpc_sync('worker1', flood, args=(20000,))")
+    streams = [c for _, kind, c in events if kind == "stream"]
+    text = "".join(c["text"] for c in streams)
+    assert text.count("[worker1] line ") == 20000
+    print(f"{len(streams)} stream messages for 20,000 lines")
+    assert len(streams) <= 200, len(streams)
 
 
 def test_native_output_of_a_call_reaches_the_cell_before_its_result(kernel):
