@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import _signal  # type: ignore[import-not-found]  # (signal.signal's own; no stub)
 import _thread
+import ast
 import contextlib
+import inspect
 import os
 import signal
 import sys
@@ -137,10 +139,16 @@ def _callers_level() -> int:
 
 @dataclass
 class _Cells:
-    """Whether a cell runs in this kernel now (watched once a cluster starts in it)."""
+    """Whether a cell runs in this kernel now (watched once a cluster starts in it), and
+    where ipykernel is in the execute request around it (:func:`guard_stops`)."""
 
     watched: bool = False
     running: bool = True  # until watched: a script, or the cell that started watching
+    handling: bool = True  # an execute request is handled (the one that started watching)
+    ran: bool = True  # its cell has started (pre_run_cell)
+    pending: bool = False  # a stop pressed before its cell started, delivered when it does
+    guarded: bool = False
+    run_code: Any = None  # IPython's InteractiveShell.run_code's code: the cell's code runs in it
 
 
 _cells = _Cells()
@@ -154,7 +162,7 @@ def watch_cells() -> None:
     _cells.watched = True
 
     def started(*_: Any) -> None:
-        _cells.running = True
+        _cells.running = _cells.ran = True
 
     def ended(*_: Any) -> None:
         _cells.running = False
@@ -219,6 +227,84 @@ def _interrupt_if_a_cell_runs() -> None:
     notebook shows the cell busy for good)."""
     if _cells.running:
         _thread.interrupt_main()
+
+
+def guard_stops() -> None:
+    """In an IPython kernel, once: the stop button never lands in ipykernel's own code
+    around a cell, where it loses the cell's reply.
+
+    ipykernel raises the stop's KeyboardInterrupt wherever the main thread is while it
+    handles an execute request. In the cell's code IPython catches it and the cell ends
+    with it; before the cell's code runs (the request's start, the cell's transformation)
+    or after it (the reply being made) ipykernel logs "KeyboardInterrupt caught in
+    kernel." and sends no reply: the notebook shows the cell running for good (the soak:
+    a stop 0.07 s after ``%rpc_scale 2 --remove worker1`` was sent, no reply in 180 s).
+    Here a stop in the cell's code raises as before; one before the cell starts is held,
+    and the cell's code becomes ``raise KeyboardInterrupt`` (an AST transformer of
+    IPython's: the cell ends stopped, as if pressed in its first line); one between its
+    start and its code, or between its code and its end, is delivered again shortly
+    (while the cell runs); one after its end is dropped (the cell is over). Outside
+    execute requests, ipykernel's handling stands."""
+    ipython = shell()
+    kernel = getattr(ipython, "kernel", None)
+    handlers = getattr(kernel, "shell_handlers", None)
+    if _cells.guarded or kernel is None or not isinstance(handlers, dict):
+        return
+    execute = handlers.get("execute_request")
+    before = getattr(kernel, "pre_handler_hook", None)
+    if execute is None or before is None:
+        return
+    _cells.guarded = True
+    _cells.run_code = getattr(getattr(type(ipython), "run_code", None), "__code__", None)
+
+    async def guarded_execute(*args: Any, **kwargs: Any) -> Any:
+        _cells.handling, _cells.ran, _cells.pending = True, False, False
+        try:
+            result = execute(*args, **kwargs)
+            return (await result) if inspect.isawaitable(result) else result
+        finally:
+            _cells.handling = _cells.pending = False
+
+    def pre_handler_hook() -> None:
+        before()  # ipykernel's: keeps the handler to restore, sets Python's default
+        _signal.signal(signal.SIGINT, _stop_pressed)
+
+    handlers["execute_request"] = guarded_execute
+    kernel.pre_handler_hook = pre_handler_hook
+    ipython.ast_transformers.append(_HeldStop())
+
+
+class _HeldStop(ast.NodeTransformer):
+    """A cell whose stop was pressed before it started runs ``raise KeyboardInterrupt``
+    instead of its code (:func:`guard_stops`); other cells are left as they are."""
+
+    def visit_Module(self, node: ast.Module) -> ast.Module:
+        if not _cells.pending:
+            return node
+        _cells.pending = False
+        stop = ast.Raise(exc=ast.Name(id="KeyboardInterrupt", ctx=ast.Load()), cause=None)
+        return ast.fix_missing_locations(ast.Module(body=[stop], type_ignores=[]))
+
+
+def _stop_pressed(signum: int, frame: types.FrameType | None) -> None:
+    """SIGINT while ipykernel handles a shell request (see :func:`guard_stops`)."""
+    if not _cells.handling or _in_cell_code(frame):
+        raise KeyboardInterrupt
+    if _cells.running:  # the cell started, its code not yet (or no more)
+        _timers.after(STOP_AGAIN_S, _interrupt_if_a_cell_runs)
+    elif not _cells.ran:  # the request began, its cell not yet
+        _cells.pending = True
+    # else: the cell ended; the stop came as its reply was made
+
+
+def _in_cell_code(frame: types.FrameType | None) -> bool:
+    """Whether ``frame`` runs inside IPython's ``run_code`` (the cell's own code, where
+    IPython catches a KeyboardInterrupt and ends the cell with it)."""
+    while frame is not None:
+        if frame.f_code is _cells.run_code:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def stops_delivered_again() -> int:

@@ -63,6 +63,7 @@ def kernel(torch_shutdown: Callable[..., Any]) -> None:
     _process.watch_cells()  # a worker's native output goes to the running cell
     cancel.watch_cells()  # the stop button cancels the cell's calls on the workers
     _process.keep_stops()  # and is never lost in a finalizer (a freed tensor's slot)
+    _process.guard_stops()  # nor in ipykernel's code around a cell (it loses the reply)
     output.remember_stderr()  # a failed call is logged only to a stderr code put there
 
 

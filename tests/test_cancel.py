@@ -696,3 +696,45 @@ def test_a_stopped_floods_lines_not_yet_sent_are_dropped_and_said(kernel):
         kernel.run("shown_here.show_output = shown_at_once")
     assert later.count("flooded") < 2000, f"{later.count('flooded')} lines after the stop"
     assert re.search(r"\[worker1\] nbrpc: \d+ more lines not shown: the call was cancelled", said)
+
+
+EDGES = """
+import time
+def _slow_start(lines):
+    if lines and lines[0].startswith("#slow-start"):
+        time.sleep(1.5)
+    return lines
+
+def _slow_end(result):
+    if result.info.raw_cell.startswith("#slow-end"):
+        time.sleep(1.5)
+
+get_ipython().input_transformers_cleanup.append(_slow_start)
+get_ipython().events.register("post_run_cell", _slow_end)
+"""
+
+EDGES_OFF = """
+get_ipython().input_transformers_cleanup.remove(_slow_start)
+get_ipython().events.unregister("post_run_cell", _slow_end)
+"""
+
+
+def test_a_stop_before_or_after_a_cells_code_still_gets_the_cell_its_reply(kernel):
+    """The stop button pressed while ipykernel handles a cell but its code has not begun
+    (here: a slow input transformer) or has ended (a slow post_run_cell hook): ipykernel
+    raised the KeyboardInterrupt in its own code, logged "KeyboardInterrupt caught in
+    kernel." and sent the cell no reply, and the notebook showed it running for good (the
+    soak: no reply in 180 s after a stop 0.07 s into ``%rpc_scale``). Now a stop before
+    the code is delivered as the cell starts (the cell ends with it, its code unrun), and
+    one after the code is dropped (the cell had ended)."""
+    kernel.run(EDGES)
+    try:
+        _, errors = kernel.stop_after("#slow-start\nstarted_ran = 1", 0.4, timeout=30)
+        assert [e.split(":")[0] for e in errors] == ["KeyboardInterrupt"], errors
+        assert kernel.value("'started_ran' in globals()") is False
+        _, errors = kernel.stop_after("#slow-end\nended_ran = 1", 0.4, timeout=30)
+        assert errors == [], errors
+        assert kernel.value("ended_ran") == 1
+        assert kernel.value("1 + 1") == 2  # the next cells run as before
+    finally:
+        kernel.run(EDGES_OFF)
