@@ -24,7 +24,7 @@ from typing import Any
 LOAD = "%load_ext nbrpc"
 
 NOTEBOOK = '''
-import collections, gc, json, os, re, threading, time
+import collections, gc, json, os, re, sys, threading, time
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
@@ -114,8 +114,11 @@ def soak_figures():
     except (OSError, AttributeError):
         pass
     names = collections.Counter(re.sub(r"[0-9]+", "N", t.name) for t in threading.enumerate())
+    # ipykernel's sockets, one per live thread that sent to the notebook (an eventfd each)
+    pipes = getattr(getattr(sys.stdout, "pub_thread", None), "_event_pipes", None)
     fig = {"py_threads": dict(names), "contexts": {"kernel": contexts()}, "rrefs": 0,
-           "rrefs_owned": {}, "rrefs_held": {}, **soak_probe()}
+           "rrefs_owned": {}, "rrefs_held": {}, "notebook_pipes": len(pipes or ()),
+           **soak_probe()}
     if fig["running"]:
         fig["rrefs"] = len(nbrpc.ownership())
         for row in nbrpc.status():

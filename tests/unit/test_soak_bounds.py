@@ -27,3 +27,17 @@ def test_a_live_view_s_thread_may_hold_one_descriptor_more_and_nothing_else_may(
     assert len(broken) == 1
     assert broken[0].startswith("fds_other 86 after the shutdown at 20 s"), broken
     assert bounds(me, [first, _shutdown(20, 84, 0)]) != []
+
+
+def test_a_descriptor_more_is_allowed_per_notebook_socket_the_kernel_counts():
+    """Where the kernel counts ipykernel's sockets (one per live thread that sent to the
+    notebook), each one more than at the level allows one descriptor more, whatever
+    thread holds it: the timer service that shows workers' output got its socket after
+    the first shutdown's level once (seed 66, step 140: one eventfd more)."""
+    bounds = load_tool("soak").Soak._bounds_of
+    me = SimpleNamespace(warmup=0)
+    first = {**_shutdown(10, 83, 0), "notebook_pipes": 2}
+    assert bounds(me, [first, {**_shutdown(20, 84, 0), "notebook_pipes": 3}]) == []
+    assert bounds(me, [first, {**_shutdown(20, 84, 0), "notebook_pipes": 2}]) != []
+    # the kernel's count, not the views', decides: two views more but no socket more
+    assert bounds(me, [first, {**_shutdown(20, 85, 2), "notebook_pipes": 2}]) != []
