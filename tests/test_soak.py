@@ -23,11 +23,11 @@ MINUTES = 3
 
 @pytest.mark.timeout(MINUTES * 60 + 420)  # its last operation, its teardown, a slow boot
 @pytest.mark.xfail(
-    reason="seed 66 broke the open-files bound at 1bfa688 (eventfds of ipykernel's per-thread "
-    "sockets: the kernel showed output on each RPC thread; fixed since, and the seed passed in "
-    "full once after: docs/soak.md); a busy run once lost a flood's lines one step after a "
-    "worker's restart (issue 66: open). The stop button's moments land where they land, so "
-    "what a run finds is reported here, not a failure of the suite, until runs stay clean",
+    reason="the stop button's moments land where they land, and the runs' findings so far each "
+    "had a cause fixed since (docs/soak.md: the timer service's notebook socket counted at step "
+    "140, a stop in ipykernel's code around a cell losing its reply, a flood slower than the "
+    "call's wait on a loaded machine); what a run finds is reported here, not a failure of the "
+    "suite, until fresh-clone runs stay clean",
     strict=False,
 )
 def test_three_minutes_of_the_soak_pass(tmp_path):
