@@ -192,7 +192,7 @@ def test_workers_on_two_hosts_over_ssh(hosts, kernel):
     assert sorted(map(int, watched)) == sorted(local)
     for pid in local:  # the controller and its heart monitor: no engine (their pids are
         # another host's, and may equal a pid of this one)
-        assert "ipyparallel.controller" in " ".join(psutil.Process(pid).cmdline()), pid
+        assert "controller_process.py" in " ".join(psutil.Process(pid).cmdline()), pid
     assert hosts.ssh("fakeh1", "ls -A ~/.nbrpc").split() == [run.split("/")[-1]]
 
     # notebook code, remote print, a remote exception with its type

@@ -16,7 +16,7 @@ import psutil
 from conftest import Kernel, user_environment, wait_for_exit, wait_until
 
 #: how a warm process shows in ``ps``: the controller, the zygote (engines are its forks)
-CONTROLLER = "ipyparallel.controller"
+CONTROLLER = "nbrpc/_engines/controller_process.py"  # the controller nbrpc starts
 ZYGOTE = "nbrpc._engines.zygote"
 LOAD = "%load_ext nbrpc"
 

@@ -78,6 +78,10 @@ FLOOD_AFTER_STOP = 2000
 SOCKETS_PER_WORKER = 4
 #: the bounds of docs/soak.md
 RSS_GROWTH_MB = 50.0
+#: the kernel's descriptors are listed twice this far apart, and those in both counted:
+#: one listing's count and its kinds, read a moment apart, differed by one (a socket
+#: closing), and a file open for a moment (IPython's history being written) is not held
+FD_SECOND_LOOK_S = 0.3
 #: how long a level after a shutdown may take to settle (processes exit, files go)
 SETTLE_S = 20.0
 #: what runs under the kernel while a local cluster is up, or after a shutdown that kept
@@ -377,7 +381,7 @@ class Soak:
                 roles["watchdog"].append(p.pid)
             elif "nbrpc._engines.zygote" in cmd:
                 roles["zygote" if p.ppid() == self.kernel_pid else "engine"].append(p.pid)
-            elif "ipyparallel.controller" in cmd:
+            elif "controller_process.py" in cmd:
                 roles["controller"].append(p.pid)
             else:
                 roles["other"].append(p.pid)
@@ -409,7 +413,6 @@ class Soak:
         try:
             kernel = psutil.Process(self.kernel_pid)
             fig["rss_mb"] = round(kernel.memory_info().rss / MB, 1)
-            fig["fds"] = kernel.num_fds()
             fig["threads"] = kernel.num_threads()
             with open(f"/proc/{self.kernel_pid}/status") as status:
                 for line in status:  # RssAnon, RssFile, RssShmem (kB)
@@ -423,11 +426,13 @@ class Soak:
             with contextlib.suppress(OSError):
                 names[re.sub(r"[0-9]+", "N", (task / "comm").read_text().strip())] += 1
         fig["native_threads"] = dict(names)
-        kinds: collections.Counter[str] = collections.Counter()
-        for fd in Path(f"/proc/{self.kernel_pid}/fd").iterdir():
-            with contextlib.suppress(OSError):
-                kinds[_fd_kind(os.readlink(fd))] += 1
+        held = _descriptors(self.kernel_pid)
+        time.sleep(FD_SECOND_LOOK_S)
+        held &= _descriptors(self.kernel_pid)  # what both looks saw: held, not passing
+        kinds = collections.Counter(_fd_kind(target) for _, target in held)
+        fig["fds"] = len(held)
         fig["fd_kinds"] = dict(sorted(kinds.items()))
+        fig["fd_files"] = sorted(t for _, t in held if _fd_kind(t) == "file")
         fig["sockets"] = kinds.get("socket", 0)
         fig["arenas_held"] = kinds.get("arena (deleted)", 0)
         fig["fds_other"] = fig["fds"] - fig["sockets"] - fig["arenas_held"]
@@ -686,6 +691,15 @@ class Soak:
         return 1 if bad else 0
 
 
+def _descriptors(pid: int) -> set[tuple[int, str]]:
+    """The process's open file descriptors: (number, what it links to)."""
+    found: set[tuple[int, str]] = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError, ValueError):
+            found.add((int(fd.name), os.readlink(fd)))
+    return found
+
+
 def _fd_kind(target: str) -> str:
     """What a file descriptor is, from its link: socket, pipe, eventfd, eventpoll, pidfd,
     a file; an arena of the last cluster the kernel keeps mapped once its file is gone."""
@@ -715,7 +729,11 @@ def _grew(first: dict[str, Any], now: dict[str, Any]) -> str:
         more = {k: b[k] - a.get(k, 0) for k in b if b[k] > a.get(k, 0)}
         if more:
             parts.append(f"{key} +{more}")
-    for key, where in (("tmp", "$TMPDIR"), ("ipp_files", "ipyparallel's profile")):
+    for key, where in (
+        ("tmp", "$TMPDIR"),
+        ("ipp_files", "ipyparallel's profile"),
+        ("fd_files", "the kernel's open files"),
+    ):
         new = sorted(set(now.get(key, [])) - set(first.get(key, [])))
         if new:
             parts.append(f"new in {where}: {new[:5]}")

@@ -11,6 +11,9 @@ measured on 2 cores with ipyparallel 9 (where they put a notebook user's 8–9 s
   :data:`HEARTBEAT_MS` (500). The engine's heart is a zmq device thread that echoes pings
   in C without the GIL, so a worker busy in Python or in a long C++ op still answers
   (tested); a killed engine is declared dead after :data:`HEARTBEAT_MISSES` silent periods.
+  The monitor looked at a new heart's answer only at its next ping, one to two periods
+  after the heart started; the controller's process (:mod:`.controller_process`) counts
+  the engine registered at the first answer.
 - ``Cluster.delay`` sleeps 1 s between controller and engines, and by default engines
   start only once the controller wrote its connection file. Here both start at once.
 - The controller forks about 8 processes (queues, schedulers, broadcast tree);
@@ -40,7 +43,7 @@ import psutil
 from nbrpc import _options
 from nbrpc._errors import BootError
 
-from . import watchdog
+from . import controller_process, watchdog
 from .base import EngineSource
 
 log = logging.getLogger("nbrpc")
@@ -258,8 +261,9 @@ class Controller:
 
     def _start_controller(self) -> None:
         """Start the controller; a failure releases everything started so far."""
-        try:
-            self._ipp.start_controller_sync()
+        try:  # ipyparallel's controller, an engine registered at its first heartbeat
+            command = [sys.executable, controller_process.__file__]
+            self._ipp.start_controller_sync(controller_cmd=command)
             self._watch()
         except BaseException:
             self.release()
