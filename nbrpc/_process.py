@@ -146,6 +146,7 @@ class _Cells:
     running: bool = True  # until watched: a script, or the cell that started watching
     handling: bool = True  # an execute request is handled (the one that started watching)
     ran: bool = True  # its cell has started (pre_run_cell)
+    cells: int = 0  # cells started: a stop delivered again goes to its own cell only
     pending: bool = False  # a stop pressed before its cell started, delivered when it does
     guarded: bool = False
     run_code: Any = None  # IPython's InteractiveShell.run_code's code: the cell's code runs in it
@@ -163,6 +164,7 @@ def watch_cells() -> None:
 
     def started(*_: Any) -> None:
         _cells.running = _cells.ran = True
+        _cells.cells += 1
 
     def ended(*_: Any) -> None:
         _cells.running = False
@@ -214,18 +216,20 @@ def keep_stops() -> None:
         )
         if swallowed and threading.current_thread() is threading.main_thread():
             _stops.again += 1
-            _timers.after(STOP_AGAIN_S, _interrupt_if_a_cell_runs)
+            _timers.after(STOP_AGAIN_S, _interrupt_if_a_cell_runs, _cells.cells)
             return
         previous(unraisable)
 
     sys.unraisablehook = hook
 
 
-def _interrupt_if_a_cell_runs() -> None:
-    """Deliver a swallowed stop again, unless its cell has ended meanwhile: an interrupt
-    landing in ipykernel's own code as it sends a cell's reply loses that reply (the
-    notebook shows the cell busy for good)."""
-    if _cells.running:
+def _interrupt_if_a_cell_runs(cell: int) -> None:
+    """Deliver a swallowed stop again, unless its cell (the ``cell``-th started) has ended
+    meanwhile: an interrupt landing in ipykernel's own code as it sends a cell's reply
+    loses that reply (the notebook shows the cell busy for good), and the next cell, sent
+    as that reply came, is not the one the stop was for (the soak: a cell that only drops
+    names got the stop of a `%rpc_scale` that had ended 0.01 s after the press)."""
+    if _cells.running and _cells.cells == cell:
         _thread.interrupt_main()
 
 
@@ -291,7 +295,7 @@ def _stop_pressed(signum: int, frame: types.FrameType | None) -> None:
     if not _cells.handling or _in_cell_code(frame):
         raise KeyboardInterrupt
     if _cells.running:  # the cell started, its code not yet (or no more)
-        _timers.after(STOP_AGAIN_S, _interrupt_if_a_cell_runs)
+        _timers.after(STOP_AGAIN_S, _interrupt_if_a_cell_runs, _cells.cells)
     elif not _cells.ran:  # the request began, its cell not yet
         _cells.pending = True
     # else: the cell ended; the stop came as its reply was made

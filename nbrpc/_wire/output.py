@@ -219,8 +219,8 @@ class _CallOutput:
         size, cut = 0, len(self._pending)
         for i, (_, text) in enumerate(self._pending):
             size += len(text) if isinstance(text, str) else 0
-            if size >= MESSAGE_CHARS:
-                cut = i + 1
+            if size > MESSAGE_CHARS:  # this chunk goes next time (or alone, if the first)
+                cut = max(i, 1)
                 break
         chunks, self._pending = self._pending[:cut], self._pending[cut:]
         self._in_flight = True
