@@ -409,3 +409,27 @@ def test_a_panel_no_front_end_draws_puts_the_card_in_the_cell(kernel):
     assert kernel.value("nbrpc.widgets._open[0].card.live") is True
     kernel.run("nbrpc.widgets._open[0].close()")
     assert kernel.value("nbrpc.widgets._open[0].card.live") is False
+
+
+def test_finished_bars_past_the_newest_few_become_static_and_free_their_widgets(kernel):
+    """ipywidgets keeps every widget until it is closed, 11 a bar (4, their layouts and
+    styles): a day of tqdm loops on workers grew the kernel for good (460 widgets more
+    after 48 bars). A finished bar
+    older than the newest 32 is drawn once more as static HTML, and its widgets close."""
+    count = "len(__import__('ipywidgets.widgets.widget').widgets.widget._instances)"
+    loop = "    for _ in tqdm(range(2), desc=f'loop {i}'):\n        pass\n"
+    kernel.run("def quick_bar(i):\n    from tqdm.auto import tqdm\n" + loop + "    return i")
+    before = kernel.value(count)
+    events = _events(
+        kernel, "for i in range(48):\n    nbrpc.rpc_sync('worker1', quick_bar, args=(i,))"
+    )
+    grown = kernel.value(count) - before
+    print(f"48 bars: {grown} widgets more in the kernel")
+    assert grown <= 11 * 32, grown  # the newest 32 bars': 4 widgets, their layouts, styles
+    statics = [
+        c["data"] for _, c in _shown(events, ("update_display_data",))
+        if "text/html" in c["data"] and "application/vnd.jupyter.widget-view+json" not in c["data"]
+    ]  # fmt: skip
+    ours = [d for d in statics if d["text/plain"].startswith("[worker1] loop ")]
+    assert ours, f"no bar of these was drawn as static HTML: {statics}"
+    assert all("<progress" in d["text/html"] for d in ours), ours[0]

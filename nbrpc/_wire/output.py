@@ -18,11 +18,11 @@ import _thread
 import sys
 import threading
 from dataclasses import dataclass, field
-from html import escape
 from typing import Any
 
 from nbrpc import _process, _timers, _torch
-from nbrpc._views import widget_bundle
+
+from . import bar_rows
 
 
 @dataclass
@@ -334,51 +334,6 @@ class _ForwardingStream:
 # -- bars (tqdm on a worker, nbrpc._wire.bars), drawn in the kernel ------------------------
 
 
-@dataclass
-class _Bars:
-    """The bars shown in the kernel, by (worker, bar id), until they close."""
-
-    shown: dict[tuple[str, int], Any] = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-_bars = _Bars()
-
-
-class _Row:
-    """One worker's bar in a notebook: label, progress, tqdm's figures; one display."""
-
-    def __init__(self, worker: str, state: dict[str, Any]) -> None:
-        import ipywidgets as w
-        from IPython.display import display
-
-        self.worker = worker
-        self.label = w.HTML(layout={"width": "auto"})
-        self.progress = w.IntProgress(min=0, max=max(state["total"], 1))
-        self.figures = w.HTML()
-        self.box = w.HBox([self.label, self.progress, self.figures])
-        self.handle = display(self._bundle(state), raw=True, display_id=True)
-        self.update(state)
-
-    def _bundle(self, state: dict[str, Any]) -> dict[str, Any]:
-        return widget_bundle(self.box, f"[{self.worker}] {state['text']}")
-
-    def update(self, state: dict[str, Any]) -> None:
-        desc = state["desc"].rstrip(": ")
-        self.label.value = f"<code>[{escape(self.worker)}]</code> {escape(desc)}".rstrip()
-        if state["total"]:
-            self.progress.max = state["total"]
-            self.progress.value = min(state["n"], state["total"])
-        else:  # unknown total: a full bar that fills as the count says
-            self.progress.value = self.progress.max
-        meter = state["text"]  # tqdm's figures: what follows its bar
-        self.figures.value = f"<code>{escape(meter.split('|')[-1].strip())}</code>"
-        if state["closed"]:
-            done = not state["total"] or state["n"] >= state["total"]
-            self.progress.bar_style = "success" if done else "danger"
-            self.handle.update(self._bundle(state), raw=True)  # the text bar, final
-
-
 def show_bars(worker: str, states: list[dict[str, Any]]) -> None:
     """Runs in the kernel: bars of ``worker`` changed (see the module doc); drawn on the
     timer service's thread, as :func:`show_output` shows lines."""
@@ -392,19 +347,11 @@ def _show_bars(worker: str, states: list[dict[str, Any]]) -> None:
 
 def show_bar(worker: str, state: dict[str, Any]) -> None:
     """One bar's new state, drawn in the cell (a widget in a notebook; text elsewhere)."""
-    key = (worker, state["id"])
     if not _process.in_notebook():
         end = "\n" if state["closed"] else ""
         _open_lines.show(worker, "stderr", f"\r{state['text']}{end}")
         return
-    with _bars.lock:
-        row = _bars.shown.get(key)
-        if row is None:
-            _bars.shown[key] = row = _Row(worker, state)
-        else:
-            row.update(state)
-        if state["closed"]:
-            del _bars.shown[key]
+    bar_rows.draw(worker, state)
 
 
 def forward_output_to(kernel: str, me: str) -> None:
