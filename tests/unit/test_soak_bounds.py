@@ -41,3 +41,17 @@ def test_a_descriptor_more_is_allowed_per_notebook_socket_the_kernel_counts():
     assert bounds(me, [first, {**_shutdown(20, 84, 0), "notebook_pipes": 2}]) != []
     # the kernel's count, not the views', decides: two views more but no socket more
     assert bounds(me, [first, {**_shutdown(20, 85, 2), "notebook_pipes": 2}]) != []
+
+
+def test_the_rss_bound_leaves_the_running_cluster_s_shared_memory_aside():
+    """The kernel maps the running cluster's arenas (RssShmem: 37 MB at one run's end,
+    mid-work, 0 at the release after); the 50 MB bound is on the rest."""
+    bounds = load_tool("soak").Soak._bounds_of
+    me = SimpleNamespace(warmup=0)
+    minute = {"kind": "minute", "t": 60, "kernel_t": 60, "step": 60, "rss_mb": 440.0,
+              "rssshmem_mb": 0.0}  # fmt: skip
+    end = {**minute, "kind": "end", "t": 180, "kernel_t": 180, "rss_mb": 520.0, "rssshmem_mb": 37.0}
+    assert bounds(me, [minute, end]) == []
+    broken = bounds(me, [minute, {**end, "rssshmem_mb": 0.0}])
+    assert len(broken) == 1
+    assert broken[0].startswith("kernel RSS grew 80 MB"), broken
