@@ -5,8 +5,9 @@ holds the GIL (torch's RPC threads and the kernel's main thread) never gives it 
 the run would stall until CI's own limit, with no clue. This process needs nothing from
 the one it watches: conftest arms it before each test (``arm SECONDS NAME`` on stdin) and
 disarms it after (``disarm``). When an armed deadline passes it prints every thread's
-Python *and native* stack of the test process (py-spy), then kills that process (the
-nbrpc watchdog then stops its engines), so the run fails in minutes and says where.
+Python *and native* stack of the test process (py-spy; gdb for every thread), then kills
+that process (the nbrpc watchdog then stops its engines), so the run fails in minutes and
+says where.
 
 Usage (conftest does this): ``python tools/hang_watchdog.py PID``.
 """
@@ -40,7 +41,32 @@ def _dump(pid: int, name: str) -> None:
                 break
     else:
         out.write("(py-spy is not installed: no stacks)\n")
+    _native_threads(pid, out)
     out.flush()
+
+
+def _native_threads(pid: int, out) -> None:
+    """Every thread's native stack (gdb), those py-spy does not list included: torch's RPC
+    and TensorPipe threads that never ran Python. A deadlock between the GIL and one of
+    torch's mutexes shows only its Python side in py-spy (a fresh run, 2026-11-30: the
+    main thread in ``RRefContext::delUser``, waiting on a mutex, the holder unlisted)."""
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        out.write("(gdb is not installed: no stacks of threads that never ran Python)\n")
+        return
+    try:
+        done = subprocess.run(
+            [gdb, "-p", str(pid), "-batch", "-nx", "-ex", "thread apply all bt 30"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        out.write("(gdb took over 120 s: no native stacks)\n")
+        return
+    frames = [line for line in done.stdout.splitlines() if line.startswith(("Thread ", "#"))]
+    out.write("\n--- every thread, native (gdb) ---\n" + "\n".join(frames) + "\n")
 
 
 def main(pid: int) -> None:
