@@ -238,10 +238,15 @@ class Controller:
                 )
                 holder = "it" if asked in listening else _listener_of(asked)
                 seen.append(f"the client asked port {asked}, listened on by {holder}")
-        log_file = getattr(self._ipp.controller, "output_file", "")
+        launcher = self._ipp.controller
+        log_file = getattr(launcher, "output_file", "")
         text = ""
         with contextlib.suppress(OSError):
             text = pathlib.Path(log_file).read_text(errors="replace") if log_file else ""
+        if not text:  # ipyparallel removes the log as it sees the controller stop, and keeps
+            with contextlib.suppress(Exception):  # its text (a fresh run lost the race once)
+                text = launcher.get_output(remove=False) or ""
+        if text:
             seen.append(f"its log:\n{tail(text, 12)}")
         if state == "gone" and "Address already in use" in text:
             why = (
