@@ -118,6 +118,10 @@ class Controller:
         self._watcher: subprocess.Popen | None = None
         self.controller_seconds: float | None = None
         self._started = time.monotonic()
+        #: the controller's log, open: ipyparallel removes it as it sees the controller stop,
+        #: and a read by path after that found nothing (:meth:`_no_answer`; engines' logs,
+        #: :class:`.local.LocalController`, are kept open for the same reason)
+        self._log_fd = -1
 
     @property
     def cluster_file(self) -> str:
@@ -238,14 +242,7 @@ class Controller:
                 )
                 holder = "it" if asked in listening else _listener_of(asked)
                 seen.append(f"the client asked port {asked}, listened on by {holder}")
-        launcher = self._ipp.controller
-        log_file = getattr(launcher, "output_file", "")
-        text = ""
-        with contextlib.suppress(OSError):
-            text = pathlib.Path(log_file).read_text(errors="replace") if log_file else ""
-        if not text:  # ipyparallel removes the log as it sees the controller stop, and keeps
-            with contextlib.suppress(Exception):  # its text (a fresh run lost the race once)
-                text = launcher.get_output(remove=False) or ""
+        text = log_tail(self._log_fd) if self._log_fd >= 0 else ""
         if text:
             seen.append(f"its log:\n{tail(text, 12)}")
         if state == "gone" and "Address already in use" in text:
@@ -269,6 +266,8 @@ class Controller:
         try:  # ipyparallel's controller, an engine registered at its first heartbeat
             command = [sys.executable, controller_process.__file__]
             self._ipp.start_controller_sync(controller_cmd=command)
+            log_file = self._ipp.controller.output_file
+            self._log_fd = os.open(log_file, os.O_RDONLY | os.O_CREAT, 0o600)
             self._watch()
         except BaseException:
             self.release()
@@ -314,6 +313,9 @@ class Controller:
             self._client = None
         ours = self.pids() + watchdog.started_with(self._marker)
         watchdog.reap(sorted({p for p in ours if p != os.getpid()}))
+        if self._log_fd >= 0:  # its log is read no more
+            os.close(self._log_fd)
+            self._log_fd = -1
 
     def release(self) -> None:
         """Stop the controller, whatever engines are left and the watchdog, and remove
@@ -453,20 +455,26 @@ BEFORE_LINES, STACK_LINES = 4, 12
 CRASH_TAIL_BYTES = 1 << 20
 
 
+def log_tail(log: str | int, start: int = 0) -> str:
+    """A log's end: its bytes ``start`` on, at most the last :data:`CRASH_TAIL_BYTES` (a
+    path, or an open descriptor, read through a copy of it); "" if it cannot be read."""
+    try:
+        fd = os.dup(log) if isinstance(log, int) else os.open(log, os.O_RDONLY)
+        with os.fdopen(fd, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(start, size - CRASH_TAIL_BYTES))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def last_words(log: str | int, start: int = 0) -> str:
     """What an engine wrote as it crashed, from its log (a path, or an open descriptor;
     bytes ``start`` on): the lines just before faulthandler's report (a C++ abort's
     "terminate called ... what(): ..."), and the report itself (the crashing thread's
     Python stack). "" when the log holds no crash report (``kill -9``, the OOM killer,
     ``os._exit``) or cannot be read."""
-    try:
-        fd = os.dup(log) if isinstance(log, int) else os.open(log, os.O_RDONLY)
-        with os.fdopen(fd, "rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            f.seek(max(start, size - CRASH_TAIL_BYTES))
-            lines = f.read().decode(errors="replace").splitlines()
-    except OSError:
-        return ""
+    lines = log_tail(log, start).splitlines()
     fatal = [i for i, line in enumerate(lines) if _FATAL in line]
     if not fatal:
         return ""
