@@ -69,23 +69,17 @@ class _Row:
         if state["closed"]:
             done = not state["total"] or state["n"] >= state["total"]
             self.progress.bar_style = "success" if done else "danger"
-            self.handle.update(self._bundle(state), raw=True)  # the text bar, final
-            self.final = state
+            final = self._bundle(state)
+            self.handle.update(final, raw=True)  # the text bar, final
+            self.final_text = final["text/plain"]
 
     def retire(self) -> None:
-        """Draw the finished bar once more as static HTML (its text bar as text/plain),
-        then close its widgets: the cell keeps showing it, the kernel holds nothing."""
-        state = self.final
-        total, n = max(state["total"], 1), min(state["n"], max(state["total"], 1))
-        meter = escape(state["text"].split("|")[-1].strip())
-        html = (
-            f"<div><code>[{escape(self.worker)}]</code> {escape(state['desc'].rstrip(': '))} "
-            f'<progress value="{n if state["total"] else total}" max="{total}"></progress> '
-            f"<code>{meter}</code></div>"
-        )
-        self.handle.update(
-            {"text/plain": f"[{self.worker}] {state['text']}", "text/html": html}, raw=True
-        )
+        """Draw the finished bar once more as static HTML, from its widgets' last values
+        (its text bar as text/plain), then close its widgets: the cell keeps showing it,
+        the kernel holds nothing."""
+        bar = f'<progress value="{self.progress.value}" max="{self.progress.max}"></progress>'
+        html = f"<div>{self.label.value} {bar} {self.figures.value}</div>"
+        self.handle.update({"text/plain": self.final_text, "text/html": html}, raw=True)
         for widget in (self.box, self.label, self.progress, self.figures):
             parts = (getattr(widget, "layout", None), getattr(widget, "style", None))
             for part in (*parts, widget):  # a widget's layout and style are widgets too
