@@ -138,11 +138,9 @@ class RpcMagics(Magics):
             print("nbrpc: no cluster is running; start one with %rpc_init -n 2")
             return
         if _process.in_notebook():
-            from IPython.display import display
+            from .widgets import show_status
 
-            from .widgets import status_view
-
-            display(status_view())
+            show_status()
             return
         print(lifecycle.current().summary())
 

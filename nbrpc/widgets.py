@@ -110,9 +110,10 @@ class _View(anywidget.AnyWidget):
         _states.unlisten(self._on_worker_change)
 
     def close(self) -> None:
-        """Stop live updates and close the widget."""
+        """Stop live updates and close the widget, and its layout (a widget too)."""
         self.freeze()
         super().close()
+        self.layout.close()
 
     # -- front ends without widgets -----------------------------------------------------
 
@@ -186,20 +187,33 @@ class ClusterView(_LiveView):
         return _views.cluster_text(data["workers"], data["state"])
 
 
-#: the view ``%rpc_status`` showed last (:func:`status_view`)
-_status_views: list[ClusterView] = []
+#: the views ``%rpc_status`` showed: the newest stays live (:func:`show_status`)
+_status_shown = _views.Retiring(1)
 
 
-def status_view() -> ClusterView:
-    """A live :class:`ClusterView` for ``%rpc_status``; the one it showed before stops
-    updating and keeps its last state in its cell. Each one asked every process for its
-    figures every second, on a thread of its own, and none ever stopped: a notebook that
-    ran ``%rpc_status`` 20 times asked each worker 20 times a second, across shutdowns
-    (the soak, docs/soak.md)."""
-    for old in _status_views:
-        old.freeze()
+class _StatusShown:
+    """A view ``%rpc_status`` showed, and its display."""
+
+    def __init__(self, view: ClusterView, handle: Any) -> None:
+        self.view, self.handle = view, handle
+
+    def retire(self) -> None:
+        """Stop its updates, draw its last state once more as static HTML, and close it."""
+        self.view.freeze()
+        _views.retire(self.handle, self.view.html, repr(self.view), self.view)
+
+
+def show_status() -> ClusterView:
+    """Display a live :class:`ClusterView` for ``%rpc_status``, and return it. The one it
+    showed before stops updating, and is drawn once more as static HTML of its last state,
+    its widget closed. Each one asked every process for its figures every second, on a
+    thread of its own, and none ever stopped: a notebook that ran ``%rpc_status`` 20
+    times asked each worker 20 times a second, across shutdowns; and each one's widget
+    stayed in the kernel for its life (the soak, docs/soak.md)."""
+    from IPython.display import display
+
     view = ClusterView()
-    _status_views[:] = [view]
+    _status_shown.add(_StatusShown(view, display(view, display_id=True)))
     return view
 
 
@@ -365,13 +379,18 @@ class ClusterPanel(_View):
 
     def close(self) -> None:
         """Stop asking the workers, and close the side bar's panel it is shown in; the
-        card shown in the cell instead stops updating (it keeps its last state). Raises
-        nothing."""
+        card shown in the cell instead stops updating, and is drawn there once more as
+        static HTML of its last state, its widget closed. Raises nothing."""
         super().close()
         if self.side is not None:
-            self.side.close()
+            _views.close_widget(self.side)
         if self.card is not None:
             self.card.freeze()
+            static = {"text/plain": repr(self.card), "text/html": self.card.html}
+            self.fallback.outputs = (
+                {"output_type": "display_data", "data": static, "metadata": {}},
+            )
+            _views.close_widget(self.card)
 
     def _on_action(self, _widget: Any, content: dict[str, Any], _buffers: Any) -> None:
         action, target = content.get("action", ""), content.get("target", "")

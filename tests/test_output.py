@@ -433,3 +433,31 @@ def test_finished_bars_past_the_newest_few_become_static_and_free_their_widgets(
     ours = [d for d in statics if d["text/plain"].startswith("[worker1] loop ")]
     assert ours, f"no bar of these was drawn as static HTML: {statics}"
     assert all("<progress" in d["text/html"] for d in ours), ours[0]
+
+
+WIDGETS = "len(__import__('ipywidgets.widgets.widget').widgets.widget._instances)"
+
+
+def test_an_older_status_view_and_boot_progress_become_static_and_free_their_widgets(kernel):
+    """A ``%rpc_status`` view and a boot's progress stay in ipywidgets' registry until
+    closed (40 widgets a cycle of init, status, a bar and shutdown, for the kernel's life:
+    the soak, docs/soak.md). Once a newer one shows, the older is drawn once more as
+    static HTML (its last state) and its widgets close: the newest of each stays live."""
+    kernel.run("%rpc_status")
+    before = kernel.value(WIDGETS)
+    statics = []
+    for _ in range(3):
+        events = _events(kernel, "%rpc_status")
+        statics += [c["data"] for _, c in _shown(events, ("update_display_data",))]
+    assert kernel.value(WIDGETS) == before  # one view's widgets in, one view's out
+    assert len(statics) == 3, statics
+    assert all('class="nbrpc-cluster"' in d["text/html"] for d in statics), statics[0]
+    assert all("worker1" in d["text/plain"] for d in statics), statics[0]
+    # a boot's progress: 27 widgets for two workers, the older boot's closed
+    kernel.run("%rpc_shutdown\n%rpc_init -n 2")
+    before = kernel.value(WIDGETS)
+    events = _events(kernel, "%rpc_shutdown\n%rpc_init -n 2")
+    assert kernel.value(WIDGETS) == before
+    static = [c["data"] for _, c in _shown(events, ("update_display_data",))]
+    assert any("<progress" in d["text/html"] and "worker1" in d["text/plain"] for d in static)
+    assert kernel.value("nbrpc.rpc_sync('worker1', len, args=([1, 2],))") == 2

@@ -10,7 +10,7 @@ from conftest import wait_until
 
 import nbrpc
 from nbrpc import autograd
-from nbrpc.widgets import BackwardView, ClusterPanel, ClusterView, OwnershipView, status_view
+from nbrpc.widgets import BackwardView, ClusterPanel, ClusterView, OwnershipView, show_status
 
 # -- widgets on the real cluster ------------------------------------------------------------
 
@@ -41,14 +41,16 @@ def test_cluster_view_is_live_and_has_a_text_repr():
 
 @pytest.mark.usefixtures("cluster")
 def test_a_new_status_view_stops_the_one_before():
-    """``%rpc_status`` shows ``status_view()``: the view it showed before stops asking the
-    workers and keeps its last state. Each one polled every process every second and none
-    ever stopped (the soak, docs/soak.md: their threads outlived every shutdown)."""
-    first = status_view()
-    second = status_view()
+    """``%rpc_status`` shows ``show_status()``: the view it showed before stops asking the
+    workers, keeps its last state and closes its widget. Each one polled every process
+    every second and none ever stopped (the soak, docs/soak.md: their threads outlived
+    every shutdown), and each widget stayed in the kernel."""
+    first = show_status()
+    second = show_status()
     try:
         assert wait_until(lambda: not first._thread.is_alive(), 5)
         assert not first.live
+        assert first.comm is None  # closed: ipywidgets holds it no more
         assert second.live
         assert [w["name"] for w in first.data["workers"]] == nbrpc.workers()
     finally:

@@ -116,9 +116,10 @@ def soak_figures():
     names = collections.Counter(re.sub(r"[0-9]+", "N", t.name) for t in threading.enumerate())
     # ipykernel's sockets, one per live thread that sent to the notebook (an eventfd each)
     pipes = getattr(getattr(sys.stdout, "pub_thread", None), "_event_pipes", None)
+    from ipywidgets.widgets.widget import _instances as widgets  # every widget not closed
     fig = {"py_threads": dict(names), "contexts": {"kernel": contexts()}, "rrefs": 0,
            "rrefs_owned": {}, "rrefs_held": {}, "notebook_pipes": len(pipes or ()),
-           **soak_probe()}
+           "widgets": len(widgets), **soak_probe()}
     if fig["running"]:
         fig["rrefs"] = len(nbrpc.ownership())
         for row in nbrpc.status():

@@ -4,16 +4,24 @@ In a notebook: a line of phases (controller, engines, torch import, join) above 
 per worker (name, a progress bar, the current step), drawn with ipywidgets and updated in
 place. Elsewhere (scripts, plain IPython): one line per step on stderr when asked for,
 silent otherwise.
+
+Only the newest boot's progress stays live: as another boot starts, the one before is
+drawn once more as static HTML and its widgets (27 for two workers) are closed
+(:class:`nbrpc._views.Retiring`); each boot's were kept for the kernel's life.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 
-from nbrpc._views import widget_bundle
+from nbrpc._views import Retiring, retire, widget_bundle
 
 STEPS = ("waiting", "engine started", "joining RPC", "ready")
+
+#: the boots' progress shown in notebooks: the newest stays live
+_shown = Retiring(1)
 
 
 class BootProgress:
@@ -48,7 +56,19 @@ class BootProgress:
         workers = "worker" if len(self.names) == 1 else "workers"
         text = f"nbrpc: starting {len(self.names)} {workers} ({', '.join(self.names[:8])}"
         text += ", ...)" if len(self.names) > 8 else ")"
-        display(widget_bundle(self._box, text), raw=True)
+        self._handle = display(widget_bundle(self._box, text), raw=True, display_id=True)
+        _shown.add(self)
+
+    def retire(self) -> None:
+        """Draw the progress once more as static HTML, as its widgets show it now, and
+        close them (a newer boot's progress is shown)."""
+        html = [f"<div>{self._phases.value}</div>"]
+        text = [_untagged(self._phases.value)]
+        for name, (bar, label) in self._rows.items():
+            meter = f'<progress value="{bar.value}" max="{bar.max}"></progress>'
+            html.append(f"<div><code>{name}</code> {meter} {label.value}</div>")
+            text.append(f"  {name}: {_untagged(label.value)}")
+        retire(self._handle, "".join(html), "\n".join(text), self._box)
 
     def update(self, name: str, step: int, detail: str = "") -> None:
         if self.steps.get(name) == step and self.details.get(name) == detail:
@@ -80,3 +100,7 @@ class BootProgress:
             label.value = f"failed: {reason}"
         elif self.mode == "text":
             print(f"nbrpc {name}: failed: {reason}", file=sys.stderr, flush=True)
+
+
+def _untagged(html: str) -> str:
+    return re.sub(r"<[^>]+>", "", html)

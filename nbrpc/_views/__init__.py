@@ -7,7 +7,8 @@ Each view is computed from the lists and dicts that a lower layer returns
 (worker names, RRef ids, edge kinds, call ids) that the widgets' front end
 (``nbrpc/static/views.js``) uses for hover highlighting and the browser test reads.
 
-* :mod:`.draw` -- what they all draw with (font, bytes, columns, a widget's text fallback);
+* :mod:`.draw` -- what they all draw with (font, bytes, columns, a widget's text fallback),
+  and how a display no longer live is retired;
 * :mod:`.cluster` -- a card per process, the headline, ``%rpc_init``'s summary;
 * :mod:`.ownership` -- RRefs in their owners, edges to holders;
 * :mod:`.backward` -- a backward pass, lane by lane;
@@ -34,8 +35,11 @@ from .cluster import (  # noqa: F401 (re-exported: _views.NAME)
 )
 from .draw import (  # noqa: F401 (re-exported: _views.NAME)
     FONT,
+    Retiring,
     bytes_text,
+    close_widget,
     columns,
+    retire,
     widget_bundle,
 )
 from .ownership import (  # noqa: F401 (re-exported: _views.NAME)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from html import escape
 from typing import Any
 
-from nbrpc._views import widget_bundle
+from nbrpc._views import Retiring, retire, widget_bundle
 
 #: Finished bars kept as live widgets, the newest; an older one is drawn once more as
 #: static HTML and its widgets closed. ipywidgets keeps every widget until it is closed:
@@ -31,7 +31,7 @@ class _Bars:
     newest finished ones, oldest first, still live."""
 
     shown: dict[tuple[str, int], Any] = field(default_factory=dict)
-    finished: list[Any] = field(default_factory=list)
+    finished: Retiring = field(default_factory=lambda: Retiring(LIVE_FINISHED_BARS))
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -79,12 +79,7 @@ class _Row:
         the kernel holds nothing."""
         bar = f'<progress value="{self.progress.value}" max="{self.progress.max}"></progress>'
         html = f"<div>{self.label.value} {bar} {self.figures.value}</div>"
-        self.handle.update({"text/plain": self.final_text, "text/html": html}, raw=True)
-        for widget in (self.box, self.label, self.progress, self.figures):
-            parts = (getattr(widget, "layout", None), getattr(widget, "style", None))
-            for part in (*parts, widget):  # a widget's layout and style are widgets too
-                if part is not None:
-                    part.close()
+        retire(self.handle, html, self.final_text, self.box)
 
 
 def draw(worker: str, state: dict[str, Any]) -> None:
@@ -98,6 +93,4 @@ def draw(worker: str, state: dict[str, Any]) -> None:
             row.update(state)
         if state["closed"]:
             del _bars.shown[key]
-            _bars.finished.append(row)
-            while len(_bars.finished) > LIVE_FINISHED_BARS:
-                _bars.finished.pop(0).retire()
+            _bars.finished.add(row)

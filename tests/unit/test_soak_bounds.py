@@ -55,3 +55,17 @@ def test_the_rss_bound_leaves_the_running_cluster_s_shared_memory_aside():
     broken = bounds(me, [minute, {**end, "rssshmem_mb": 0.0}])
     assert len(broken) == 1
     assert broken[0].startswith("kernel RSS grew 80 MB"), broken
+
+
+def test_widgets_past_what_stays_live_by_design_break_the_bound():
+    """After a shutdown the kernel holds the widgets that stay live by design (the newest
+    bars, boot, status view, panel) and no more: each boot's, view's and bar's were held
+    for the kernel's life (40 a cycle, docs/soak.md)."""
+    soak = load_tool("soak")
+    me = SimpleNamespace(warmup=0)
+    first = {**_shutdown(10, 83, 0), "widgets": 40}
+    at_most = {**_shutdown(20, 83, 0), "widgets": soak.WIDGETS_MAX}
+    assert soak.Soak._bounds_of(me, [first, at_most]) == []
+    broken = soak.Soak._bounds_of(me, [first, {**at_most, "widgets": soak.WIDGETS_MAX + 1}])
+    assert broken == [f"{soak.WIDGETS_MAX + 1} widgets held after the shutdown at 20 s "
+                      f"(step 20) (at most {soak.WIDGETS_MAX})"]  # fmt: skip
