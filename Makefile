@@ -112,6 +112,7 @@ package-check: $(STAMP)
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --max-worker-restart 0
 test: $(STAMP) $(CHROMIUM) $(FAKEHOSTS) lint package-check
+	rm -f build/test-seconds.jsonl  # each pytest run's seconds by test, a line each
 	$(PY) -m pytest tests --nbval-lax notebooks --ignore=tests/test_docs_site.py -v -rs --durations=20 \
 	  $(XDIST) --leftovers=fail
 	$(MAKE) --no-print-directory docs

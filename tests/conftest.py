@@ -597,7 +597,8 @@ def pytest_configure(config):
     from group_times import GroupTimes
 
     if not config.pluginmanager.has_plugin(GROUP_TIMES) and not hasattr(config, "workerinput"):
-        config.pluginmanager.register(GroupTimes(_group_of), GROUP_TIMES)
+        out = config.rootpath / "build" / "test-seconds.jsonl"
+        config.pluginmanager.register(GroupTimes(_group_of, out), GROUP_TIMES)
 
 
 def pytest_unconfigure(config):

@@ -20,8 +20,8 @@ import os
 import random
 import socket
 
-#: the blocks: one per xdist worker, and the last for a process outside xdist
-FIRST_PORT, BLOCK, BLOCKS = 20000, 4000, 3
+#: the blocks: one per xdist worker (up to three), and the last for a process outside xdist
+FIRST_PORT, BLOCK, BLOCKS = 20000, 3000, 4
 
 
 def block() -> range:

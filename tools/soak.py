@@ -125,11 +125,35 @@ class Cell:
         return f"{how} ({self.seconds:.1f} s{err}){said}"
 
 
+#: --trace-memory: tracemalloc from the kernel's first cells; a snapshot after the
+#: warm-up; at the end, what was allocated since and is still held, by traceback
+TRACE_START = "import tracemalloc\ntracemalloc.start(12)"
+TRACE_FROM = """
+soak_memory_from = tracemalloc.take_snapshot()
+
+def soak_memory_kept(top=25):
+    now = tracemalloc.take_snapshot().filter_traces(
+        [tracemalloc.Filter(False, tracemalloc.__file__)])
+    diff = now.compare_to(soak_memory_from, "traceback")
+    lines = [f"traced now {sum(s.size for s in now.statistics('filename')) / 2**20:.1f} MB, "
+             f"grown {sum(d.size_diff for d in diff) / 2**20:+.1f} MB since the snapshot"]
+    for d in diff[:top]:
+        lines.append(f"{d.size_diff / 1024:+9.1f} KB {d.count_diff:+7d} blocks")
+        lines += ["    " + line for line in d.traceback.format()[-12:]]
+    return "\\n".join(lines)
+"""
+
+
 class Soak:
     """The driver: the kernel, the model of its cluster, the records and the figures."""
 
-    def __init__(self, seed: int, minutes: float, warmup: float, out: Path) -> None:
+    def __init__(
+        self, seed: int, minutes: float, warmup: float, out: Path, trace_memory: bool = False
+    ) -> None:
         self.seed, self.minutes, self.warmup, self.out = seed, minutes, warmup, out
+        #: tracemalloc in the kernel: what Python allocated after the warm-up and kept,
+        #: by where, to build/soak/memory.txt (it slows the kernel's allocations)
+        self.trace_memory = trace_memory
         self.limits = dict(LIMITS)
         self.stop_chance = 0.35
         self.model: dict[str, Any] = {"running": False, "workers": []}
@@ -542,15 +566,21 @@ class Soak:
         for code in (mix.LOAD, mix.NOTEBOOK):
             if not self.ok(code + "\nprint('SOAK-OK')", self.limits["setup"], "setup"):
                 raise Fatal("the notebook's first cells failed")
+        if self.trace_memory:
+            self.ok(TRACE_START, self.limits["setup"], "tracemalloc")
         self.sample("start")
 
     def mix(self, end: float) -> None:
         next_sample = time.monotonic() + 60
+        traced_from = self.segment_started + self.warmup * 60 if self.trace_memory else None
         while time.monotonic() < end:
             if time.monotonic() >= next_sample:
                 self.op = "figures"
                 self.sample("minute")
                 next_sample += 60
+            if traced_from is not None and time.monotonic() >= traced_from:
+                self.ok(TRACE_FROM, self.limits["figures"], "tracemalloc's snapshot")
+                traced_from = None
             self.step += 1
             rng = random.Random(f"{self.seed}:{self.step}")
             op = mix.draw(rng, self.model["running"])
@@ -562,6 +592,9 @@ class Soak:
             self.forget()
         self.op = "end"
         self.sample("end")
+        if self.trace_memory and traced_from is None:
+            kept = self.value("soak_memory_kept()", self.limits["figures"])
+            (self.out / "memory.txt").write_text(f"segment {self.segment}\n{kept}\n")
 
     def end_kernel(self) -> None:
         """``%rpc_shutdown --release`` (a level), then the kernel's end; nothing of it
@@ -860,11 +893,17 @@ def main(argv: list[str] | None = None) -> int:
         "--warmup", type=float, default=None, help="minutes before the bounds apply (default 2)"
     )
     parser.add_argument("--out", default=str(ROOT / "build" / "soak"), help="where the figures go")
+    parser.add_argument(
+        "--trace-memory",
+        action="store_true",
+        help="tracemalloc in the kernel: what Python kept after the warm-up, by traceback, "
+        "to OUT/memory.txt (slower)",
+    )
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10**6)
     warmup = args.warmup if args.warmup is not None else min(2.0, args.minutes / 3)
     print(f"soak: seed {seed}, {args.minutes:g} minutes, figures in {args.out}", flush=True)
-    return Soak(seed, args.minutes, warmup, Path(args.out)).run()
+    return Soak(seed, args.minutes, warmup, Path(args.out), args.trace_memory).run()
 
 
 if __name__ == "__main__":
