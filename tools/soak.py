@@ -567,7 +567,7 @@ class Soak:
             if not self.ok(code + "\nprint('SOAK-OK')", self.limits["setup"], "setup"):
                 raise Fatal("the notebook's first cells failed")
         if self.trace_memory:
-            self.ok(TRACE_START, self.limits["setup"], "tracemalloc")
+            self.ok(TRACE_START + "\nprint('SOAK-OK')", self.limits["setup"], "tracemalloc")
         self.sample("start")
 
     def mix(self, end: float) -> None:
@@ -579,7 +579,8 @@ class Soak:
                 self.sample("minute")
                 next_sample += 60
             if traced_from is not None and time.monotonic() >= traced_from:
-                self.ok(TRACE_FROM, self.limits["figures"], "tracemalloc's snapshot")
+                ok = TRACE_FROM + "\nprint('SOAK-OK')"
+                self.ok(ok, self.limits["figures"], "tracemalloc's snapshot")
                 traced_from = None
             self.step += 1
             rng = random.Random(f"{self.seed}:{self.step}")
@@ -593,7 +594,7 @@ class Soak:
         self.op = "end"
         self.sample("end")
         if self.trace_memory and traced_from is None:
-            kept = self.value("soak_memory_kept()", self.limits["figures"])
+            kept = self.value("soak_memory_kept()", 10 * self.limits["figures"])
             (self.out / "memory.txt").write_text(f"segment {self.segment}\n{kept}\n")
 
     def end_kernel(self) -> None:

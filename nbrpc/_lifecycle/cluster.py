@@ -156,16 +156,22 @@ class Cluster:
                 "(or nbrpc.shutdown()) first, then start a new one."
             )
         _group.check_kernel_name(self.settings.self_name)  # before anything is drawn
-        _current.cluster = self
         _process.warn_if_the_host_is_shared()
-        self._enter(ClusterState.BOOTING)
         try:
+            # current and booting, or neither: a stop between the two (0.16 s into an
+            # init, in the soak) left a current cluster "not started" for good, and every
+            # later %rpc_init said one was already running
+            with _process.interrupts_deferred():
+                _current.cluster = self
+                self._enter(ClusterState.BOOTING)
             _setup.kernel(_torch_shutdown)  # every step the kernel installs, in order
             boot.boot(self.settings, self.engines, self.booted)
             _states.adopt(self.booted.roster)  # their states are owned there from now on
             if self.settings.restart == "dead":
                 restarts.watch_for_dead(_restart_dead_of_current)
         except BaseException as exc:
+            if self.state is ClusterState.NOT_STARTED:  # stopped before it became current
+                raise
             # an engine that failed to start: the others were started the same way
             self._abandon(release=isinstance(exc, BootError))
             if isinstance(exc, KeyboardInterrupt):
