@@ -163,12 +163,9 @@ class RpcMagics(Magics):
         with rec:
             view = shown = None
             if _process.in_notebook():
-                from IPython.display import display
+                from .widgets import show_timeline
 
-                from .widgets import TimelineView
-
-                view = TimelineView(rec)
-                shown = display(view, display_id=True)
+                view, shown = show_timeline(rec)
             shell.run_cell(cell)
         if view is not None and shown is not None:
             view.refresh()

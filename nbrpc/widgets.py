@@ -189,12 +189,15 @@ class ClusterView(_LiveView):
 
 #: the views ``%rpc_status`` showed: the newest stays live (:func:`show_status`)
 _status_shown = _views.Retiring(1)
+#: the timelines ``%%rpc_timeline`` showed: the newest stay live (:func:`show_timeline`)
+LIVE_TIMELINES = 8
+_timelines_shown = _views.Retiring(LIVE_TIMELINES)
 
 
-class _StatusShown:
-    """A view ``%rpc_status`` showed, and its display."""
+class _Shown:
+    """A view nbrpc showed by itself, and its display."""
 
-    def __init__(self, view: ClusterView, handle: Any) -> None:
+    def __init__(self, view: _View, handle: Any) -> None:
         self.view, self.handle = view, handle
 
     def retire(self) -> None:
@@ -213,7 +216,7 @@ def show_status() -> ClusterView:
     from IPython.display import display
 
     view = ClusterView()
-    _status_shown.add(_StatusShown(view, display(view, display_id=True)))
+    _status_shown.add(_Shown(view, display(view, display_id=True)))
     return view
 
 
@@ -299,6 +302,19 @@ class TimelineView(_View):
         return _views.timeline_text(data["calls"], data["processes"], data["recording"])
 
 
+def show_timeline(rec: timeline.Recording) -> tuple[TimelineView, Any]:
+    """Display a :class:`TimelineView` of ``rec`` for ``%%rpc_timeline``; returns it and
+    its display handle. The newest :data:`LIVE_TIMELINES` stay live widgets; an older one
+    is drawn once more as static HTML (its SVG, the calls' tooltips kept) and closed: each
+    held its widget and its drawing for the kernel's life (the soak, docs/soak.md)."""
+    from IPython.display import display
+
+    view = TimelineView(rec)
+    handle = display(view, display_id=True)
+    _timelines_shown.add(_Shown(view, handle))
+    return view, handle
+
+
 class ClusterPanel(_View):
     """The cluster beside the notebook (``%rpc_panel``, :func:`panel`): the card of every
     process, the ownership view and the last recording's timeline in one live view, with
@@ -325,6 +341,7 @@ class ClusterPanel(_View):
         super().__init__()
         self.side: Any = None  # the side bar's widget it is shown in (panel())
         self.fallback: Any = None  # the cell's widget the card goes to if it is not drawn
+        self.fallback_shown: Any = None  # its display
         self.card: ClusterView | None = None  # the card put there (it stops with the panel)
         self.on_msg(self._on_action)
         self.refresh()
@@ -386,10 +403,11 @@ class ClusterPanel(_View):
             _views.close_widget(self.side)
         if self.card is not None:
             self.card.freeze()
-            static = {"text/plain": repr(self.card), "text/html": self.card.html}
-            self.fallback.outputs = (
-                {"output_type": "display_data", "data": static, "metadata": {}},
-            )
+        if self.fallback is not None:
+            card = self.card
+            html, text = (card.html, repr(card)) if card is not None else ("", "")
+            _views.retire(self.fallback_shown, html, text, self.fallback)
+        if self.card is not None:
             _views.close_widget(self.card)
 
     def _on_action(self, _widget: Any, content: dict[str, Any], _buffers: Any) -> None:
@@ -441,7 +459,7 @@ def panel(*, interval: float = 1.0) -> None:
     with side:
         display(view)
     here = view.fallback = ipywidgets.Output()
-    display(here)
+    view.fallback_shown = display(here, display_id=True)
 
     def card_unless_drawn() -> None:
         if not view.rendered and not view._stop.is_set():

@@ -461,3 +461,22 @@ def test_an_older_status_view_and_boot_progress_become_static_and_free_their_wid
     static = [c["data"] for _, c in _shown(events, ("update_display_data",))]
     assert any("<progress" in d["text/html"] and "worker1" in d["text/plain"] for d in static)
     assert kernel.value("nbrpc.rpc_sync('worker1', len, args=([1, 2],))") == 2
+
+
+def test_timelines_past_the_newest_few_become_static_and_free_their_widgets(kernel):
+    """Each ``%%rpc_timeline`` cell's view held its widget and its drawing for the kernel's
+    life (the soak: 135 widgets after 20 minutes, none of them bars). The newest 8 stay
+    live; an older one is drawn once more as static HTML, its SVG and tooltips kept."""
+    cell = "%%rpc_timeline --name tl\nnbrpc.rpc_sync('worker1', len, args=([1],))"
+    for _ in range(8):
+        kernel.run(cell)
+    before = kernel.value(WIDGETS)
+    events = _events(kernel, cell)
+    events += _events(kernel, cell)
+    assert kernel.value(WIDGETS) == before  # two views in, two out
+    statics = [
+        c["data"] for _, c in _shown(events, ("update_display_data",))
+        if "application/vnd.jupyter.widget-view+json" not in c["data"]
+    ]  # fmt: skip
+    assert len(statics) == 2, statics
+    assert all("<svg" in d["text/html"] and "len" in d["text/plain"] for d in statics), statics
