@@ -634,8 +634,11 @@ def nb():
 
 @pytest.fixture
 def no_cluster():
-    """No cluster in this process, so no lanes or shared memory of its own (a unit test of
-    what a lane carries: a cluster's fast path would carry a large tensor)."""
+    """No cluster in this process while the test runs: the shared one an earlier module
+    started on this test worker is shut down (its next user starts it again:
+    :func:`ensure_cluster`). For a unit test of what a lane carries (a cluster's fast path
+    would carry a large tensor), and of the lifecycle's and the workers' global state (on
+    three test workers one ran after a shared cluster and wiped its roster)."""
     with contextlib.suppress(nbrpc.NotInitializedError):
         nbrpc.current()
         nbrpc.shutdown()

@@ -29,6 +29,9 @@ class EngineSource:
     #: why the controller and warm engines were there before this cluster ("kept from
     #: the last cluster", "warmed up at %load_ext"); "" when started for it
     reused: str = ""
+    #: why nothing kept could serve this cluster, when something should have (the warm-up
+    #: at %load_ext failed: what it hit); said beside the controller's phase
+    afresh_because: str = ""
     #: why :meth:`replace` cannot work for this source ("": it can), said before a
     #: restart stops anything
     cannot_replace: str = "this kind of engine cannot be replaced alone"

@@ -419,6 +419,9 @@ class LocalSource(ControllerSource[LocalController]):
 
     def start(self) -> None:
         _wait_for_warming()  # a controller warming up is this one, or is released below
+        if _kept.warm_error:  # said once, by the boot that starts afresh in its place
+            self.afresh_because = f"the warm-up at %load_ext failed: {_kept.warm_error}"
+            _kept.warm_error = ""
         key = (self.settings.listen, self.settings.python)
         ours = _kept.controller
         self.reused = _kept.origin if ours is not None and ours.key == key else ""

@@ -161,7 +161,7 @@ class _Boot:
         if started is not None and not phases.get("controller"):
             phases["controller"] = 0.0 if source.reused else min(started, _since(self.t0))
             if not source.reused:
-                self.progress.phase("controller", phases["controller"])
+                self.progress.phase("controller", phases["controller"], source.afresh_because)
         return member
 
     def admit_engines(self, engine_ids: list[int]) -> None:

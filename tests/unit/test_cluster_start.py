@@ -9,6 +9,7 @@ import nbrpc
 from nbrpc import _process
 
 
+@pytest.mark.usefixtures("no_cluster")
 def test_a_stop_before_the_boot_begins_leaves_no_current_cluster(monkeypatch):
     def pressed() -> None:
         raise KeyboardInterrupt

@@ -152,6 +152,7 @@ def test_the_summary_says_who_joined_and_left_and_the_size():
     assert "world size 3" in text
 
 
+@pytest.mark.usefixtures("no_cluster")
 def test_a_scale_before_init_says_to_run_it():
     import nbrpc
 

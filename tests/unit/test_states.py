@@ -10,6 +10,9 @@ from nbrpc._errors import ClusterClosedError
 from nbrpc._rows import WorkerRecord, WorkerState
 from nbrpc._states import Change, WorkerChange
 
+#: the owner is the process's one: no shared cluster may run beside these tests
+pytestmark = pytest.mark.usefixtures("no_cluster")
+
 
 @pytest.fixture
 def told():
