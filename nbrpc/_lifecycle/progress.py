@@ -12,13 +12,14 @@ drawn once more as static HTML and its widgets (27 for two workers) are closed
 
 from __future__ import annotations
 
-import re
 import sys
 import time
 
 from nbrpc._views import Retiring, retire, widget_bundle
 
 STEPS = ("waiting", "engine started", "joining RPC", "ready")
+#: the line of phases before the first phase ended
+NO_PHASE_YET = "starting the controller and engines"
 
 #: the boots' progress shown in notebooks: the newest stays live
 _shown = Retiring(1)
@@ -42,7 +43,7 @@ class BootProgress:
         import ipywidgets as w
         from IPython.display import display
 
-        self._phases = w.HTML(value="<small>starting the controller and engines</small>")
+        self._phases = w.HTML(value=f"<small>{NO_PHASE_YET}</small>")
         rows = [self._phases]
         for name in self.names:
             bar = w.IntProgress(value=0, min=0, max=len(STEPS) - 1, layout={"width": "12em"})
@@ -63,11 +64,11 @@ class BootProgress:
         """Draw the progress once more as static HTML, as its widgets show it now, and
         close them (a newer boot's progress is shown)."""
         html = [f"<div>{self._phases.value}</div>"]
-        text = [_untagged(self._phases.value)]
+        text = [" · ".join(self.phases.values()) or NO_PHASE_YET]
         for name, (bar, label) in self._rows.items():
             meter = f'<progress value="{bar.value}" max="{bar.max}"></progress>'
             html.append(f"<div><code>{name}</code> {meter} {label.value}</div>")
-            text.append(f"  {name}: {_untagged(label.value)}")
+            text.append(f"  {name}: {label.value}")  # plain text: a step, or why it failed
         retire(self._handle, "".join(html), "\n".join(text), self._box)
 
     def update(self, name: str, step: int, detail: str = "") -> None:
@@ -100,7 +101,3 @@ class BootProgress:
             label.value = f"failed: {reason}"
         elif self.mode == "text":
             print(f"nbrpc {name}: failed: {reason}", file=sys.stderr, flush=True)
-
-
-def _untagged(html: str) -> str:
-    return re.sub(r"<[^>]+>", "", html)
