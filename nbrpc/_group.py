@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from . import _devices, _fence, _network, _process, _torch
+from . import _devices, _fence, _ledger, _network, _process, _torch
 from ._errors import BootError, ConfigError, NotInitializedError
 from ._wire import lanes
 
@@ -296,9 +296,15 @@ def release_user_rrefs(timeout_s: float) -> None:
     once (``_lifecycle.leave``): an owner waits for its users' deletions, so run
     in one process alone it waited its whole bound for an RRef a worker still held
     (measured: 5 s). Without it the kernel's RRefs to departed workers would log C++
-    errors when garbage-collected.
+    errors when garbage-collected. The handles the ledger holds until their creation
+    settles are let go here, on this thread (``nbrpc._ledger`` says why): the settled ones
+    first, the rest once torch has waited for their owners.
     """
-    _torch.delete_user_rrefs(timeout_s)
+    _ledger.let_go_settled()
+    try:
+        _torch.delete_user_rrefs(timeout_s)
+    finally:
+        _ledger.let_go_settled(everything=True)
 
 
 def joined_name() -> str | None:

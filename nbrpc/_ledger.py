@@ -18,17 +18,20 @@ one row per live RRef with its owner and the processes that hold a user referenc
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _process, _torch
+from . import _process, _timers, _torch
 from ._rows import OwnershipRow
 from ._torch import PyRRef
 
 _TYPE_WAIT_S = 1.0  # how long one snapshot waits for owners to say what their values are
+HOLD_SWEEP_S = 0.2  # how often the timer service looks at the held remote() handles
+SETTLED_FOR_S = 0.1  # how long a handle stays held after its owner's confirmation was seen
 
 
 @dataclass
@@ -48,6 +51,10 @@ class _Ledger:
         default_factory=weakref.WeakKeyDictionary
     )
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: ``[handle, when its confirmation was first seen (0: not yet)]`` for each handle
+    #: ``remote()`` made here whose creation is not settled: see :func:`_hold`
+    held: list[list] = field(default_factory=list)
+    sweep: _timers.Timer | None = None  # the timer service's next look at ``held``
     remote: Any = None  # torch.distributed.rpc.remote
     rref_init: Any = None  # RRef.__init__
 
@@ -86,7 +93,72 @@ def _destination_name(to: Any) -> str:
 def _patched_remote(to: Any, func: Any, *args: Any, **kwargs: Any) -> PyRRef:
     rref = _ledger.remote(to, func, *args, **kwargs)
     _torch.remember_creation(rref)
+    _hold(rref)
     return label(rref, to, func)
+
+
+def _hold(rref: PyRRef) -> None:
+    """Hold a handle ``remote()`` just made until its owner confirmed it, and let it go on a
+    Python thread (which holds the GIL), never on one of torch's RPC threads.
+
+    Why: without this, an RRef the user dropped before its owner confirmed it dies in
+    torch's confirmation callback, on an RPC thread. torch's ``RRefContext::delUser`` there
+    takes the context's lock and sends the delete; the send can finish an earlier message
+    inline and free its Python tensor, which waits for the GIL, still under the lock. A
+    Python thread dropping another RRef at that moment holds the GIL and waits for the
+    lock: a deadlock inside torch (10,000 RRefs made and dropped hung 2 of 10 test runs).
+    Let go on a thread that holds the GIL, a delete never waits for it under the lock.
+
+    torch marks a handle confirmed a moment before its callback lets go of its own
+    reference: a handle is let go :data:`SETTLED_FOR_S` after its confirmation was first
+    seen (a failed creation is confirmed too, with its error kept in the handle)."""
+    if rref.is_owner():
+        return
+    with _ledger.lock:
+        _ledger.held.append([rref, 0.0])
+        if _ledger.sweep is None:
+            _ledger.sweep = _timers.after(HOLD_SWEEP_S, _sweep_held)
+
+
+def _sweep_held() -> None:
+    """(The timer service, every :data:`HOLD_SWEEP_S` while any handle is held.)"""
+    let_go_settled()
+    with _ledger.lock:
+        _ledger.sweep = _timers.after(HOLD_SWEEP_S, _sweep_held) if _ledger.held else None
+
+
+def let_go_settled(everything: bool = False) -> None:
+    """Let go of the held handles whose creation settled (``everything``: of all, as the
+    group is left), on this thread: see :func:`_hold`."""
+    if not _ledger.held:
+        return
+    now = time.monotonic()
+    settled: list[list] = []
+    kept: list[list] = []
+    with _ledger.lock:
+        for entry in _ledger.held:
+            if not entry[1] and entry[0].confirmed_by_owner():
+                entry[1] = now
+            late = everything or (entry[1] and now - entry[1] >= SETTLED_FOR_S)
+            (settled if late else kept).append(entry)
+        _ledger.held = kept
+    del settled, kept  # (here, outside the lock: a last reference sends its delete)
+
+
+def _refs_of_first(entry: list) -> int:
+    return sys.getrefcount(entry[0])
+
+
+#: what :func:`_refs_of_first` says of a held entry's handle nothing else refers to
+_ONLY_HELD = _refs_of_first([object(), 0.0])
+
+
+def _handles() -> list[tuple[PyRRef, _Entry]]:
+    """The handles this process holds, as its code sees them: not one that only the hold
+    keeps alive (its code dropped it; it goes once its creation settles: :func:`_hold`)."""
+    with _ledger.lock:
+        only_held = {id(e[0]) for e in _ledger.held if _refs_of_first(e) <= _ONLY_HELD}
+        return [(r, e) for r, e in _ledger.handles.items() if id(r) not in only_held]
 
 
 def label(rref: PyRRef, to: Any, func: Any) -> PyRRef:
@@ -127,9 +199,8 @@ rref_id = _torch.rref_id
 
 def holds_user_rrefs() -> bool:
     """Whether this process holds a live handle to an RRef another process owns."""
-    with _ledger.lock:
-        held = list(_ledger.handles)
-    return any(not rref.is_owner() for rref in held)
+    let_go_settled()
+    return any(not rref.is_owner() for rref, _ in _handles())
 
 
 def _type_of(rref: PyRRef, entry: _Entry, pending: list, dead: frozenset[str]) -> None:
@@ -155,8 +226,8 @@ GONE = "(gone)"
 def snapshot(dead: frozenset[str] = frozenset()) -> dict[str, Any]:
     """This process's handles and how many RRefs it owns (see ``_gather.census.figures``);
     ``dead``: workers known dead, whose RRefs' types are not asked."""
-    with _ledger.lock:
-        held = list(_ledger.handles.items())
+    let_go_settled()
+    held = _handles()
     pending: list = []
     rows = []
     for rref, entry in held:
@@ -186,9 +257,8 @@ def snapshot(dead: frozenset[str] = frozenset()) -> dict[str, Any]:
 
 
 def handle_count() -> int:
-    """How many Python RRef handles this process's ledger holds now."""
-    with _ledger.lock:
-        return len(_ledger.handles)
+    """How many Python RRef handles this process's code holds now."""
+    return len(_handles())
 
 
 def merge(snapshots: list[dict[str, Any]]) -> list[OwnershipRow]:

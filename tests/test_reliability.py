@@ -90,6 +90,29 @@ def test_ten_thousand_rrefs_created_and_dropped_do_not_leak_on_owners(cluster):
     print(f"10,000 RRefs created and dropped in {elapsed:.1f} s; owners back to {owned_before}")
 
 
+def test_a_remote_handle_dropped_before_its_confirmation_is_let_go_on_a_python_thread(cluster):
+    """torch would let go of it in its confirmation callback, on an RPC thread, where a
+    delete can deadlock with a Python thread dropping another RRef (``nbrpc._ledger``)."""
+    import threading
+    import weakref
+
+    nb = notebook_code(CELL)
+    owned_before = _owned()
+    gone_on: list[str] = []
+    rref = nbrpc.remote("worker1", nb.nap, args=(0.5,))
+    seen = weakref.ref(rref, lambda _: gone_on.append(threading.current_thread().name))
+    rref_id = _ledger.rref_id(rref)
+    del rref
+    gc.collect()
+    assert seen() is not None, "let go before its owner confirmed it"
+    assert not gone_on
+    # what the user sees: dropped, although held until its creation settles
+    assert rref_id not in {r["id"] for r in nbrpc.ownership()}
+    assert wait_until(lambda: gone_on, timeout=10), "the held handle was never let go"
+    assert gone_on[0] in ("nbrpc-timers", threading.main_thread().name), gone_on
+    assert wait_until(lambda: _owned() == owned_before, timeout=10), _owned()
+
+
 def test_graceful_shutdown_waits_for_calls_in_flight(cluster):
     nb = notebook_code(CELL)
     fut = nbrpc.rpc_async("worker1", nb.nap, args=(2.0,))

@@ -59,6 +59,7 @@ def leave(cluster: Cluster, graceful: bool, timeout: float) -> None:
         _wait_for_calls_in_flight(cluster, timeout)
     else:  # nobody leaves by themselves: the kernel forgets them all
         calls.cancel_calls_in_flight()
+        _ledger.let_go_settled(everything=True)  # (a graceful leave lets go as it releases)
         dead = [r.name for r in workers]
         _states.stopped(dead)
     # once the calls that might use them ended, while their workers are there to hear it
