@@ -144,8 +144,7 @@ def test_release_stops_the_controller_and_the_spares():
     nbrpc.shutdown(release=True)
     print(f"released in {time.monotonic() - t0:.1f} s")
     assert local.kept() is None
-    assert wait_for_exit(everything, timeout=10) == []
-    ensure_cluster()
+    assert wait_for_exit(everything, timeout=10) == []  # (the next test to need one starts it)
 
 
 def test_boot_phases_are_shown_and_kept(tmp_path):
@@ -221,8 +220,7 @@ def test_an_engine_that_cannot_start_is_a_boot_error_within_seconds(tmp_path, ca
     else:
         assert "ImportError: libtorch_cpu.so: cannot open" in str(caught.value)  # its own words
         assert "engines could not start" in str(caught.value)
-    assert local.kept() is None  # nothing of it left to reuse
-    ensure_cluster()
+    assert local.kept() is None  # nothing of it left to reuse (the `cluster` fixture boots)
 
 
 def test_a_controller_that_never_answers_is_a_boot_error_saying_what_was_seen(monkeypatch):

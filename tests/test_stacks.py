@@ -33,6 +33,14 @@ def spin(seconds, until=None):
 def regex_in_c(n):
     import re
     return len(re.findall(r"(a+)+b", "a" * n))
+
+def regex_size_for(seconds):
+    # each "a" more doubles the regex's time: the n that holds the GIL about ``seconds``
+    import math, time
+    t0 = time.monotonic()
+    regex_in_c(18)
+    took = max(time.monotonic() - t0, 1e-4)
+    return 18 + max(0, math.ceil(math.log2(seconds / took)))
 """
 
 
@@ -47,7 +55,8 @@ def test_stacks_come_within_2_s_when_every_rpc_thread_is_busy_or_holds_the_gil(
     threads = cluster.settings.num_worker_threads
     done = tmp_path / "done"  # the spins end once it exists (at most 60 s)
     busy = [nbrpc.rpc_async("worker1", code.spin, (60.0, str(done))) for _ in range(threads)]
-    held = nbrpc.rpc_async("worker2", code.regex_in_c, (28,))  # seconds in C, GIL held
+    n = nbrpc.rpc_sync("worker2", code.regex_size_for, (10.0,))  # (28 took 30 s here)
+    held = nbrpc.rpc_async("worker2", code.regex_in_c, (n,))  # seconds in C, GIL held
 
     def started() -> bool:  # every call runs its function (a busy machine starts them late:
         # a thread is labelled serving from the call's start, before it enters the function)
@@ -73,6 +82,7 @@ def test_stacks_come_within_2_s_when_every_rpc_thread_is_busy_or_holds_the_gil(
     for t in serving:
         assert t["serving"].startswith(f"spin from {me}")
         assert t["frames"][-1]["function"] == "spin"
+    assert not held.done(), f"the regex (n={n}) ended before the stacks were read"
     (regex,) = [t for t in by_name["worker2"]["threads"] if t["serving"]]
     assert regex["serving"].startswith(f"regex_in_c from {me}")
     assert [f["function"] for f in regex["frames"]][-2:] == ["regex_in_c", "findall"]

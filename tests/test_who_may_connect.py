@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import load_fakehosts, run_script, running_kernel
@@ -310,24 +311,27 @@ def test_a_non_member_host_reaches_no_port_and_everyone_lives_on(hosts, kernel):
     targets = sorted({(a, p) for socks in found.values() for a, p, _ in socks})
     assert len(targets) >= 5, targets
     pids = kernel.value("[r.pid for r in nbrpc.current().workers]")
+    kernel.run("from nbrpc import _group\nspec = _group.current_kernel_membership().spec")
+    store = kernel.value("f'{spec.host}:{spec.port}'")
+    address = kernel.value("__import__('nbrpc')._torch.agent().store.get('addrs/worker0').decode()")
+    # three attackers on fakeh3 at once (each waits out its own timeouts: the fence drops)
+    attack = f"import os\nos.environ['TARGETS'] = {json.dumps(json.dumps(targets))}\n" + ATTACK
+    # torch's own client, from there: the store (and so every agent's address) is out of reach
+    client = f"import os\nos.environ['STORE'] = {store!r}\n" + TORCH_CLIENT
+    # and the loopback attack of this file, from there, straight at the kernel's TensorPipe port
+    intruder = f"import sys\nsys.argv = ['x', {address!r}, '/tmp/nbrpc-x', '/etc/hostname']\n"
     t0 = time.monotonic()
-    setup = f"import os\nos.environ['TARGETS'] = {json.dumps(json.dumps(targets))}\n"
-    out = hosts.python("fakeh3", setup + ATTACK, timeout=120)
-    results = json.loads(out)
+    with ThreadPoolExecutor(3) as pool:
+        runs = [pool.submit(hosts.python, "fakeh3", c, timeout=120) for c in (attack, client)]
+        runs.append(pool.submit(hosts.python, "fakeh3", intruder + INTRUDER, timeout=120))
+        out_attack, out_client, out_intruder = (r.result() for r in runs)
+    results = json.loads(out_attack)
     reached = {t: r for t, r in results.items() if "connected" in r}
     assert not reached, f"a non-member host connected to {reached}"
     took = time.monotonic() - t0
     print(f"{len(targets)} ports x 4 payloads from fakeh3, none answered ({took:.1f} s)")
-    # torch's own client, from there: the store (and so every agent's address) is out of reach
-    kernel.run("from nbrpc import _group\nspec = _group.current_kernel_membership().spec")
-    store = kernel.value("f'{spec.host}:{spec.port}'")
-    out = hosts.python("fakeh3", f"import os\nos.environ['STORE'] = {store!r}\n" + TORCH_CLIENT)
-    assert "NO STORE" in out, out
-    # and the loopback attack above, from there, straight at the kernel's TensorPipe port
-    address = kernel.value("__import__('nbrpc')._torch.agent().store.get('addrs/worker0').decode()")
-    code = f"import sys\nsys.argv = ['x', {address!r}, '/tmp/nbrpc-x', '/etc/hostname']\n"
-    out = hosts.python("fakeh3", code + INTRUDER, timeout=120)
-    assert "REFUSED" in out, out
+    assert "NO STORE" in out_client, out_client
+    assert "REFUSED" in out_intruder, out_intruder
     # everyone lives, and the members get on with their work
     assert kernel.value("[r.pid for r in nbrpc.current().workers]") == pids
     assert kernel.value("[r['state'] for r in nbrpc.status()]") == ["ready"] * 3

@@ -210,11 +210,15 @@ class LocalController(Controller):
         return dropped
 
     def retire(self, engine_ids: list[int], pids: list[int]) -> None:
-        """Stop engines a cluster used: ask them to exit, then signal what is left."""
+        """Stop engines a cluster used: ask them to exit, then signal what is left. With
+        the controller gone no request reaches them: they are signalled at once (a
+        release waited its whole 5 s for them before)."""
         if not engine_ids and not pids:
             return
-        self.ask_to_exit(engine_ids)
-        deadline = time.monotonic() + controller.ENGINE_EXIT_WAIT_S
+        asked = self._controller_runs()
+        if asked:
+            self.ask_to_exit(engine_ids)
+        deadline = time.monotonic() + (controller.ENGINE_EXIT_WAIT_S if asked else 0.0)
         while time.monotonic() < deadline and any(process_alive(p) for p in pids):
             time.sleep(0.02)
         for pid in pids:
