@@ -109,6 +109,20 @@ def wait_until(predicate, timeout: float = 10.0) -> bool:
     return False
 
 
+def steady(read, quiet: float = 0.5, timeout: float = 10.0):
+    """``read()`` once two reads ``quiet`` seconds apart agree (the last one): an owner's
+    RRef count, say, while an earlier test's dropped RRefs still go (a kernel lets go of
+    a ``remote()``'s handle up to 0.3 s after its owner confirmed it)."""
+    deadline = time.monotonic() + timeout
+    last = read()
+    while True:
+        time.sleep(quiet)
+        now = read()
+        if now == last or time.monotonic() > deadline:
+            return now
+        last = now
+
+
 def run_script(path, source: str, timeout: float = 180) -> str:
     """Run ``source`` as a fresh Python process (a kernel of its own); return its stdout.
 

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 import torch.distributed.rpc as rpc
-from conftest import wait_until
+from conftest import steady, wait_until
 
 import nbrpc
 
@@ -195,7 +195,7 @@ def test_dropped_rref_is_released_on_owner(cell):
     def owned():
         return int(rpc._rref_context_get_debug_info()["num_owner_rrefs"])
 
-    before = nbrpc.rpc_sync("worker2", owned)
+    before = steady(lambda: nbrpc.rpc_sync("worker2", owned))
     refs = [nbrpc.remote("worker2", cell.Counter) for _ in range(5)]
     for r in refs:
         r.to_here()

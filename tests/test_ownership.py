@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from conftest import notebook_code, wait_until
+from conftest import notebook_code, steady, wait_until
 
 import nbrpc
 from nbrpc import _process, _views
@@ -99,7 +99,7 @@ def test_ownership_follows_creation_and_release_across_workers():
 
 def test_owner_side_counts_follow_the_ledger():
     nb = notebook_code(CELL)
-    owned = {r["name"]: r["rrefs_owned"] for r in nbrpc.status()}
+    owned = steady(lambda: {r["name"]: r["rrefs_owned"] for r in nbrpc.status()})
     refs = [nbrpc.remote("worker2", nb.ParameterServer, args=(1,)) for _ in range(3)]
     for r in refs:
         r.to_here()

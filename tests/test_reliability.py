@@ -10,7 +10,7 @@ from collections import Counter
 import psutil
 import pytest
 import torch
-from conftest import ensure_cluster, notebook_code, running_kernel, wait_until
+from conftest import ensure_cluster, notebook_code, running_kernel, steady, wait_until
 
 import nbrpc
 from nbrpc import _ledger
@@ -64,7 +64,7 @@ def test_ten_thousand_rpc_async_calls_all_complete_once(cluster):
 
 def test_ten_thousand_rrefs_created_and_dropped_do_not_leak_on_owners(cluster):
     nb = notebook_code(CELL)
-    owned_before = _owned()
+    owned_before = steady(_owned)
     ledgers_before = {w: nbrpc.rpc_sync(w, nb.ledger_size) for w in ("worker1", "worker2")}
     kernel_before = _ledger.handle_count()
     t0 = time.monotonic()
@@ -97,7 +97,7 @@ def test_a_remote_handle_dropped_before_its_confirmation_is_let_go_on_a_python_t
     import weakref
 
     nb = notebook_code(CELL)
-    owned_before = _owned()
+    owned_before = steady(_owned)
     gone_on: list[str] = []
     rref = nbrpc.remote("worker1", nb.nap, args=(0.5,))
     seen = weakref.ref(rref, lambda _: gone_on.append(threading.current_thread().name))
