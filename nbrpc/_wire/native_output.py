@@ -16,7 +16,8 @@ torch writes a warning in every process when a peer's connection closes::
     [W1123 ...tensorpipe_agent.cpp:723] RPC agent for worker0 encountered error when
     reading incoming request from worker1: EOF: end of file (this error originated at ...)
 
-(and "reading incoming response", line 941, when a call to that peer was in flight).
+(and "reading incoming response", line 941, when a call to that peer was in flight;
+"sending outgoing request #N to worker1: EPIPE: broken pipe" for a message sent after).
 
 When nbrpc itself made that peer leave (a shutdown, a restart), the line says nothing
 the user did not ask for; a cell showed one per worker, in red, at every ``%rpc_shutdown``.
@@ -67,11 +68,14 @@ LEAVING_LINES_S = 0.5
 #: was too short on a loaded machine: a worker's line about a crashed peer reached the
 #: cell in 5 of 10 crashes while the test suite ran beside (tests/test_as_a_user_runs_it).
 DEATH_REPORT_S = 1.5
-#: torch's line for a peer's connection that closed (group 1: the peer's name).
+#: torch's line for a peer's connection that closed (group 1: the peer's name): as it
+#: reads, or as it sends to it (torch's RRef messages are sent again for seconds after a
+#: crash: 26 such lines reached a crash test's cells on a loaded machine, 2026-11-30)
 CLOSED_BY_PEER = re.compile(
     r"^\[[EW]\d{4} [^\]]*tensorpipe_agent\.cpp:\d+\] RPC agent for \S+ encountered error "
-    r"when reading incoming (?:request|response) from (\S+): "
-    r"(EOF: end of file|ECONNRESET: connection reset by peer|.*pipe closed)"
+    r"when (?:reading incoming (?:request|response) from|sending outgoing request #\d+ to) "
+    r"(\S+): (EOF: end of file|ECONNRESET: connection reset by peer|EPIPE: broken pipe"
+    r"|.*pipe closed)"
 )
 #: torch's error when it drops a reference to an RRef whose owner left the group (group 1:
 #: the owner's rank), followed by a C++ stack (:data:`CPP_STACK`)
