@@ -112,7 +112,7 @@ def wait_until(predicate, timeout: float = 10.0) -> bool:
 def steady(read, quiet: float = 0.5, timeout: float = 10.0):
     """``read()`` once two reads ``quiet`` seconds apart agree (the last one): an owner's
     RRef count, say, while an earlier test's dropped RRefs still go (a kernel lets go of
-    a ``remote()``'s handle up to 0.3 s after its owner confirmed it)."""
+    a ``remote()``'s handle up to 0.4 s after its owner confirmed it)."""
     deadline = time.monotonic() + timeout
     last = read()
     while True:
