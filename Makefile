@@ -101,16 +101,17 @@ package-check: $(STAMP)
 # The site is built after the suite, whose nbval run writes the tutorials' outputs, and its
 # browser test runs after the build (so it is left out of the first run). Each pytest run
 # fails if it left a process or a file behind (tests/leftovers.py; alone, pytest only warns).
-# The suite runs on TEST_WORKERS pytest-xdist workers, 3 by default: its tests wait on
-# processes more than they compute (one run on two workers used 37 % of this machine's
-# two cores). On two cores pytest takes 11-12 minutes on three workers, 14 on two and
-# 22-25 on one (each test about 22 % slower on three). Each module stays on one worker, in its
+# The suite runs on TEST_WORKERS pytest-xdist workers, 2 by default: its tests wait on
+# processes more than they compute (one run used 37 % of this machine's two cores), and
+# pytest takes 13-14 minutes instead of 22-25. Three workers take 11-12 minutes on two
+# cores, but with a busy core beside them a stop button's bound broke (5.7 s of 5, one
+# run, 2026-11-30): tests/README.md. Each module stays on one worker, in its
 # order, and the fake hosts' modules share one (tests/conftest.py: _group_of); the seconds
 # of each group are printed at the end. TEST_WORKERS=0 runs the suite in this process, one
 # test at a time (tests/README.md: the failures two workers found, and their causes).
 # A worker that crashes (a test past its timeout ends its process) ends the run: xdist's
 # replacement of it got no work and the run waited for good.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --max-worker-restart 0
 test: $(STAMP) $(CHROMIUM) $(FAKEHOSTS) lint package-check
 	rm -f build/test-seconds.jsonl  # each pytest run's seconds by test, a line each

@@ -560,22 +560,28 @@ def test_the_stop_button_during_init_leaves_nothing_behind_and_the_next_init_wor
     kernel.run("%rpc_init -n 2 --quiet")
     whole = len(kernel.children())  # a cluster of 2 and what runs it
     kernel.run("%rpc_shutdown --release")
-    for moment in (0.3, 1.5):
-        ran_on, errors = kernel.stop_after("%rpc_init -n 2", moment)
-        assert errors[0].startswith("KeyboardInterrupt"), (moment, errors)
-        assert ran_on < 5.0, (moment, ran_on)
-        shown = kernel.shown_error()
-        assert "nbrpc" not in shown, shown  # the cell's own lines
-        assert "threading" not in shown, shown
-        assert "the stop button during %rpc_init" in kernel.stderr, kernel.stderr
-        kernel.run("%rpc_init -n 2 --quiet")
-        assert kernel.value("nbrpc.workers()") == ["worker0", "worker1", "worker2"]
-        assert kernel.value("nbrpc.rpc_sync('worker2', spin, args=(0,))") == 0
-        now = kernel.children()
-        assert len(now) == whole, (moment, described(now))
-        kernel.run("%rpc_shutdown --release")
-        assert wait_until(lambda: not kernel.children(), 10.0), described(kernel.children())
-    kernel.run("%rpc_init -n 2 --quiet")  # as the module's kernel was
+    try:
+        for moment in (0.3, 1.5):
+            ran_on, errors = kernel.stop_after("%rpc_init -n 2", moment)
+            assert errors[0].startswith("KeyboardInterrupt"), (moment, errors)
+            assert ran_on < 5.0, (moment, ran_on)
+            shown = kernel.shown_error()
+            assert "nbrpc" not in shown, shown  # the cell's own lines
+            assert "threading" not in shown, shown
+            assert "the stop button during %rpc_init" in kernel.stderr, kernel.stderr
+            kernel.run("%rpc_init -n 2 --quiet")
+            assert kernel.value("nbrpc.workers()") == ["worker0", "worker1", "worker2"]
+            assert kernel.value("nbrpc.rpc_sync('worker2', spin, args=(0,))") == 0
+            now = kernel.children()
+            assert len(now) == whole, (moment, described(now))
+            kernel.run("%rpc_shutdown --release")
+            assert wait_until(lambda: not kernel.children(), 10.0), described(kernel.children())
+    finally:  # as the module's kernel was, also after a failure (the next tests need it)
+        kernel.execute(
+            "try:\n    nbrpc.current()\nexcept nbrpc.NotInitializedError:\n"
+            "    nbrpc.init(n=2, progress=False)",
+            timeout=180,
+        )
 
 
 def test_the_stop_button_in_a_new_kernel_s_first_init_while_it_warms_up_leaks_nothing():
