@@ -199,7 +199,6 @@ rref_id = _torch.rref_id
 
 def holds_user_rrefs() -> bool:
     """Whether this process holds a live handle to an RRef another process owns."""
-    let_go_settled()
     return any(not rref.is_owner() for rref, _ in _handles())
 
 
@@ -226,7 +225,6 @@ GONE = "(gone)"
 def snapshot(dead: frozenset[str] = frozenset()) -> dict[str, Any]:
     """This process's handles and how many RRefs it owns (see ``_gather.census.figures``);
     ``dead``: workers known dead, whose RRefs' types are not asked."""
-    let_go_settled()
     held = _handles()
     pending: list = []
     rows = []
